@@ -1,0 +1,37 @@
+"""traceinspect: find out why LLM inference is slow, from torch-profiler traces of decode steps.
+
+Public API::
+
+    import traceinspect
+    result = traceinspect.analyze("traces/")      # an Analysis
+    result.to_json()                               # the versioned JSON contract
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis, analyze
+    from traceinspect.load import load_trace_set
+
+__all__ = ["__version__", "analyze", "Analysis", "load_trace_set"]
+
+
+def __getattr__(name: str) -> Any:
+    # heavy modules (pandas) load on first use, keeping `import traceinspect` and the CLI fast
+    if name in ("analyze", "Analysis"):
+        from traceinspect import analysis
+
+        return getattr(analysis, name)
+    if name == "load_trace_set":
+        from traceinspect.load import load_trace_set
+
+        return load_trace_set
+    if name == "capture":
+        from traceinspect.capture import capture
+
+        return capture
+    raise AttributeError(name)

@@ -1,0 +1,3 @@
+from traceinspect.cli import main
+
+main()

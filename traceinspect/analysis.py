@@ -1,0 +1,266 @@
+"""The pipeline: load -> link -> steps -> classify -> measure -> judge, and the :class:`Analysis`
+it produces. ``Analysis.to_json()`` is the versioned public contract (``traceinspect.analysis/1``)."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from traceinspect import __version__
+from traceinspect.classify import CLASSES, classify_kernels
+from traceinspect.errors import TraceInputError
+from traceinspect.link import link
+from traceinspect.load import load_trace_set
+from traceinspect.measure.time import class_step_time, class_totals, percentile, top_kernels
+from traceinspect.model import TraceSet
+from traceinspect.steps import build_steps, select_steps
+
+if TYPE_CHECKING:
+    from traceinspect.judge import Finding
+    from traceinspect.measure.collectives import Collectives
+    from traceinspect.measure.gemm import Efficiency
+
+SCHEMA = "traceinspect.analysis/1"
+
+
+@dataclass
+class Options:
+    """What an analysis was asked to do (also recorded in the JSON)."""
+
+    phase: str = "decode"
+    server_info: str | Path | None = None
+    gpu: str | None = None  # GPU spec override: a name in rules/gpus.yaml or a YAML file
+    rules: Sequence[str | Path] = ()
+    only: Sequence[str] = ()
+    disable: Sequence[str] = ()
+    jobs: int | None = None
+    command: str | None = None
+
+
+@dataclass
+class Analysis:
+    """Everything measured about one trace set, as tables, plus the findings."""
+
+    trace: TraceSet
+    options: Options
+    steps: pd.DataFrame  # all steps of all ranks (see traceinspect.steps)
+    selected: pd.DataFrame  # the analysed steps
+    kernels: pd.DataFrame  # kernels of the analysed steps, classified
+    class_steps: pd.DataFrame  # rank, step, cls, us, calls
+    class_totals: pd.DataFrame  # rank, cls, us, calls, share
+    efficiency: Efficiency | None = None
+    collectives: Collectives | None = None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def phase(self) -> str:
+        return self.options.phase
+
+    @property
+    def n_ranks(self) -> int:
+        return self.trace.n_ranks
+
+    @property
+    def server_info(self) -> dict[str, Any]:
+        return self.trace.server_info or {}
+
+    def steps_per_rank(self) -> int:
+        """Number of analysed steps per rank (the smallest over ranks)."""
+        counts = self.selected.groupby("rank").size()
+        return int(counts.min()) if len(counts) else 0
+
+    def step_samples(self) -> pd.DataFrame:
+        """One row per aligned step index: the TP step time (slowest rank's GPU span) and the mean
+        per-rank time of each class in that step. Used for medians and for the gate's noise test."""
+        sel = self.selected.copy()
+        sel["pos"] = sel.groupby("rank").cumcount()
+        n = self.steps_per_rank()
+        sel = sel[sel["pos"] < n]
+        out = sel.groupby("pos").agg(step_us=("span_us", "max"), busy_us=("busy_us", "mean"),
+                                     kernel_us=("kernel_us", "mean"), bs=("bs", "max"))
+        if len(self.class_steps):
+            cs = self.class_steps.merge(sel[["pos"]], left_on="step", right_index=True)
+            wide = cs.pivot_table(index="pos", columns="cls", values="us", aggfunc="sum", fill_value=0.0,
+                                  observed=True) / self.n_ranks
+            out = out.join(wide.add_prefix("class."), how="left").fillna(0.0)
+        return out
+
+    def device_name(self) -> str | None:
+        for r in self.trace.ranks:
+            if r.device is not None:
+                return r.device.name
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        """The analysis as the documented JSON contract."""
+        return to_json(self)
+
+
+def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = None, **kw: Any) -> Analysis:
+    """Run the whole pipeline on a trace set (a directory, files or globs)."""
+    opts = options or Options(**kw)
+    if opts.command is None:
+        opts.command = "traceinspect " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    ts = load_trace_set(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs)
+    link(ts)
+    steps = build_steps(ts)
+    classify_kernels(ts, steps)
+    selected = select_steps(steps, opts.phase)
+    if not len(selected):
+        found = steps.groupby("phase").size().to_dict()
+        raise TraceInputError(
+            f"no complete {opts.phase} steps found (steps found per phase: {found or 'none'}; "
+            f"first and last steps are excluded as partial)", ts.ranks[0].path.parent)
+    kernels = ts.kernels[ts.kernels["step"].isin(selected.index)]
+    result = Analysis(
+        trace=ts, options=opts, steps=steps, selected=selected, kernels=kernels,
+        class_steps=class_step_time(kernels), class_totals=class_totals(kernels),
+    )
+    _measure_and_judge(result)
+    return result
+
+
+def _measure_and_judge(result: Analysis) -> None:
+    from traceinspect.judge import evaluate, load_rule_set
+    from traceinspect.measure.collectives import analyze_collectives
+    from traceinspect.measure.gemm import measure_efficiency
+
+    result.efficiency = measure_efficiency(result)
+    result.collectives = analyze_collectives(result)
+    opts = result.options
+    rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
+    result.findings = evaluate(result, rule_set)
+
+
+def _num(x: Any) -> Any:
+    """JSON-safe number: NaN -> None, numpy scalars -> Python."""
+    if isinstance(x, (np.floating, float)):
+        return None if not np.isfinite(x) else round(float(x), 3)
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def _coverage(a: Analysis) -> dict[str, Any]:
+    k = a.kernels
+    total = float(k["dur"].sum()) or 1.0
+    unknown = k[k["cls"] == "other"]
+    top_unknown = (unknown.groupby("name")["dur"].agg(us="sum", calls="count")
+                   .sort_values("us", ascending=False).head(10).reset_index())
+    all_k = a.trace.kernels
+    return {
+        "unknown_share": _num(unknown["dur"].sum() / total),
+        "top_unknown": [{"name": r.name, "us": _num(r.us), "calls": int(r.calls)}
+                        for r in top_unknown.itertuples()],
+        "graph_replay_share": _num(k.loc[k["graph_replay"], "dur"].sum() / total),
+        "cpu_op_linked_share": _num(k.loc[k["op_idx"] >= 0, "dur"].sum() / total),
+        "runtime_linked_share": _num(k.loc[k["rt_idx"] >= 0, "dur"].sum() / total),
+        "kernels_outside_steps": int((all_k["step"] < 0).sum()),
+        "kernels_analysed": len(k),
+        "step_source": sorted(a.steps["source"].unique().tolist()),
+    }
+
+
+def _run_meta(a: Analysis) -> dict[str, Any]:
+    si = a.server_info
+    info = a.trace.ranks[0]
+    dev = info.device
+    bs = a.selected["bs"]
+    bs = bs[bs >= 0]
+    return {
+        "model": si.get("served_model_name") or si.get("model_path"),
+        "tp_size": si.get("tp_size", a.n_ranks),
+        "ranks": a.n_ranks,
+        "device": dev.name if dev else None,
+        "compute_capability": dev.compute_capability if dev else None,
+        "kv_cache_dtype": si.get("kv_cache_dtype"),
+        "kv_pool_tokens": si.get("max_total_num_tokens"),
+        "attention_backend": si.get("attention_backend"),
+        "batch_median": _num(float(np.median(bs))) if len(bs) else None,
+        "cuda_graph": bool(a.kernels["graph_replay"].mean() > 0.5) if len(a.kernels) else False,
+        "cuda_runtime_version": info.cuda_runtime_version,
+        "cuda_driver_version": info.cuda_driver_version,
+    }
+
+
+def to_json(a: Analysis) -> dict[str, Any]:
+    """Build the ``traceinspect.analysis/1`` document."""
+    ts = a.trace
+    samples = a.step_samples()
+    n_steps = a.steps_per_rank()
+    ranks = []
+    for info in ts.ranks:
+        sel = a.selected[a.selected["rank"] == info.rank]
+        ct = a.class_totals[a.class_totals["rank"] == info.rank]
+        rk = ts.kernels[(ts.kernels["rank"] == info.rank) & (ts.kernels["kind"] == "kernel")]
+        rsteps = a.steps[a.steps["rank"] == info.rank]
+        ns = max(len(sel), 1)
+        ranks.append({
+            "rank": info.rank,
+            "label": info.label,
+            "device": info.device.name if info.device else None,
+            "steps": len(sel),
+            "steps_found": {str(k): int(v) for k, v in rsteps.groupby("phase").size().items()},
+            "steps_excluded_edge": int(rsteps["edge"].sum()),
+            "step_us": {"median": _num(percentile(sel["span_us"], 50)), "p90": _num(percentile(sel["span_us"], 90))},
+            "gpu_busy_us": _num(percentile(sel["busy_us"], 50)),
+            "idle_us": _num(percentile(sel["idle_us"], 50)),
+            "kernel_us": _num(float(sel["kernel_us"].sum())),
+            "kernel_us_total": _num(float(rk["dur"].sum())),
+            "classes": {r.cls: {"us": _num(r.us), "us_per_step": _num(r.us / ns), "share": _num(r.share),
+                                "calls": int(r.calls)} for r in ct.itertuples()},
+        })
+    total = float(a.kernels["dur"].sum()) or 1.0
+    per_cls = a.kernels.groupby("cls", observed=True)["dur"].agg(["sum", "count"])
+    denom = max(n_steps, 1) * a.n_ranks
+    classes = {
+        c: {"us_per_step": _num(per_cls.loc[c, "sum"] / denom), "share": _num(per_cls.loc[c, "sum"] / total),
+            "calls_per_step": _num(per_cls.loc[c, "count"] / denom)}
+        for c in CLASSES if c in per_cls.index
+    }
+    step_sources = sorted(a.steps["source"].unique().tolist())
+    doc: dict[str, Any] = {
+        "schema": SCHEMA,
+        "tool": {"name": "traceinspect", "version": __version__},
+        "source": {
+            "paths": ts.sources,
+            "files": [{"path": str(r.path), "rank": r.rank, "label": r.label, "sha256": r.sha256,
+                       "size_bytes": r.size_bytes, "rank_source": r.rank_source} for r in ts.ranks],
+            "server_info": str(ts.server_info_path) if ts.server_info_path else None,
+            "capture_traces": {str(k): str(v) for k, v in sorted(ts.capture_traces.items())},
+            "command": a.options.command,
+        },
+        "run": _run_meta(a),
+        "ranks": ranks,
+        "steps": {
+            "phase": a.phase,
+            "count": n_steps,
+            "median_us": _num(percentile(samples["step_us"], 50)),
+            "p90_us": _num(percentile(samples["step_us"], 90)),
+            "source": step_sources[0] if len(step_sources) == 1 else step_sources,
+            "found": {str(k): int(v) for k, v in a.steps.groupby("phase").size().items()},
+            "excluded_edge": int(a.steps["edge"].sum()),
+            "samples": [{"step_us": _num(r["step_us"]),
+                         "classes": {c[6:]: _num(v) for c, v in r.items() if c.startswith("class.")}}
+                        for _, r in samples.iterrows()],
+        },
+        "classes": classes,
+        "top_kernels": [{"name": r.name, "cls": r.cls, "calls": int(r.calls), "us": _num(r.us),
+                         "mean_us": _num(r.mean_us), "share": _num(r.share)}
+                        for r in top_kernels(a.kernels).itertuples()],
+        "findings": [f.to_json() for f in a.findings],
+        "coverage": _coverage(a),
+        "warnings": list(ts.warnings),
+    }
+    if a.efficiency is not None:
+        doc.update(a.efficiency.to_json())
+    if a.collectives is not None:
+        doc.update(a.collectives.to_json())
+    return doc

@@ -1,0 +1,68 @@
+"""The ``traceinspect`` command line. Subcommands live beside the stage they drive and are imported
+only when used, so ``traceinspect --help`` starts fast."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from traceinspect import __version__
+from traceinspect.errors import TraceInspectError
+
+# name -> "module:attribute" of a click.Command
+COMMANDS: dict[str, str] = {
+    "analyze": "traceinspect.commands.analyze:analyze_cmd",
+    "classify": "traceinspect.commands.classify:classify_cmd",
+    "report": "traceinspect.commands.report:report_cmd",
+    "rules": "traceinspect.commands.rules:rules_cmd",
+    "diff": "traceinspect.commands.gate:diff_cmd",
+    "gate": "traceinspect.commands.gate:gate_cmd",
+    "capture": "traceinspect.commands.capture:capture_cmd",
+    "doctor": "traceinspect.commands.doctor:doctor_cmd",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group that imports a subcommand's module on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(name for name in COMMANDS if self._resolvable(name))
+
+    @staticmethod
+    def _resolvable(name: str) -> bool:
+        module = COMMANDS[name].split(":")[0]
+        return importlib.util.find_spec(module) is not None
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None or not self._resolvable(name):
+            return None
+        module, attr = target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="traceinspect")
+def cli() -> None:
+    """Find out why LLM inference is slow, from torch-profiler traces of decode steps."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI; unusable input prints one line and exits 2."""
+    try:
+        cli.main(args=argv, prog_name="traceinspect", standalone_mode=False)
+    except TraceInspectError as e:
+        click.echo(f"traceinspect: error: {e.one_line()}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("traceinspect: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2 if e.exit_code == 2 else e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except BrokenPipeError:
+        sys.exit(0)

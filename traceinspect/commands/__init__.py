@@ -1,0 +1,1 @@
+"""Subcommands of the ``traceinspect`` CLI, one module each."""
