@@ -41,6 +41,8 @@ class Options:
     only: Sequence[str] = ()
     disable: Sequence[str] = ()
     jobs: int | None = None
+    executor: str = "local"  # local | dask | dask://HOST:PORT
+    use_cache: bool = True
     command: str | None = None
 
 
@@ -108,7 +110,8 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
     opts = options or Options(**kw)
     if opts.command is None:
         opts.command = "traceinspect " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    ts = load_trace_set(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs)
+    ts = load_trace_set(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs,
+                        executor=opts.executor, use_cache=opts.use_cache)
     link(ts)
     steps = build_steps(ts)
     classify_kernels(ts, steps)

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pandas as pd
 
 from traceinspect.errors import TraceInputError
+from traceinspect.load import cache
 from traceinspect.load.discover import RankFile, discover, read_server_info
 from traceinspect.load.parse import ParsedRank, parse_file
 from traceinspect.model import RankInfo, TraceSet
 
 __all__ = ["load_trace_set", "parse_file", "discover"]
-
-Parser = Callable[[Path], ParsedRank]
-
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -28,7 +26,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _parse_all(paths: list[Path], jobs: int | None) -> list[ParsedRank]:
+def _parse_local(paths: list[Path], jobs: int | None) -> list[ParsedRank]:
     jobs = jobs if jobs is not None else min(len(paths), os.cpu_count() or 1)
     if jobs <= 1 or len(paths) <= 1:
         return [parse_file(p) for p in paths]
@@ -39,7 +37,52 @@ def _parse_all(paths: list[Path], jobs: int | None) -> list[ParsedRank]:
         return list(pool.map(parse_file, paths))
 
 
-def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], warnings: list[str]) -> list[RankInfo]:
+def _parse_dask(paths: list[Path], executor: str, jobs: int | None) -> list[ParsedRank]:
+    """Parse rank files on dask.distributed workers; only the compact tables travel back."""
+    try:
+        from dask.distributed import Client, LocalCluster
+    except ImportError:
+        raise TraceInputError("the dask executor needs the optional extra: pip install 'traceinspect[dask]'") \
+            from None
+    address = executor.split("://", 1)[1] if "://" in executor else None
+    if address:
+        with Client(address) as client:
+            futures = client.map(parse_file, [str(p) for p in paths], pure=False)
+            return client.gather(futures)
+    workers = jobs or min(len(paths), os.cpu_count() or 1)
+    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        futures = client.map(parse_file, [str(p) for p in paths], pure=False)
+        return client.gather(futures)
+
+
+def _parse_all(paths: list[Path], hashes: list[str], jobs: int | None, executor: str,
+               use_cache: bool) -> list[ParsedRank]:
+    root = cache.cache_dir() if use_cache else None
+    results: dict[int, ParsedRank] = {}
+    if root is not None:
+        for i, h in enumerate(hashes):
+            hit = cache.load(root, h)
+            if hit is not None:
+                results[i] = hit
+    todo = [i for i in range(len(paths)) if i not in results]
+    if todo:
+        miss = [paths[i] for i in todo]
+        if executor == "local":
+            parsed = _parse_local(miss, jobs)
+        elif executor == "dask" or executor.startswith("dask://"):
+            parsed = _parse_dask(miss, executor, jobs)
+        else:
+            raise TraceInputError(f"unknown executor {executor!r} (use local, dask or dask://HOST:PORT)")
+        for i, p in zip(todo, parsed, strict=True):
+            results[i] = p
+            if root is not None:
+                cache.store(root, hashes[i], p)
+    return [results[i] for i in range(len(paths))]
+
+
+def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], hashes: list[str],
+                  warnings: list[str]) -> list[RankInfo]:
     infos: list[RankInfo] = []
     named = all(f.tp is not None for f in files)
     dist_ranks = [p.distributed_info.get("rank") for p in parsed]
@@ -79,7 +122,7 @@ def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], warnings: lis
             tp=f.tp, dp=f.dp, pp=f.pp, ep=f.ep, stage=f.stage, profile_id=f.profile_id,
             devices=p.devices, distributed_info=p.distributed_info,
             cuda_runtime_version=p.cuda_runtime_version, cuda_driver_version=p.cuda_driver_version,
-            trace_id=p.trace_id, size_bytes=f.path.stat().st_size, sha256=_sha256(f.path),
+            trace_id=p.trace_id, size_bytes=f.path.stat().st_size, sha256=hashes[idx],
             n_events=p.n_events,
         ))
     if source == "filename" and len({i.rank for i in infos}) != len(infos):
@@ -107,19 +150,25 @@ def load_trace_set(
     server_info: str | Path | None = None,
     jobs: int | None = None,
     require_kernels: bool = True,
+    executor: str = "local",
+    use_cache: bool = True,
 ) -> TraceSet:
     """Load every rank file under ``paths`` (a directory, files, or globs) into one TraceSet.
 
     Raises :class:`TraceInputError` for a missing path, a corrupt or truncated file, a file
     that is not a Kineto trace, two files claiming one rank, or (unless ``require_kernels`` is
-    false) a trace with no GPU kernels.
+    false) a trace with no GPU kernels. ``executor`` is ``local`` (a process per rank file),
+    ``dask`` (a local dask.distributed cluster) or ``dask://HOST:PORT`` (an existing scheduler whose
+    workers can read the same paths); parsed tables are cached by content hash unless ``use_cache``
+    is false or ``$TRACEINSPECT_CACHE`` is ``off``.
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
     found = discover(list(paths), phase=phase)
     warnings = list(found.notes)
     files = found.files
-    parsed = _parse_all([f.path for f in files], jobs)
+    hashes = [_sha256(f.path) for f in files]
+    parsed = _parse_all([f.path for f in files], hashes, jobs, executor, use_cache)
     for f, p in zip(files, parsed, strict=True):
         if require_kernels and not (p.kernels["kind"] == "kernel").any():
             raise TraceInputError(
@@ -127,7 +176,7 @@ def load_trace_set(
                 "without the CUDA activity)", f.path)
         if p.dropped:
             warnings.append(f"{f.path.name}: dropped {p.dropped} events with non-finite or negative times")
-    infos = _assign_ranks(files, parsed, warnings)
+    infos = _assign_ranks(files, parsed, hashes, warnings)
     ranks = [i.rank for i in infos]
     by_path = {f.path: p for f, p in zip(files, parsed, strict=True)}
     ordered = [by_path[i.path] for i in infos]

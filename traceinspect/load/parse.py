@@ -267,6 +267,7 @@ def _tables(trace: _Trace, path: Path) -> ParsedRank:
     )
 
 
-def parse_file(path: Path) -> ParsedRank:
+def parse_file(path: str | Path) -> ParsedRank:
     """Read and decode one rank file."""
+    path = Path(path)
     return parse_bytes(read_bytes(path), path)

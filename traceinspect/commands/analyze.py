@@ -1,0 +1,96 @@
+"""``traceinspect analyze``: the post-run diagnostics command."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+PHASES = click.Choice(["decode", "prefill", "all"])
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write text to ``path`` through a temporary file in the same directory, so a reader never
+    sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | Path, doc: dict[str, Any]) -> None:
+    """Write a JSON document atomically."""
+    write_atomic(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+
+
+def analysis_options(f: Any) -> Any:
+    """Options shared by analyze, report and gate."""
+    for opt in reversed([
+        click.option("--phase", type=PHASES, default="decode", show_default=True, help="Steps to analyse."),
+        click.option("--server-info", type=click.Path(dir_okay=False), default=None,
+                     help="server_info.json to use (default: the one beside the traces)."),
+        click.option("--gpu", default=None, help="GPU spec: a name from rules/gpus.yaml or a YAML file."),
+        click.option("--rules", "rules", multiple=True, type=click.Path(), help="Extra rule file or directory."),
+        click.option("--only", multiple=True, help="Run only this rule id (repeatable)."),
+        click.option("--disable", multiple=True, help="Disable this rule id (repeatable)."),
+        click.option("--jobs", "-j", type=int, default=None, help="Parallel rank parsers (default: CPUs)."),
+        click.option("--executor", default="local", show_default=True,
+                     help="Where rank files are parsed: local, dask (a local cluster) or dask://HOST:PORT."),
+        click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-table cache."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def build_options(**kw: Any) -> Any:
+    """Options for :func:`traceinspect.analysis.analyze` from CLI keyword arguments."""
+    from traceinspect.analysis import Options
+
+    return Options(
+        phase=kw["phase"], server_info=kw.get("server_info"), gpu=kw.get("gpu"), rules=kw.get("rules") or (),
+        only=kw.get("only") or (), disable=kw.get("disable") or (), jobs=kw.get("jobs"),
+        executor=kw.get("executor") or "local", use_cache=not kw.get("no_cache", False),
+        command="traceinspect " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+    )
+
+
+@click.command("analyze")
+@click.argument("paths", nargs=-1, required=True)
+@analysis_options
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the analysis JSON here.")
+@click.option("--html", "html_out", type=click.Path(dir_okay=False), help="Also write the HTML report.")
+@click.option("--markdown", "md_out", type=click.Path(dir_okay=False), help="Also write a Markdown summary.")
+@click.option("--quiet", "-q", is_flag=True, help="No terminal summary.")
+def analyze_cmd(paths: tuple[str, ...], json_out: str | None, html_out: str | None, md_out: str | None,
+                quiet: bool, **kw: Any) -> None:
+    """Analyse the decode steps of a trace set (a directory, rank files, or globs)."""
+    from traceinspect.analysis import analyze
+
+    a = analyze(list(paths), build_options(**kw))
+    doc = a.to_json()
+    if json_out:
+        write_json(json_out, doc)
+    if html_out:
+        from traceinspect.render.html import write_html
+
+        write_html(a, html_out)
+    if md_out:
+        from traceinspect.render.markdown import write_markdown
+
+        write_markdown(a, md_out)
+    if not quiet:
+        from traceinspect.render.terminal import render
+
+        render(a, doc)

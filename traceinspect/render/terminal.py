@@ -1,0 +1,98 @@
+"""Terminal summary of an analysis (rich tables; plain text when not a TTY)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+
+SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def _us(v: float | None) -> str:
+    if v is None:
+        return "n/a"
+    if v >= 10_000:
+        return f"{v / 1000:,.1f} ms"
+    return f"{v:,.1f} us"
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{100 * v:.1f}%"
+
+
+def short_name(name: str, width: int = 80) -> str:
+    """A kernel name cut to ``width`` characters, keeping its head (the family) and its tail."""
+    name = " ".join(name.split())
+    if len(name) <= width:
+        return name
+    head = width * 2 // 3
+    return name[:head] + "…" + name[-(width - head - 1):]
+
+
+def render(a: Analysis, doc: dict[str, Any] | None = None, console: Console | None = None) -> None:
+    """Print the summary: run, steps, time per class, top kernels, findings, warnings."""
+    doc = doc if doc is not None else a.to_json()
+    con = console or Console(highlight=False, soft_wrap=False)
+    run, steps = doc["run"], doc["steps"]
+    con.print(f"[bold]traceinspect[/bold] {escape(', '.join(doc['source']['paths']))}")
+    con.print(
+        f"  {run['ranks']} rank(s) on {escape(str(run['device']))}"
+        f"  model {escape(str(run['model'] or 'unknown'))}"
+        f"  KV dtype {escape(str(run['kv_cache_dtype'] or 'unknown'))}"
+        f"  CUDA graph {'yes' if run['cuda_graph'] else 'no'}"
+    )
+    found = ", ".join(f"{k} {v}" for k, v in sorted(steps["found"].items()))
+    con.print(f"  steps found per phase (all ranks): {escape(found)}; source: {escape(str(steps['source']))};"
+              f" edge steps excluded: {steps['excluded_edge']}")
+    con.print(f"  [bold]{steps['phase']} step[/bold] (slowest rank's GPU span): median {_us(steps['median_us'])},"
+              f" p90 {_us(steps['p90_us'])} over {steps['count']} step(s) per rank")
+
+    rt = Table(title="Ranks (per step, median)", title_justify="left")
+    for col in ("rank", "device", "steps", "step", "p90", "GPU busy", "GPU idle"):
+        rt.add_column(col, justify="right" if col not in ("device",) else "left")
+    for r in doc["ranks"]:
+        rt.add_row(escape(r["label"]), escape(str(r["device"])), str(r["steps"]), _us(r["step_us"]["median"]),
+                   _us(r["step_us"]["p90"]), _us(r["gpu_busy_us"]), _us(r["idle_us"]))
+    con.print(rt)
+
+    ct = Table(title="GPU time by class (mean per rank per step)", title_justify="left")
+    for col in ("class", "us/step", "share", "calls/step"):
+        ct.add_column(col, justify="left" if col == "class" else "right")
+    for cls, v in sorted(doc["classes"].items(), key=lambda kv: -(kv[1]["share"] or 0)):
+        ct.add_row(cls, _us(v["us_per_step"]), _pct(v["share"]), f"{v['calls_per_step']:.1f}")
+    con.print(ct)
+
+    kt = Table(title="Top kernels", title_justify="left")
+    for col in ("kernel", "class", "calls", "total", "mean", "share"):
+        kt.add_column(col, justify="left" if col in ("kernel", "class") else "right", overflow="fold")
+    for k in doc["top_kernels"][:12]:
+        kt.add_row(escape(short_name(k["name"], 70)), k["cls"], str(k["calls"]), _us(k["us"]), _us(k["mean_us"]),
+                   _pct(k["share"]))
+    con.print(kt)
+
+    cov = doc["coverage"]
+    con.print(f"  classified: {_pct(1 - (cov['unknown_share'] or 0))} of kernel time"
+              f" (other {_pct(cov['unknown_share'])}); graph-replayed {_pct(cov['graph_replay_share'])};"
+              f" with CPU op {_pct(cov['cpu_op_linked_share'])}")
+
+    findings = doc.get("findings") or []
+    if findings:
+        con.print(f"\n[bold]Findings ({len(findings)})[/bold]")
+        for f in findings:
+            style = SEVERITY_STYLE.get(f["severity"], "")
+            saving = f["est_saving_us_per_step"]
+            con.print(f"[{style}]{f['severity'].upper():8}[/{style}] [bold]{escape(f['rule'])}[/bold]: "
+                      f"{escape(f['message'])}")
+            if saving is not None:
+                con.print(f"          est. saving {_us(saving)} per step ({_pct(f['share'])} of step time)")
+            con.print(f"          fix: {escape(str(f['remediation']).strip())}")
+    else:
+        con.print("\n[green]No findings.[/green]")
+    for w in doc.get("warnings") or []:
+        con.print(f"[yellow]warning:[/yellow] {escape(w)}")
