@@ -1,0 +1,112 @@
+"""Shared test helpers: fixture lookup, CPU traces made with torch's profiler, a CLI runner."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    os.environ["TRACEINSPECT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+def fixture_dir(name: str) -> Path:
+    """A committed GPU fixture directory, or skip the test when it is absent."""
+    d = FIXTURES / name
+    if not d.is_dir():
+        pytest.skip(f"fixture {name} is not present")
+    return d
+
+
+def manifest(name: str) -> dict:
+    return json.loads((fixture_dir(name) / "manifest.json").read_text())
+
+
+def raw_events(path: Path) -> list[dict]:
+    """The traceEvents of a trace file, read with the standard library (an independent reader)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def copy_set(src: Path, dst: Path) -> Path:
+    """Copy a fixture's rank files and server_info.json (not its capture traces) to dst."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.iterdir():
+        if p.is_file():
+            shutil.copy(p, dst / p.name)
+    return dst
+
+
+def rewrite_trace(src: Path, dst: Path, edit) -> Path:
+    """Load a trace, let ``edit`` change the dict, write it gzipped to dst."""
+    with gzip.open(src, "rt") as f:
+        doc = json.load(f)
+    edit(doc)
+    with gzip.open(dst, "wt") as f:
+        json.dump(doc, f)
+    return dst
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m traceinspect ARGS`` and capture its output."""
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "traceinspect", *args], capture_output=True, text=True,
+                          cwd=cwd, env=e, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def torch_mod():
+    return pytest.importorskip("torch", reason="torch (CPU build) is needed to make CPU traces")
+
+
+CPU_WORKER = r'''
+import os, sys, torch, torch.distributed as dist
+from torch.profiler import profile, record_function, ProfilerActivity
+rank, world, out, port, steps = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+if world > 1:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+x = torch.randn(32, 64)
+w = torch.randn(64, 64)
+with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    for i in range(steps):
+        with record_function(f"step[DECODE bs={4 + rank}]"):
+            y = torch.mm(x, w).relu()
+            if world > 1:
+                dist.all_reduce(y)
+prof.export_chrome_trace(out)
+if world > 1:
+    dist.destroy_process_group()
+'''
+
+
+def make_cpu_traces(out_dir: Path, world: int = 2, steps: int = 5, names: list[str] | None = None) -> list[Path]:
+    """Profile a small CPU model in ``world`` real processes (gloo) and write one trace per rank."""
+    import socket
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = out_dir / "_worker.py"
+    script.write_text(CPU_WORKER)
+    paths = [out_dir / (names[r] if names else f"cpu-TP-{r}.trace.json") for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(paths[r]), str(port), str(steps)])
+             for r in range(world)]
+    for p in procs:
+        assert p.wait(timeout=180) == 0
+    script.unlink()
+    return paths

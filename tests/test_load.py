@@ -1,0 +1,104 @@
+"""Ingest, rank detection, linking and step segmentation on CPU traces made by torch in the test."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import make_cpu_traces, raw_events
+
+from traceinspect.errors import TraceInputError
+from traceinspect.link import link
+from traceinspect.load import load_trace_set
+from traceinspect.load.discover import parse_name
+from traceinspect.steps import build_steps, union_us
+
+
+@pytest.fixture(scope="module")
+def cpu_pair(tmp_path_factory, torch_mod) -> list[Path]:
+    return make_cpu_traces(tmp_path_factory.mktemp("cpu"), world=2, steps=5)
+
+
+def test_sglang_names() -> None:
+    rf = parse_name(Path("triage-trace-1776848313.618158-TP-3-DP-1-EP-3-DECODE.trace.json.gz"))
+    assert (rf.tp, rf.dp, rf.pp, rf.ep, rf.stage) == (3, 1, None, 3, "DECODE")
+    assert rf.profile_id == "1776848313.618158"
+    assert parse_name(Path("1700000000.1-TP-0.trace.json.gz")).tp == 0
+    assert parse_name(Path("x-TP-2-prefill.trace.json.gz")).stage == "PREFILL"
+    assert parse_name(Path("rank0.json")).tp is None
+
+
+def test_ranks_from_distributed_info(cpu_pair: list[Path], tmp_path: Path) -> None:
+    # names without -TP-<r>: ranks come from distributedInfo.rank, listed in reverse order
+    a, b = tmp_path / "b.json", tmp_path / "a.json"
+    shutil.copy(cpu_pair[0], a)
+    shutil.copy(cpu_pair[1], b)
+    ts = load_trace_set([a, b], require_kernels=False)
+    assert [r.rank_source for r in ts.ranks] == ["distributedInfo", "distributedInfo"]
+    assert {r.rank: r.path.name for r in ts.ranks} == {0: "b.json", 1: "a.json"}
+
+
+def test_ranks_from_names_and_gzip_and_glob(cpu_pair: list[Path], tmp_path: Path) -> None:
+    for i, p in enumerate(cpu_pair):
+        with open(p, "rb") as src, gzip.open(tmp_path / f"run-TP-{1 - i}.trace.json.gz", "wb") as dst:
+            dst.write(src.read())
+    ts = load_trace_set(str(tmp_path / "*.trace.json.gz"), require_kernels=False)
+    assert [(r.rank, r.rank_source) for r in ts.ranks] == [(0, "filename"), (1, "filename")]
+    # rank 0 is the file that came from process 1
+    assert ts.ranks[0].distributed_info["rank"] == 1
+
+
+def test_guessed_ranks_are_reported(cpu_pair: list[Path], tmp_path: Path) -> None:
+    import json
+
+    for i, p in enumerate(cpu_pair):
+        doc = json.loads(p.read_text())
+        doc.pop("distributedInfo", None)
+        (tmp_path / f"t{i}.json").write_text(json.dumps(doc))
+    ts = load_trace_set(tmp_path, require_kernels=False)
+    assert [r.rank_source for r in ts.ranks] == ["order", "order"]
+    assert any("guessed" in w for w in ts.warnings)
+
+
+def test_duplicate_rank_refused(cpu_pair: list[Path], tmp_path: Path) -> None:
+    shutil.copy(cpu_pair[0], tmp_path / "a-TP-0.trace.json")
+    shutil.copy(cpu_pair[1], tmp_path / "b-TP-0.trace.json")
+    with pytest.raises(TraceInputError, match="same rank"):
+        load_trace_set(tmp_path, require_kernels=False)
+
+
+def test_cpu_trace_steps_and_links(cpu_pair: list[Path]) -> None:
+    ts = load_trace_set(cpu_pair, require_kernels=False)
+    link(ts)
+    steps = build_steps(ts)
+    assert steps.groupby("rank").size().tolist() == [5, 5]
+    assert set(steps["phase"]) == {"decode"}
+    assert steps.loc[steps["rank"] == 1, "bs"].unique().tolist() == [5]
+    assert int(steps["edge"].sum()) == 4  # first and last of each rank
+    # cpu op nesting: aten::relu's children point back at it
+    ops = ts.cpu_ops
+    child = ops[ops["parent"] >= 0]
+    assert len(child) and (ops.loc[child["parent"], "ts"].to_numpy() <= child["ts"].to_numpy()).all()
+    # Input Dims stay raw until asked for
+    mm = ops[ops["name"] == "aten::mm"].iloc[0]
+    assert mm["input_dims"] == b"[[32, 64], [64, 64]]"
+
+
+def test_no_kernels_is_an_error(cpu_pair: list[Path]) -> None:
+    with pytest.raises(TraceInputError, match="no GPU kernel events"):
+        load_trace_set(cpu_pair)
+
+
+def test_union() -> None:
+    import numpy as np
+
+    assert union_us(np.array([0.0, 5, 20]), np.array([10.0, 8, 30])) == 20.0
+    assert union_us(np.array([]), np.array([])) == 0.0
+
+
+def test_raw_reader_agrees_on_event_count(cpu_pair: list[Path]) -> None:
+    ts = load_trace_set(cpu_pair[:1], require_kernels=False)
+    ev = raw_events(cpu_pair[0])
+    assert len(ts.cpu_ops) == sum(1 for e in ev if e.get("cat") == "cpu_op" and e.get("ph") == "X")
