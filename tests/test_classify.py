@@ -1,0 +1,340 @@
+"""Kernel classifier: corpus accuracy, op-path rules, fused labels, rule-file errors, KV promotions."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from traceinspect.classify import (
+    CLASSES,
+    ClassTable,
+    Label,
+    class_table_rows,
+    classify_kernels,
+    classify_name,
+    load_class_table,
+)
+from traceinspect.errors import RuleError
+from traceinspect.model import RankInfo, TraceSet
+from traceinspect.resources import rules_dir
+
+HERE = Path(__file__).parent
+CORPUS = HERE / "data" / "kernel_names_dev.tsv"
+FIXTURES = HERE.parent / "fixtures"
+
+NVJET = "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT"
+KV_CAST = ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::"
+           "{lambda()#3}::operator()() const::{lambda()#12}::operator()() const::{lambda(c10::BFloat16)#1}, "
+           "std::array<char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, "
+           "unsigned int>, at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1> >(int)")
+FP8_CAST = ("void at::native::vectorized_elementwise_kernel<4, at::native::float8_copy_kernel_cuda(at::"
+            "TensorIteratorBase&)::{lambda(c10::BFloat16)#1}, std::array<char*, 2ul> >(int)")
+INDEX_COPY = ("void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<at::native::"
+              "index_copy_kernel_impl<at::native::OpaqueType<1> > >(long)")
+
+
+@pytest.fixture(scope="module")
+def table() -> ClassTable:
+    return load_class_table()
+
+
+# ----------------------------------------------------------------------------- rule table
+
+
+def test_classes_and_shipped_table(table: ClassTable) -> None:
+    assert len(CLASSES) == 18 and CLASSES[0] == "fp4_gemm" and CLASSES[-1] == "other"
+    assert table.source == rules_dir() / "kernel_classes.yaml"
+    assert table.source.is_file()
+    assert {r.cls for r in table.rules} <= set(CLASSES)
+    prios = [r.priority for r in table.rules]
+    assert prios == sorted(prios, reverse=True)
+
+
+def test_corpus_accuracy(table: ClassTable) -> None:
+    with CORPUS.open(newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    assert len(rows) >= 150
+    misses = []
+    for r in rows:
+        lb = classify_name(r["name"], table=table)
+        if lb.cls != r["class"]:
+            misses.append(f"want {r['class']:12s} got {lb.cls:12s} [{lb.evidence}] {r['name'][:120]}")
+    acc = 1 - len(misses) / len(rows)
+    print(f"corpus accuracy {acc:.3f} ({len(rows) - len(misses)}/{len(rows)})")
+    for m in misses:
+        print("MISS", m)
+    assert acc >= 0.98
+
+
+@pytest.mark.parametrize(("name", "op_path", "want"), [
+    (NVJET, "aten::_scaled_mm", "fp8_gemm"),
+    (NVJET, "sgl_kernel::fp8_scaled_mm", "fp8_gemm"),
+    (NVJET, "sglang::fp4_gemm", "fp4_gemm"),
+    (NVJET, "aten::mm", "bf16_gemm"),
+    (NVJET, "aten::linear > aten::matmul > aten::mm", "bf16_gemm"),
+    (NVJET, "tinymoe::fused_experts > aten::mm", "moe_gemm"),
+    (NVJET, "", "bf16_gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>(float)", "aten::_scaled_mm", "fp8_gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>(float)", "aten::mm", "bf16_gemm"),
+    ("nvjet_sm90_qqtst_80x64_128x11_4x1_v_bz_algo2_TNN", "", "fp8_gemm"),
+    ("void router_gemm_kernel_float_output<__nv_bfloat16, 128>(float*)", "", "moe_dispatch"),
+    ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(int)", "", "moe_dispatch"),
+    ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>(int)", "aten::topk", "moe_dispatch"),
+    (FP8_CAST, "aten::to > aten::_to_copy > aten::copy_", "dtype_cast"),
+    (KV_CAST, "", "dtype_cast"),
+    ("Memcpy DtoH (Device -> Pinned)", "aten::copy_", "memcpy"),
+])
+def test_op_path_rules(table: ClassTable, name: str, op_path: str, want: str) -> None:
+    lb = classify_name(name, op_path, table=table)
+    assert lb.cls == want, lb
+    if op_path and want.endswith("gemm") and name == NVJET:
+        assert "op " in lb.evidence
+
+
+def test_event_kinds(table: ClassTable) -> None:
+    assert classify_name("whatever", kind="memset", table=table).cls == "memcpy"
+    assert classify_name("Memcpy HtoD (Pinned -> Device)", kind="memcpy", table=table).cls == "memcpy"
+    assert classify_name("totally_unknown_kernel_xyz", table=table) == Label("other", "", "no rule matched")
+
+
+@pytest.mark.parametrize(("name", "cls", "cls2"), [
+    ("void flashinfer::trtllm_allreduce_fusion::allreduce_fusion_kernel_oneshot_lamport<"
+     "(flashinfer::trtllm_allreduce_fusion::AllReduceFusionPattern)1, __nv_bfloat16, 4, false, false>(int)",
+     "comm", "norm"),
+    ("fused_rope_store_kernel", "rotary", "kv_write"),
+    ("_silu_and_mul_post_quant_kernel", "activation", "quantize"),
+    ("_matmul_ogs_NNT_bf16xbf16xmxfp4_16x128x256x1_swiglu", "moe_gemm", "activation"),
+    ("void flashinfer::norm::RMSNormKernel<8u, __nv_bfloat16>(int)", "norm", ""),
+])
+def test_fused_secondary(table: ClassTable, name: str, cls: str, cls2: str) -> None:
+    lb = classify_name(name, table=table)
+    assert (lb.cls, lb.cls2) == (cls, cls2)
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nrules:\n  - id: x\n    class: comm\n    priority: 5\n    name: [unclosed\n")
+    with pytest.raises(RuleError) as e:
+        load_class_table(bad)
+    assert str(bad) in str(e.value) and ":" in e.value.path
+    line = int(e.value.path.rsplit(":", 1)[1])
+    assert 6 <= line <= 7
+
+
+@pytest.mark.parametrize(("body", "line", "what"), [
+    ("  - id: x\n    class: not_a_class\n    priority: 5\n    name: foo\n", 4, "unknown class id"),
+    ("  - id: x\n    class: comm\n    priority: 5\n    name: 'foo('\n", 6, "bad regex"),
+    ("  - id: x\n    class: comm\n    priority: high\n    name: foo\n", 5, "integer"),
+    ("  - id: x\n    class: comm\n    priority: 5\n    nmae: foo\n", 6, "unknown key"),
+    ("  - id: x\n    class: comm\n    secondary: nope\n    priority: 5\n    name: foo\n", 5, "unknown class id"),
+    ("  - id: x\n    class: comm\n    priority: 5\n    name: '${nosuch}'\n", 6, "unknown macro"),
+    ("  - id: x\n    class: comm\n    priority: 5\n", 3, "matcher"),
+])
+def test_rule_errors_cite_line(tmp_path: Path, body: str, line: int, what: str) -> None:
+    p = tmp_path / "t.yaml"
+    p.write_text("version: 1\nrules:\n" + body)
+    with pytest.raises(RuleError) as e:
+        load_class_table(p)
+    assert e.value.path == f"{p}:{line}", e.value.one_line()
+    assert what in e.value.reason
+
+
+def test_extra_table_adds_a_family(tmp_path: Path, table: ClassTable) -> None:
+    name = "void acme::fancy_layernorm_v2<128>(float*)"
+    assert classify_name("void acme::warp_magic_kernel<4>(int)", table=table).cls == "other"
+    extra = tmp_path / "acme.yaml"
+    extra.write_text(
+        "version: 1\n"
+        "rules:\n"
+        "  - id: acme-magic\n"
+        "    class: moe_dispatch\n"
+        "    priority: 500\n"
+        "    name: 'acme::warp_magic'\n"
+        "  - id: acme-gemm\n"
+        "    class: fp8_gemm\n"
+        "    priority: 450\n"
+        "    op: 'acme::qlinear'\n"
+        "    name: '${gemm}'\n"
+    )
+    t = load_class_table(extra=[extra])
+    assert t.extra == (extra,)
+    lb = t.classify("void acme::warp_magic_kernel<4>(int)")
+    assert lb.cls == "moe_dispatch" and "acme-magic" in lb.evidence
+    assert t.classify(NVJET, "acme::qlinear").cls == "fp8_gemm"
+    assert t.classify(name).cls == "norm"  # shipped rules still apply
+
+
+# ----------------------------------------------------------------------------- promotions (synthetic)
+
+
+def _trace(*, graph: bool, kv_mode: str, layers: int = 4, steps: int = 4, pool: int = 4096,
+           with_model_info: bool = True) -> tuple[TraceSet, pd.DataFrame]:
+    """A one-rank decode trace: per layer mm, KV write, write-side fp8 cast, KV read cast, activation
+    quant cast, scaled_mm, allreduce; eager traces carry CPU ops with recorded shapes."""
+    kern: list[dict] = []
+    ops: list[dict] = []
+    t = 0.0
+    active = 512
+
+    def op(name: str, dims: list, types: list, parent: int = -1) -> int:
+        ops.append({"rank": 0, "name": name, "ts": t, "dur": 1.0, "end": t + 1.0, "tid": 1, "external_id": -1,
+                    "input_dims": json.dumps(dims).encode(), "input_types": json.dumps(types).encode(),
+                    "concrete": None, "parent": parent})
+        return len(ops) - 1
+
+    def kernel(name: str, step: int, dur: float, o: int = -1, path: str = "") -> None:
+        nonlocal t
+        kern.append({"rank": 0, "kind": "kernel", "name": name, "ts": t, "dur": dur, "end": t + dur, "step": step,
+                     "graph_replay": graph, "op_idx": -1 if graph else o, "op_path": "" if graph else path})
+        t += dur + 1.0
+
+    for s in range(steps):
+        for _ in range(layers):
+            o = op("aten::mm", [[64, 256], [256, 1088]], ["c10::BFloat16", "c10::BFloat16"])
+            kernel(NVJET, s, 5, o, "aten::mm")
+            a = op("aten::to", [[64, 576], [], [], [], []], ["c10::BFloat16", "Scalar", "", "", ""])
+            b = op("aten::_to_copy", [[64, 576]], ["c10::BFloat16"], a)
+            c = op("aten::copy_", [[64, 576], [64, 576], []], ["c10::Float8_e4m3fn", "c10::BFloat16", "Scalar"], b)
+            kernel(FP8_CAST, s, 2, c, "aten::to > aten::_to_copy > aten::copy_")
+            o = op("aten::index_copy_", [[pool, 576], [], [64], [64, 576]],
+                   ["unsigned char", "Scalar", "long int", "unsigned char"])
+            kernel(INDEX_COPY, s, 2, o, "aten::index_copy_")
+            rows = pool if kv_mode == "full" else active
+            if kv_mode == "gather":
+                o = op("aten::index_select", [[pool, 576], [], [active]], ["unsigned char", "Scalar", "long int"])
+                kernel("void at::native::(anonymous namespace)::indexSelectLargeIndex<char, long>(int)", s, 3, o,
+                       "aten::index_select")
+            a = op("aten::to", [[rows, 576], [], [], [], []], ["c10::Float8_e4m3fn", "Scalar", "", "", ""])
+            b = op("aten::_to_copy", [[rows, 576]], ["c10::Float8_e4m3fn"], a)
+            c = op("aten::copy_", [[rows, 576], [rows, 576], []], ["c10::BFloat16", "c10::Float8_e4m3fn", "Scalar"], b)
+            kernel(KV_CAST, s, 40 if kv_mode == "full" else 8, c, "aten::to > aten::_to_copy > aten::copy_")
+            a = op("aten::to", [[64, 1024], [], [], [], []], ["c10::BFloat16", "Scalar", "", "", ""])
+            kernel(FP8_CAST.replace("<4,", "<8,"), s, 2, a, "aten::to")
+            o = op("aten::_scaled_mm", [[64, 1024], [1024, 2048]], ["c10::Float8_e4m3fn", "c10::Float8_e4m3fn"])
+            kernel("nvjet_sm90_qqtst_80x64_128x11_4x1_v_bz_algo2_TNN", s, 5, o, "aten::_scaled_mm")
+            kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", s, 6, -1, "")
+        o = op("aten::argmax", [[64, 4096]], ["c10::BFloat16"])
+        kernel("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, "
+               "unsigned int, long, 4, 4> >(int)", s, 3, o, "aten::argmax")
+        t += 100.0
+    k = pd.DataFrame(kern)
+    k["op_idx"] = k["op_idx"].astype(np.int64)
+    si = {"max_total_num_tokens": pool, "page_size": 1, "kv_cache_dtype": "fp8_e4m3"}
+    if with_model_info:
+        si["model_info"] = {"num_hidden_layers": layers}
+    ts = TraceSet(ranks=[RankInfo(rank=0, label="TP0", path=Path("x"), rank_source="filename")], kernels=k,
+                  runtime=pd.DataFrame(), cpu_ops=pd.DataFrame(ops), annotations=pd.DataFrame(),
+                  gpu_annotations=pd.DataFrame(), server_info=si)
+    st = pd.DataFrame({"rank": 0, "idx": range(steps), "included": True})
+    return ts, st
+
+
+@pytest.mark.parametrize("kv_mode", ["full", "gather"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_kv_cast_promotion_synthetic(graph: bool, kv_mode: str) -> None:
+    ts, st = _trace(graph=graph, kv_mode=kv_mode)
+    classify_kernels(ts, st)
+    k = ts.kernels
+    casts = k[k["name"] == KV_CAST]
+    assert (casts["cls"] == "kv_cast").all(), casts["cls_evidence"].iloc[0]
+    ev = casts["cls_evidence"].iloc[0]
+    if graph:
+        assert "graph replay" in ev and "once per layer" in ev and "num_hidden_layers=4" in ev
+    elif kv_mode == "full":
+        assert "KV pool" in ev and "max_total_num_tokens=4096" in ev
+    else:
+        assert "KV-dtype rows" in ev and "once per layer" in ev
+    # write-side and activation fp8 casts stay dtype casts
+    other_casts = k[k["name"].str.contains("float8_copy_kernel_cuda")]
+    assert (other_casts["cls"] == "dtype_cast").all(), other_casts[["cls", "cls_evidence"]].drop_duplicates()
+    writes = k[k["name"] == INDEX_COPY]
+    assert (writes["cls"] == "kv_write").all(), writes["cls_evidence"].iloc[0]
+    assert set(k["cls"]) <= set(CLASSES) and "other" not in set(k["cls"])
+
+
+def test_layer_count_inferred_from_attention() -> None:
+    ts, st = _trace(graph=True, kv_mode="full", with_model_info=False)
+    k = ts.kernels
+    # make the all-reduce an attention kernel stand-in: one per layer per step
+    k.loc[k["name"].str.startswith("ncclDevKernel"), "name"] = "void flashinfer::BatchDecodeWithPagedKVCacheKernel<>"
+    classify_kernels(ts, st)
+    ev = ts.kernels.loc[ts.kernels["name"] == KV_CAST, "cls_evidence"].iloc[0]
+    assert ts.kernels.loc[ts.kernels["name"] == KV_CAST, "cls"].eq("kv_cast").all()
+    assert "inferred" in ev and "BatchDecode" in ev
+
+
+def test_no_promotion_without_evidence() -> None:
+    ts, st = _trace(graph=True, kv_mode="full", with_model_info=False)
+    classify_kernels(ts, st)  # no layer count, no attention kernels, no ops: nothing to go on
+    assert (ts.kernels.loc[ts.kernels["name"] == KV_CAST, "cls"] == "dtype_cast").all()
+
+
+def test_class_table_rows() -> None:
+    ts, st = _trace(graph=False, kv_mode="full")
+    classify_kernels(ts, st)
+    rows = class_table_rows(ts.kernels)
+    assert list(rows.columns) == ["name", "cls", "cls2", "evidence", "calls", "us", "share"]
+    assert rows["us"].is_monotonic_decreasing
+    assert rows.iloc[0]["name"] == KV_CAST and rows.iloc[0]["cls"] == "kv_cast"
+    assert rows["share"].sum() == pytest.approx(1.0)
+    assert rows["calls"].sum() == len(ts.kernels)
+
+
+# ----------------------------------------------------------------------------- real GPU fixtures
+
+VARIANTS = ["kv-full-cast-eager", "kv-gather-cast-eager", "moe-small-m-eager", "moe-large-m-eager",
+            "kv-full-cast-graph", "kv-gather-cast-graph", "slow-rank-eager"]
+
+
+def _load(variant: str):
+    d = FIXTURES / variant
+    if not (d / "manifest.json").is_file() or not list(d.glob("*.trace.json*")):
+        pytest.skip(f"fixture {variant} not present")
+    from traceinspect.link import link
+    from traceinspect.load import load_trace_set
+    from traceinspect.steps import build_steps
+
+    ts = load_trace_set(str(d))
+    link(ts)
+    steps = build_steps(ts)
+    classify_kernels(ts, steps)
+    return ts, steps, json.loads((d / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fixture_other_below_2pct(variant: str) -> None:
+    ts, _, _ = _load(variant)
+    k = ts.kernels
+    share = k.loc[k["cls"] == "other", "dur"].sum() / k["dur"].sum()
+    print(variant, f"other {share:.4%}")
+    assert share < 0.02, class_table_rows(k[k["cls"] == "other"]).head(10)
+
+
+@pytest.mark.parametrize("variant", ["kv-full-cast-eager", "kv-full-cast-graph", "kv-gather-cast-eager",
+                                     "kv-gather-cast-graph"])
+def test_fixture_planted_kv_casts(variant: str) -> None:
+    ts, steps, man = _load(variant)
+    k = ts.kernels
+    pk = man["planted_kernels"]["kv_cast"]
+    planted = k["name"].str.contains(pk["name_substring"], regex=False) & k["name"].str.contains(
+        pk["and_substring"], regex=False) & (k["step"] >= 0)
+    assert planted.any()
+    got = k[planted]
+    assert (got["cls"] == "kv_cast").all(), got[["cls", "cls_evidence"]].drop_duplicates().to_string()
+    ev = got["cls_evidence"].iloc[0]
+    if man["cuda_graph"]:
+        assert "graph replay" in ev and "once per layer" in ev
+    elif man["kv_mode"] == "full":
+        assert "KV pool" in ev
+    else:
+        assert "once per layer" in ev
+    inc = steps[steps["included"]]
+    per_step = got[got["step"].isin(inc.index)].groupby(["rank", "step"]).size()
+    assert (per_step == pk["per_step"]).all()
+    # nothing else is a KV cast
+    assert (k.loc[~planted, "cls"] != "kv_cast").all()

@@ -1,0 +1,718 @@
+"""Stage 4, classify: give every GPU kernel a class id (and a second one for fused kernels).
+
+The class table is data (``rules/kernel_classes.yaml``): ordered, prioritised regex rules over
+the kernel name, the enclosing CPU op path and the event kind. Classification runs once per unique
+(name, op_path, kind) triple. Afterwards, dtype casts that read the KV cache are promoted to
+``kv_cast`` (and scatters into the KV pool to ``kv_write``) on evidence from the trace: recorded
+shapes against the KV pool size from server_info, or a once-per-layer-per-step recurrence.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from traceinspect.errors import RuleError
+from traceinspect.model import TraceSet
+from traceinspect.resources import rules_dir
+
+CLASSES: tuple[str, ...] = (
+    "fp4_gemm", "fp8_gemm", "bf16_gemm", "moe_gemm", "moe_dispatch", "attention", "kv_write", "kv_cast",
+    "dtype_cast", "comm", "norm", "activation", "rotary", "quantize", "sampling", "memcpy", "elementwise",
+    "other",
+)
+DEFAULT_FILE = "kernel_classes.yaml"
+RULE_KEYS = {"id", "class", "secondary", "priority", "name", "not_name", "op", "not_op", "has_op", "kind",
+             "case_sensitive", "note"}
+MATCHERS = ("name", "not_name", "op", "not_op", "has_op", "kind")
+PROMOTE_KEYS = {"from", "name", "note"}
+PROMOTE_TARGETS = ("kv_cast", "kv_write")
+UNMATCHED = "no rule matched"
+MACRO = re.compile(r"\$\{(\w+)\}")
+ATTENTION_OP = re.compile(r"attention|attn|mla|flash|sdpa|scaled_dot_product", re.IGNORECASE)
+_CACHE_MAX = 500_000
+
+
+@dataclass(frozen=True)
+class Label:
+    """The class of one kernel: primary ``cls``, secondary ``cls2`` ('' unless fused), and why."""
+
+    cls: str
+    cls2: str
+    evidence: str
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One compiled entry of a class table."""
+
+    id: str
+    cls: str
+    cls2: str
+    priority: int
+    order: int
+    source: str
+    line: int
+    name: tuple[re.Pattern[str], ...] = ()
+    not_name: tuple[re.Pattern[str], ...] = ()
+    op: re.Pattern[str] | None = None
+    not_op: re.Pattern[str] | None = None
+    has_op: bool | None = None
+    kind: re.Pattern[str] | None = None
+
+    def match(self, name: str, op_path: str, kind: str) -> str | None:
+        """The evidence string if this rule matches, else None."""
+        if self.kind is not None and not self.kind.search(kind):
+            return None
+        if self.has_op is not None and self.has_op != bool(op_path):
+            return None
+        for p in self.name:
+            if not p.search(name):
+                return None
+        for p in self.not_name:
+            if p.search(name):
+                return None
+        if self.not_op is not None and self.not_op.search(op_path):
+            return None
+        what = []
+        if self.op is not None:
+            m = self.op.search(op_path)
+            if not m:
+                return None
+            what.append("op " + _segment(op_path, m.start()))
+        if self.name:
+            what.append("name")
+        if self.kind is not None:
+            what.append("kind " + kind)
+        if self.has_op is not None:
+            what.append("with op" if self.has_op else "no op")
+        return f"rule {self.id} ({', '.join(what)})"
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """Which labels may be promoted to an evidence-based class (``kv_cast``, ``kv_write``)."""
+
+    target: str
+    sources: tuple[str, ...]
+    name: re.Pattern[str] | None = None
+
+
+@dataclass
+class ClassTable:
+    """Compiled class rules, highest priority first; ``source`` is the main YAML file."""
+
+    rules: list[Rule]
+    source: Path
+    extra: tuple[Path, ...] = ()
+    promote: dict[str, Promotion] = field(default_factory=dict)
+    _cache: dict[tuple[str, str, str], Label] = field(default_factory=dict, repr=False)
+
+    def classify(self, name: str, op_path: str = "", kind: str = "kernel") -> Label:
+        """Label of one (name, op_path, kind) triple; memoised."""
+        key = (name, op_path, kind)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        label = Label("other", "", UNMATCHED)
+        for rule in self.rules:
+            ev = rule.match(name, op_path, kind)
+            if ev is not None:
+                label = Label(rule.cls, rule.cls2, ev)
+                break
+        if len(self._cache) < _CACHE_MAX:
+            self._cache[key] = label
+        return label
+
+    def rule(self, rule_id: str) -> Rule:
+        """The rule with this id (KeyError if none)."""
+        for r in self.rules:
+            if r.id == rule_id:
+                return r
+        raise KeyError(rule_id)
+
+
+def _segment(op_path: str, pos: int) -> str:
+    """The ' > '-separated op name of ``op_path`` that contains character ``pos``."""
+    start = op_path.rfind(" > ", 0, pos + 1)
+    start = 0 if start < 0 else start + 3
+    end = op_path.find(" > ", pos)
+    return op_path[start:] if end < 0 else op_path[start:end]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+class _File:
+    """One YAML class file, composed into nodes so that errors can name a line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise RuleError("no such class table", path) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise RuleError(f"cannot read class table: {e}", path) from None
+        try:
+            self.loader = yaml.SafeLoader(text)
+            self.root = self.loader.get_single_node()
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            line = mark.line + 1 if mark is not None else 1
+            raise RuleError(f"YAML syntax error: {e.problem or e}", f"{path}:{line}") from None
+        except yaml.YAMLError as e:
+            raise RuleError(f"YAML error: {e}", path) from None
+
+    def error(self, node: yaml.Node | None, reason: str) -> RuleError:
+        line = node.start_mark.line + 1 if node is not None else 1
+        return RuleError(reason, f"{self.path}:{line}")
+
+    def value(self, node: yaml.Node) -> Any:
+        try:
+            return self.loader.construct_object(node, deep=True)
+        except yaml.YAMLError as e:
+            raise self.error(node, f"bad value: {e}") from None
+
+    def mapping(self, node: yaml.Node | None, what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.error(node, f"{what} must be a mapping")
+        out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+        for k, v in node.value:
+            key = self.value(k)
+            if not isinstance(key, str):
+                raise self.error(k, f"{what}: keys must be strings, got {key!r}")
+            if key in out:
+                raise self.error(k, f"{what}: duplicate key '{key}'")
+            out[key] = (k, v)
+        return out
+
+
+def _pattern(f: _File, node: yaml.Node, raw: Any, macros: dict[str, str], flags: int, key: str) -> re.Pattern[str]:
+    if not isinstance(raw, str) or not raw.strip():
+        raise f.error(node, f"'{key}' must be a non-empty regex string")
+
+    def sub(m: re.Match[str]) -> str:
+        if m.group(1) not in macros:
+            raise f.error(node, f"'{key}': unknown macro ${{{m.group(1)}}} (known: {', '.join(sorted(macros))})")
+        return macros[m.group(1)]
+
+    text = MACRO.sub(sub, raw)
+    text = re.sub(r"\s*\|\s*", "|", text).strip()  # long alternations may be folded over lines
+    try:
+        return re.compile(text, flags)
+    except re.error as e:
+        raise f.error(node, f"'{key}': bad regex: {e}") from None
+
+
+def _patterns(f: _File, node: yaml.Node, raw: Any, macros: dict[str, str], flags: int,
+              key: str) -> tuple[re.Pattern[str], ...]:
+    items = raw if isinstance(raw, list) else [raw]
+    nodes = node.value if isinstance(node, yaml.SequenceNode) else [node] * len(items)
+    if not items:
+        raise f.error(node, f"'{key}' must not be empty")
+    return tuple(_pattern(f, n, r, macros, flags, key) for n, r in zip(nodes, items, strict=True))
+
+
+def _class_id(f: _File, node: yaml.Node, raw: Any, key: str) -> str:
+    if not isinstance(raw, str) or raw not in CLASSES:
+        raise f.error(node, f"'{key}': unknown class id {raw!r} (known: {', '.join(CLASSES)})")
+    return raw
+
+
+def _parse_rule(f: _File, node: yaml.Node, index: int, macros: dict[str, str]) -> dict[str, Any]:
+    m = f.mapping(node, f"rules[{index}]")
+    for key, (kn, _) in m.items():
+        if key not in RULE_KEYS:
+            raise f.error(kn, f"rules[{index}]: unknown key '{key}' (known: {', '.join(sorted(RULE_KEYS))})")
+    if "class" not in m:
+        raise f.error(node, f"rules[{index}]: 'class' is required")
+    if "priority" not in m:
+        raise f.error(node, f"rules[{index}]: 'priority' is required")
+    if not any(k in m for k in MATCHERS):
+        raise f.error(node, f"rules[{index}]: needs at least one matcher ({', '.join(MATCHERS)})")
+    vals = {k: f.value(v) for k, (_, v) in m.items()}
+    vnode = {k: v for k, (_, v) in m.items()}
+    line = node.start_mark.line + 1
+    cls = _class_id(f, vnode["class"], vals["class"], "class")
+    cls2 = _class_id(f, vnode["secondary"], vals["secondary"], "secondary") if "secondary" in m else ""
+    prio = vals["priority"]
+    if isinstance(prio, bool) or not isinstance(prio, int):
+        raise f.error(vnode["priority"], f"'priority' must be an integer, got {prio!r}")
+    cs = vals.get("case_sensitive", False)
+    if not isinstance(cs, bool):
+        raise f.error(vnode["case_sensitive"], "'case_sensitive' must be true or false")
+    has_op = vals.get("has_op")
+    if has_op is not None and not isinstance(has_op, bool):
+        raise f.error(vnode["has_op"], "'has_op' must be true or false")
+    rid = vals.get("id", f"{cls}@{line}")
+    if not isinstance(rid, str) or not rid:
+        raise f.error(vnode.get("id", node), "'id' must be a non-empty string")
+    flags = 0 if cs else re.IGNORECASE
+    out: dict[str, Any] = {"id": rid, "cls": cls, "cls2": cls2, "priority": prio, "line": line,
+                           "source": str(f.path), "has_op": has_op}
+    for key in ("name", "not_name"):
+        if key in m:
+            out[key] = _patterns(f, vnode[key], vals[key], macros, flags, key)
+    for key in ("op", "not_op"):
+        if key in m:
+            out[key] = _pattern(f, vnode[key], vals[key], macros, flags, key)
+    if "kind" in m:
+        out["kind"] = _pattern(f, vnode["kind"], vals["kind"], macros, re.IGNORECASE, "kind")
+    return out
+
+
+def _parse_file(path: Path, base_macros: dict[str, str]) -> tuple[list[dict[str, Any]], dict[str, Promotion],
+                                                                 dict[str, str]]:
+    f = _File(path)
+    if f.root is None:
+        raise RuleError("empty class table", f"{path}:1")
+    top = f.mapping(f.root, "class table")
+    known = {"version", "macros", "rules", "promote"}
+    for key, (kn, _) in top.items():
+        if key not in known:
+            raise f.error(kn, f"unknown top-level key '{key}' (known: {', '.join(sorted(known))})")
+    if "version" in top:
+        ver = f.value(top["version"][1])
+        if ver != 1:
+            raise f.error(top["version"][1], f"unsupported version {ver!r} (this traceinspect reads version 1)")
+    macros = dict(base_macros)
+    if "macros" in top:
+        for name, (kn, vn) in f.mapping(top["macros"][1], "macros").items():
+            raw = f.value(vn)
+            if not isinstance(raw, str):
+                raise f.error(vn, f"macro '{name}' must be a string")
+            macros[name] = MACRO.sub(lambda m, kn=kn: macros.get(m.group(1), m.group(0)), raw)
+            _pattern(f, vn, macros[name], macros, 0, f"macros.{name}")
+    rules: list[dict[str, Any]] = []
+    if "rules" in top:
+        seq = top["rules"][1]
+        if not isinstance(seq, yaml.SequenceNode):
+            raise f.error(seq, "'rules' must be a list of entries")
+        rules = [_parse_rule(f, n, i, macros) for i, n in enumerate(seq.value)]
+    promote: dict[str, Promotion] = {}
+    if "promote" in top:
+        for target, (kn, vn) in f.mapping(top["promote"][1], "promote").items():
+            if target not in PROMOTE_TARGETS:
+                raise f.error(kn, f"promote: unknown target '{target}' (known: {', '.join(PROMOTE_TARGETS)})")
+            pm = f.mapping(vn, f"promote.{target}")
+            for key, (pk, _) in pm.items():
+                if key not in PROMOTE_KEYS:
+                    raise f.error(pk, f"promote.{target}: unknown key '{key}'")
+            if "from" not in pm:
+                raise f.error(vn, f"promote.{target}: 'from' is required")
+            src = f.value(pm["from"][1])
+            src = [src] if isinstance(src, str) else src
+            if not isinstance(src, list) or not src:
+                raise f.error(pm["from"][1], f"promote.{target}: 'from' must be a class id or a list of them")
+            sources = tuple(_class_id(f, pm["from"][1], s, "from") for s in src)
+            pat = (_pattern(f, pm["name"][1], f.value(pm["name"][1]), macros, re.IGNORECASE, "name")
+                   if "name" in pm else None)
+            promote[target] = Promotion(target, sources, pat)
+    return rules, promote, macros
+
+
+def load_class_table(path: str | Path | None = None, extra: Sequence[Path] = ()) -> ClassTable:
+    """Load and compile a class table (default: the shipped ``rules/kernel_classes.yaml``).
+
+    ``extra`` files add rules (and may use the main file's macros); on equal priority their rules
+    win over the main file's. Raises :class:`RuleError` naming file and line on a malformed file.
+    """
+    main = Path(path) if path is not None else rules_dir() / DEFAULT_FILE
+    raw, promote, macros = _parse_file(main, {})
+    extras = tuple(Path(p) for p in extra)
+    ordered: list[dict[str, Any]] = []
+    for p in extras:
+        r, pr, _ = _parse_file(p, macros)
+        ordered.extend(r)
+        promote.update(pr)
+    ordered.extend(raw)
+    rules = [Rule(order=i, **d) for i, d in enumerate(ordered)]
+    rules.sort(key=lambda r: (-r.priority, r.order))
+    return ClassTable(rules=rules, source=main, extra=extras, promote=promote)
+
+
+@lru_cache(maxsize=1)
+def _default_table() -> ClassTable:
+    return load_class_table()
+
+
+def classify_name(name: str, op_path: str = "", kind: str = "kernel", table: ClassTable | None = None) -> Label:
+    """Class of one kernel from its name, its enclosing CPU op path (outer -> inner, ' > '-joined,
+    '' when none) and its event kind (kernel | memcpy | memset)."""
+    return (table or _default_table()).classify(name, op_path or "", kind or "kernel")
+
+
+# ----------------------------------------------------------------------------- whole traces
+
+
+def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None) -> None:
+    """Add ``cls``, ``cls2`` and ``cls_evidence`` to ``ts.kernels`` in place, then promote KV casts
+    and KV writes on evidence (see :func:`promote_kv`)."""
+    table = table or _default_table()
+    k = ts.kernels
+    n = len(k)
+    if n == 0:
+        for c in ("cls", "cls2", "cls_evidence"):
+            k[c] = pd.Series([], dtype=object)
+        return
+    names = k["name"].astype(str)
+    ops = k["op_path"].fillna("").astype(str) if "op_path" in k else pd.Series("", index=k.index)
+    kinds = k["kind"].fillna("kernel").astype(str) if "kind" in k else pd.Series("kernel", index=k.index)
+    key = pd.DataFrame({"name": names.to_numpy(), "op": ops.to_numpy(), "kind": kinds.to_numpy()})
+    codes = key.groupby(["name", "op", "kind"], sort=False, dropna=False).ngroup().to_numpy()
+    first = pd.Series(np.arange(n)).groupby(codes).first().to_numpy()
+    labels = [table.classify(key.at[i, "name"], key.at[i, "op"], key.at[i, "kind"]) for i in first]
+    k["cls"] = np.array([lb.cls for lb in labels], dtype=object)[codes]
+    k["cls2"] = np.array([lb.cls2 for lb in labels], dtype=object)[codes]
+    k["cls_evidence"] = np.array([lb.evidence for lb in labels], dtype=object)[codes]
+    promote_kv(ts, steps, table)
+
+
+# --- KV-cache evidence --------------------------------------------------------------------------
+
+_TORCH_DTYPES = {
+    "fp8_e4m3": "Float8_e4m3fn", "fp8_e4m3fn": "Float8_e4m3fn", "float8_e4m3fn": "Float8_e4m3fn",
+    "fp8": "Float8_e4m3fn", "fp8_e5m2": "Float8_e5m2", "float8_e5m2": "Float8_e5m2",
+    "fp4_e2m1": "Float4_e2m1fn_x2", "bfloat16": "BFloat16", "bf16": "BFloat16", "float16": "Half",
+    "fp16": "Half", "half": "Half", "float32": "float", "fp32": "float", "float": "float",
+}
+_NAME_DST = [  # (regex over a cast kernel's name, torch dtype it writes)
+    (re.compile(r"float8_copy_kernel|to_fp8|fp8_copy"), "Float8"),
+    (re.compile(r"bfloat16tofloat32|float16tofloat32"), "float"),
+    (re.compile(r"bfloat16_copy_kernel"), "BFloat16"),
+    (re.compile(r"float16_copy_kernel"), "Half"),
+    (re.compile(r"direct_copy_kernel_cuda.*?lambda\((?:c10::)?(\w+)\)"), None),
+]
+
+
+def _cast_destination(name: str) -> str | None:
+    """The dtype a PyTorch cast kernel writes, read from its name (None if unknown)."""
+    for pat, dst in _NAME_DST:
+        m = pat.search(name)
+        if m:
+            return dst if dst is not None else m.group(1)
+    return None
+
+
+@dataclass
+class _KvContext:
+    """What the trace says about the KV cache and the layer structure."""
+
+    pool: int | None
+    page: int
+    kv_dtype: str | None
+    layers: int | None
+    layers_src: str
+    included: np.ndarray  # per kernel row: in an included step
+    steps_per_rank: dict[int, int] = field(default_factory=dict)  # included steps per rank
+
+    def pool_rows(self, rows: int) -> bool:
+        return self.pool is not None and self.pool <= rows <= self.pool + 2 * max(self.page, 1)
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return int(v) if v is not None and not isinstance(v, bool) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _layer_count(si: dict[str, Any], k: pd.DataFrame, included: np.ndarray) -> tuple[int | None, str]:
+    mi = si.get("model_info") if isinstance(si.get("model_info"), dict) else {}
+    for src, d in (("model_info", mi), ("server_info", si)):
+        n = _int(d.get("num_hidden_layers"))
+        if n and n > 0:
+            pp = _int(si.get("pp_size")) or 1
+            if pp > 1 and n % pp == 0:
+                return n // pp, f"{src}.num_hidden_layers={n} / pp_size={pp}"
+            return n, f"{src}.num_hidden_layers={n}"
+    att = k[(k["cls"] == "attention").to_numpy() & included & (k["step"] >= 0).to_numpy()]
+    if not len(att):
+        return None, "unknown (no num_hidden_layers in server_info, no attention kernels)"
+    top = att.groupby("name")["dur"].sum().idxmax()
+    per = att[att["name"] == top].groupby(["rank", "step"]).size()
+    n = int(per.mode().iloc[0])
+    return n, f"inferred: {n} per step of attention kernel {top[:80]!r}"
+
+
+def _context(ts: TraceSet, steps: pd.DataFrame) -> _KvContext:
+    k = ts.kernels
+    si = ts.server_info if isinstance(ts.server_info, dict) else {}
+    step = k["step"].to_numpy() if "step" in k else np.full(len(k), -1)
+    n_steps = len(steps) if steps is not None else 0
+    inc_steps = (steps["included"].to_numpy(dtype=bool) if n_steps and "included" in steps
+                 else np.ones(n_steps, dtype=bool))
+    if n_steps and not inc_steps.any():
+        inc_steps = np.ones(n_steps, dtype=bool)
+    ok = (step >= 0) & (step < n_steps)
+    included = np.zeros(len(k), dtype=bool)
+    included[ok] = inc_steps[step[ok]]
+    per_rank: dict[int, int] = {}
+    if n_steps and "rank" in steps:
+        per_rank = {int(r): int(c) for r, c in steps[inc_steps].groupby("rank").size().items()}
+    kv = si.get("kv_cache_dtype")
+    kv_dtype = _TORCH_DTYPES.get(str(kv).lower()) if kv not in (None, "auto") else None
+    if kv_dtype is None:
+        kv_dtype = _TORCH_DTYPES.get(str(si.get("dtype", "")).lower())
+    layers, src = _layer_count(si, k, included)
+    return _KvContext(pool=_int(si.get("max_total_num_tokens")), page=_int(si.get("page_size")) or 1,
+                      kv_dtype=kv_dtype, layers=layers, layers_src=src, included=included,
+                      steps_per_rank=per_rank)
+
+
+def _json(raw: Any) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except (TypeError, ValueError):
+        return None
+
+
+_CAST_SOURCE_ARG = {"aten::copy_": 1, "aten::copy": 1, "aten::to": 0, "aten::_to_copy": 0, "aten::type_as": 0}
+
+
+def _tensors(dims: Any, types: Any) -> list[tuple[int, list[int], str]]:
+    """(argument index, shape, dtype) of each tensor argument of one op."""
+    out: list[tuple[int, list[int], str]] = []
+    if not isinstance(dims, list):
+        return out
+    types = types if isinstance(types, list) else []
+    for i, d in enumerate(dims):
+        t = types[i] if i < len(types) and isinstance(types[i], str) else ""
+        if isinstance(d, list) and d and all(isinstance(x, int) for x in d):
+            out.append((i, d, t.replace("c10::", "")))
+    return out
+
+
+class _OpInputs:
+    """Decoded recorded shapes of CPU ops (lazily, per op row)."""
+
+    def __init__(self, ops: pd.DataFrame) -> None:
+        self.ops = ops
+        self.parent = ops["parent"].to_numpy() if "parent" in ops else np.full(len(ops), -1)
+        self.dims = ops["input_dims"].to_numpy(dtype=object) if "input_dims" in ops else None
+        self.types = ops["input_types"].to_numpy(dtype=object) if "input_types" in ops else None
+        self.names = ops["name"].to_numpy(dtype=object)
+        self._cache: dict[int, list[tuple[int, list[int], str]]] = {}
+
+    def tensors(self, i: int) -> list[tuple[int, list[int], str]]:
+        if i not in self._cache:
+            if self.dims is None:
+                self._cache[i] = []
+            else:
+                self._cache[i] = _tensors(_json(self.dims[i]), _json(self.types[i]) if self.types is not None
+                                          else None)
+        return self._cache[i]
+
+    def chain(self, i: int, depth: int = 3) -> list[int]:
+        """The op and up to ``depth`` enclosing ops."""
+        out = []
+        while i >= 0 and len(out) <= depth:
+            out.append(int(i))
+            i = int(self.parent[i])
+        return out
+
+    def has_shapes(self, i: int) -> bool:
+        return any(self.tensors(j) for j in self.chain(i))
+
+    def read(self, i: int) -> list[tuple[list[int], str]]:
+        """Tensors op ``i`` reads as a cast source (copy_'s src; else every tensor argument)."""
+        name = str(self.names[i])
+        arg = _CAST_SOURCE_ARG.get(name)
+        return [(s, d) for a, s, d in self.tensors(i) if arg is None or a == arg]
+
+    def written(self, i: int) -> list[tuple[list[int], str]]:
+        """The tensor an in-place scatter op writes (its first argument)."""
+        return [(s, d) for a, s, d in self.tensors(i) if a == 0]
+
+
+def _recurrence(k: pd.DataFrame, rows: np.ndarray, ctx: _KvContext) -> dict[tuple[int, str], str]:
+    """(rank, name) of candidate rows that recur exactly once per layer in most included steps (never
+    more), with at least one other kernel between consecutive occurrences; value: evidence text."""
+    out: dict[tuple[int, str], str] = {}
+    if ctx.layers is None or not len(rows):
+        return out
+    sel = rows[ctx.included[rows]]
+    if not len(sel):
+        return out
+    sub = k.iloc[sel]
+    counts = sub.groupby(["rank", "name", "step"]).size()
+    positions: dict[int, pd.Series] = {}
+    for (rank, name), c in counts.groupby(level=[0, 1]):
+        n_steps = ctx.steps_per_rank.get(int(rank), 0)
+        exact = int((c == ctx.layers).sum())
+        if n_steps == 0 or exact * 2 < n_steps or (c > ctx.layers).any():
+            continue
+        if rank not in positions:
+            positions[rank] = _positions(k, rank)
+        mine = sub[(sub["rank"] == rank).to_numpy() & (sub["name"] == name).to_numpy()]
+        if not _interleaved(mine, positions[rank]):
+            continue
+        out[(rank, name)] = (f"{ctx.layers} per step in {exact}/{n_steps} included steps = once per layer, "
+                             f"with other kernels between (layers: {ctx.layers_src})")
+    return out
+
+
+def _positions(k: pd.DataFrame, rank: int) -> pd.Series:
+    """Order of each kernel of ``rank`` on its GPU timeline (by start time)."""
+    kr = k[(k["rank"] == rank).to_numpy()]
+    order = np.argsort(kr["ts"].to_numpy(), kind="stable")
+    pos = np.empty(len(kr), dtype=np.int64)
+    pos[order] = np.arange(len(kr))
+    return pd.Series(pos, index=kr.index)
+
+
+def _interleaved(mine: pd.DataFrame, pos: pd.Series) -> bool:
+    """Whether consecutive occurrences within each step have other kernels between them."""
+    for _, g in mine.groupby("step"):
+        p = np.sort(pos.loc[g.index].to_numpy())
+        if len(p) > 1 and (np.diff(p) < 2).any():
+            return False
+    return True
+
+
+def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None) -> None:
+    """Promote dtype casts that read KV-cache data to ``kv_cast`` and scatters into the KV pool to
+    ``kv_write`` (needs the ``cls`` columns; evidence goes to ``cls_evidence``)."""
+    table = table or _default_table()
+    k = ts.kernels
+    if not len(k) or "cls" not in k or not table.promote:
+        return
+    ctx = _context(ts, steps)
+    op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
+    inputs = _OpInputs(ts.cpu_ops) if len(ts.cpu_ops) else None
+    cls = k["cls"].to_numpy(dtype=object).copy()
+    ev = k["cls_evidence"].to_numpy(dtype=object).copy()
+    names = k["name"].to_numpy(dtype=object)
+    is_kernel = (k["kind"] == "kernel").to_numpy() if "kind" in k else np.ones(len(k), dtype=bool)
+    pool_shapes: set[tuple[int, ...]] | None = None
+    for target in PROMOTE_TARGETS:
+        promo = table.promote.get(target)
+        if promo is None:
+            continue
+        cand = np.isin(cls, promo.sources) & is_kernel
+        if promo.name is not None and cand.any():
+            uniq = pd.unique(names[cand])
+            ok = {n for n in uniq if promo.name.search(n)}
+            cand &= np.fromiter((n in ok for n in names), dtype=bool, count=len(names))
+        rows = np.nonzero(cand)[0]
+        if not len(rows):
+            continue
+        recur = _recurrence(k, rows, ctx)
+        attn_cache: dict[int, bool] = {}
+        for r in rows:
+            o = int(op_idx[r])
+            reason = None
+            shaped = inputs is not None and o >= 0 and inputs.has_shapes(o)
+            if shaped:
+                assert inputs is not None
+                reason = _pool_evidence(inputs, o, ctx, target)
+                rec = recur.get((k["rank"].iat[r], names[r]))
+                if reason is None and rec is not None and target == "kv_cast":
+                    if o not in attn_cache:
+                        attn_cache[o] = any(ATTENTION_OP.search(str(inputs.names[j])) for j in inputs.chain(o, 8))
+                    if attn_cache[o]:
+                        reason = f"op inside attention, {rec}"
+                    else:
+                        if pool_shapes is None:
+                            pool_shapes = _pool_row_shapes(ts.cpu_ops, ctx)
+                        reason = _kv_rows_evidence(inputs, o, ctx, pool_shapes, rec)
+            else:
+                rec = recur.get((k["rank"].iat[r], names[r]))
+                if rec is not None:
+                    dst = _cast_destination(names[r]) if target == "kv_cast" else None
+                    writes_kv = dst is not None and ctx.kv_dtype is not None and ctx.kv_dtype.startswith(dst)
+                    if not writes_kv:
+                        how = "graph replay, no CPU op" if o < 0 else "no recorded shapes"
+                        reason = f"{how}: same kernel {rec}"
+            if reason is not None:
+                cls[r] = target
+                ev[r] = f"{target}: {reason}; was {cls_before(k, r)}"
+    k["cls"] = cls
+    k["cls_evidence"] = ev
+
+
+def cls_before(k: pd.DataFrame, r: int) -> str:
+    """The rule label a promoted row had."""
+    return f"{k['cls'].iat[r]} by {k['cls_evidence'].iat[r]}"
+
+
+def _pool_evidence(inputs: _OpInputs, o: int, ctx: _KvContext, target: str) -> str | None:
+    if ctx.pool is None:
+        return None
+    hits: list[tuple[int, list[int], str]] = []
+    for j in inputs.chain(o):
+        tensors = inputs.written(j) if target == "kv_write" else inputs.read(j)
+        hits += [(j, shape, dtype) for shape, dtype in tensors if len(shape) >= 2 and ctx.pool_rows(shape[0])]
+    if not hits:
+        return None
+    # report the KV-dtype tensor (the cast's source) when there is one
+    j, shape, dtype = next((h for h in hits if h[2] == ctx.kv_dtype), hits[0])
+    pad = shape[0] - (ctx.pool or 0)
+    return (f"{inputs.names[j]} input {shape} {dtype or '?'}: {shape[0]} rows = KV pool "
+            f"(server_info max_total_num_tokens={ctx.pool}{f' + {pad} padding' if pad else ''})")
+
+
+def _pool_row_shapes(ops: pd.DataFrame, ctx: _KvContext) -> set[tuple[int, ...]]:
+    """Trailing dims of tensors with the KV pool's row count anywhere in the recorded shapes."""
+    out: set[tuple[int, ...]] = set()
+    if ctx.pool is None or "input_dims" not in ops:
+        return out
+    probes = [f"[{ctx.pool + d},".encode() for d in range(0, 2 * max(ctx.page, 1) + 1)]
+    for raw in ops["input_dims"].to_numpy(dtype=object):
+        if raw is None:
+            continue
+        b = raw if isinstance(raw, bytes | bytearray) else str(raw).encode()
+        if not any(p in b for p in probes):
+            continue
+        for _, shape, _ in _tensors(_json(b), None):
+            if len(shape) >= 2 and ctx.pool_rows(shape[0]):
+                out.add(tuple(shape[1:]))
+    return out
+
+
+def _kv_rows_evidence(inputs: _OpInputs, o: int, ctx: _KvContext, pool_shapes: set[tuple[int, ...]],
+                      rec: str) -> str | None:
+    if ctx.kv_dtype is None or not pool_shapes:
+        return None
+    for j in inputs.chain(o):
+        for shape, dtype in inputs.read(j):
+            if dtype == ctx.kv_dtype and len(shape) >= 2 and tuple(shape[1:]) in pool_shapes:
+                return (f"{inputs.names[j]} reads {shape} {dtype} = KV-dtype rows of the pool's row shape, "
+                        f"{rec}")
+    return None
+
+
+# ----------------------------------------------------------------------------- coverage table
+
+
+def class_table_rows(kernels: pd.DataFrame) -> pd.DataFrame:
+    """One row per (kernel name, class): name, cls, cls2, evidence, calls, us, share (of all
+    kernel time); sorted by time, largest first."""
+    cols = ["name", "cls", "cls2", "evidence", "calls", "us", "share"]
+    if not len(kernels) or "cls" not in kernels:
+        return pd.DataFrame(columns=cols)
+    k = kernels
+    total = float(k["dur"].sum()) or 1.0
+    g = k.groupby(["name", "cls", "cls2"], sort=False, dropna=False)
+    out = g.agg(calls=("dur", "size"), us=("dur", "sum")).reset_index()
+    out["evidence"] = g["cls_evidence"].agg(_most_common).to_numpy()
+    out["share"] = out["us"] / total
+    return out[cols].sort_values("us", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def _most_common(values: Iterable[str]) -> str:
+    c = Counter(values)
+    return c.most_common(1)[0][0] if c else ""

@@ -1,0 +1,13 @@
+"""Where the data files shipped with traceinspect live."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def rules_dir() -> Path:
+    """The shipped ``rules/`` directory: inside the package when installed, else the repo root's."""
+    inside = Path(__file__).parent / "rules"
+    if inside.is_dir():
+        return inside
+    return Path(__file__).parent.parent / "rules"
