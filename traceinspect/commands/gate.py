@@ -1,0 +1,140 @@
+"""``traceinspect diff`` and ``traceinspect gate``: compare a candidate run with a baseline, each given
+as a trace set or as the JSON of ``traceinspect analyze --json``."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from traceinspect.commands.analyze import analysis_options, build_options
+from traceinspect.gate.core import FAIL_ON
+
+THRESHOLD_HELP = (
+    "Allowed regression, METRIC:LIMIT (repeatable): step:5%, class.kv_cast:10%, class.*:15%, step:200us, "
+    "class.comm:off. Defaults: step:5% and class.*:10%; a metric given here replaces the config "
+    "file's and the default's thresholds for that metric."
+)
+
+
+def _load_pair(base: str, cand: str, kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    from traceinspect.gate.document import load_document
+
+    options = build_options(**kw)
+    return load_document(base, options), load_document(cand, options)
+
+
+def _write_outputs(result: Any, junit: str | None, github: bool, markdown: str | None, json_out: str | None) -> None:
+    from traceinspect.gate import outputs
+
+    if json_out:
+        outputs.write_atomic(json_out, outputs.gate_json(result))
+    if junit:
+        outputs.write_atomic(junit, outputs.junit_xml(result))
+    md = outputs.gate_markdown(result) if (markdown or github) else None
+    if markdown:
+        outputs.write_atomic(markdown, md)
+    if github:
+        for line in outputs.github_annotations(result):
+            click.echo(line)
+        outputs.append_step_summary(md)
+
+
+@click.command("diff")
+@click.argument("base")
+@click.argument("cand")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the diff as JSON here.")
+@click.option("--markdown", "md_out", type=click.Path(dir_okay=False), help="Write the diff as Markdown here.")
+@click.option("--all", "show_all", is_flag=True, help="Also list unchanged classes, shapes and findings.")
+@analysis_options
+def diff_cmd(base: str, cand: str, json_out: str | None, md_out: str | None, show_all: bool, **kw: Any) -> None:
+    """Show what changed from BASE to CAND: step time, GPU time per class per step, per-shape GEMM
+    efficiency, findings added/removed/changed. Each side is a trace set (directory, rank files,
+    glob) or an analysis JSON from `traceinspect analyze --json`. Never fails on a regression (see
+    `traceinspect gate`); exits 2 on unusable input."""
+    from traceinspect.gate import diff_documents, outputs
+
+    b, c = _load_pair(base, cand, kw)
+    d = diff_documents(b, c, set(kw.get("disable") or ()))
+    if json_out:
+        outputs.write_atomic(json_out, outputs.diff_json(d))
+    if md_out:
+        outputs.write_atomic(md_out, outputs.diff_markdown(d))
+    click.echo(outputs.diff_text(d, show_all=show_all), nl=False)
+
+
+@click.command("gate")
+@click.argument("base")
+@click.argument("cand")
+@click.option("--max-regression", "-r", "max_regression", multiple=True, metavar="EXPR", help=THRESHOLD_HELP)
+@click.option("--floor", default=None, metavar="LIMIT",
+              help="A regression must also exceed this (us, ms, or N% of the baseline's median step). "
+                   "Default 10us.")
+@click.option("--alpha", type=float, default=None,
+              help="Significance level of the noise test (one-sided Mann-Whitney U over per-step "
+                   "samples). Default 0.05.")
+@click.option("--fail-on", type=click.Choice(FAIL_ON), default=None,
+              help="New findings at or above this severity fail the gate. Default warning.")
+@click.option("--allow-mismatch/--no-allow-mismatch", default=None,
+              help="Compare runs on different GPUs, TP sizes or phases (a warning instead of exit 2).")
+@click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
+              help="Config file (default ./traceinspect.toml when present).")
+@click.option("--no-config", is_flag=True, help="Ignore ./traceinspect.toml.")
+@click.option("--junit", type=click.Path(dir_okay=False), help="Write JUnit XML (one testcase per check).")
+@click.option("--github", is_flag=True,
+              help="Print GitHub Actions annotations; append a summary to $GITHUB_STEP_SUMMARY when set.")
+@click.option("--markdown", "md_out", type=click.Path(dir_okay=False), help="Write a Markdown report.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the verdict and diff as JSON.")
+@click.option("--verbose", "-v", is_flag=True, help="List passing checks too.")
+@analysis_options
+def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str | None, alpha: float | None,
+             fail_on: str | None, allow_mismatch: bool | None, config: str | None, no_config: bool,
+             junit: str | None, github: bool, md_out: str | None, json_out: str | None, verbose: bool,
+             **kw: Any) -> None:
+    """Fail (exit 1) when CAND regressed against BASE beyond thresholds, floor and step-to-step
+    noise, or has new findings at or above --fail-on. Exit 0 on pass, 2 on unusable input
+    (bad files, missing steps, different GPU/TP size/phase without --allow-mismatch). BASE and
+    CAND are trace sets or analysis JSON files from `traceinspect analyze --json`."""
+    from traceinspect.errors import TraceInputError, TraceInspectError
+    from traceinspect.gate import (
+        DEFAULT_ALPHA,
+        DEFAULT_FAIL_ON,
+        DEFAULT_FLOOR,
+        DEFAULT_THRESHOLDS,
+        Gate,
+        GateResult,
+        merge_thresholds,
+        parse_threshold,
+    )
+    from traceinspect.gate.config import find_config
+    from traceinspect.gate.outputs import gate_text
+
+    cfg = find_config(config, no_config)
+    thresholds = merge_thresholds([parse_threshold(t) for t in DEFAULT_THRESHOLDS], cfg.thresholds,
+                                  [parse_threshold(t) for t in max_regression])
+    disabled = sorted(set(cfg.disable) | set(kw.get("disable") or ()))
+    kw["disable"] = tuple(disabled)
+    gate = Gate(
+        thresholds, replace_defaults=True,
+        floor=floor if floor is not None else cfg.floor or DEFAULT_FLOOR,
+        alpha=alpha if alpha is not None else cfg.alpha if cfg.alpha is not None else DEFAULT_ALPHA,
+        fail_on=fail_on or cfg.fail_on or DEFAULT_FAIL_ON,
+        allow_mismatch=bool(allow_mismatch if allow_mismatch is not None else cfg.allow_mismatch),
+        disabled_rules=disabled,
+    )
+    settings = gate.settings()
+    settings["config"] = str(cfg.path) if cfg.path else None
+    try:
+        b, c = _load_pair(base, cand, kw)
+    except TraceInspectError as e:
+        _write_outputs(GateResult.from_error(e.one_line(), settings), junit, github, md_out, json_out)
+        raise
+    result = gate.run(b, c)
+    result.settings = settings
+    _write_outputs(result, junit, github, md_out, json_out)
+    click.echo(gate_text(result, verbose=verbose), nl=False)
+    if result.exit_code == 2:
+        raise TraceInputError("; ".join(result.reasons()))
+    # SystemExit, not ctx.exit(): click's non-standalone main() returns ctx.exit()'s code instead of exiting
+    sys.exit(result.exit_code)

@@ -1,0 +1,185 @@
+"""Inputs of diff and gate: an analysis JSON document (``traceinspect.analysis/1``), loaded from a
+stored JSON file or computed from a trace set, and the few accessors the comparisons need."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from traceinspect.errors import TraceInputError
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Options
+
+SCHEMA_NAME = "traceinspect.analysis"
+SCHEMA_VERSION = 1
+SCHEMA = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
+_SCHEMA_RE = re.compile(rb'^\s*\{\s*"schema"\s*:')
+_PEEK_BYTES = 1 << 16
+
+
+def _open(path: Path) -> Any:
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")
+
+
+def _peek(path: Path) -> bytes:
+    try:
+        with _open(path) as f:
+            return f.read(_PEEK_BYTES)
+    except (OSError, EOFError, zlib.error) as e:
+        raise TraceInputError(f"cannot read: {e}", path) from e
+
+
+def _is_analysis_file(path: Path) -> bool:
+    """Whether a JSON file is an analysis document rather than a trace: decided from its first bytes
+    (an analysis document starts with its ``schema`` key; Kineto traces have ``schemaVersion``)."""
+    if not (path.name.endswith(".json") or path.name.endswith(".json.gz")):
+        return False
+    head = _peek(path).lstrip(b"\xef\xbb\xbf")
+    if _SCHEMA_RE.match(head):
+        return True
+    return b"traceEvents" not in head and path.name.endswith(".json") and b"schemaVersion" not in head
+
+
+def validate_document(doc: Any, source: str | Path | None = None) -> dict[str, Any]:
+    """Check that ``doc`` is a usable ``traceinspect.analysis/1`` document; raise TraceInputError
+    (exit 2) with the reason otherwise."""
+    if not isinstance(doc, dict):
+        raise TraceInputError(f"not an analysis document (top level is {type(doc).__name__}, not an object)",
+                              source)
+    schema = doc.get("schema")
+    if not isinstance(schema, str):
+        raise TraceInputError("not a traceinspect analysis JSON (no \"schema\" key); write one with "
+                              "`traceinspect analyze TRACES --json FILE`", source)
+    name, _, version = schema.partition("/")
+    if name != SCHEMA_NAME:
+        raise TraceInputError(f"unsupported schema {schema!r} (expected {SCHEMA!r})", source)
+    if version != str(SCHEMA_VERSION):
+        raise TraceInputError(f"unsupported schema version {version!r} of {SCHEMA_NAME} (this traceinspect "
+                              f"reads version {SCHEMA_VERSION}); re-run `traceinspect analyze --json` with "
+                              f"the same traceinspect version as the gate", source)
+    steps = doc.get("steps")
+    if not isinstance(steps, dict):
+        raise TraceInputError("analysis JSON has no \"steps\" section", source)
+    count = steps.get("count")
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+        raise TraceInputError(f"analysis JSON has no analysed {steps.get('phase') or ''} steps "
+                              f"(steps.count = {count!r})", source)
+    if not _is_number(steps.get("median_us")):
+        raise TraceInputError("analysis JSON has no step time (steps.median_us missing or null)", source)
+    for key in ("classes", "run"):
+        if key in doc and not isinstance(doc[key], dict):
+            raise TraceInputError(f"analysis JSON section {key!r} is not an object", source)
+    for key in ("findings", "gemm"):
+        if key in doc and doc[key] is not None and not isinstance(doc[key], list):
+            raise TraceInputError(f"analysis JSON section {key!r} is not a list", source)
+    samples = steps.get("samples")
+    if samples is not None and not isinstance(samples, list):
+        raise TraceInputError("analysis JSON steps.samples is not a list", source)
+    return doc
+
+
+def load_json_document(path: str | Path) -> dict[str, Any]:
+    """Load and validate a stored analysis JSON file (plain or gzipped)."""
+    p = Path(path)
+    try:
+        with _open(p) as f:
+            raw = f.read()
+    except FileNotFoundError as e:
+        raise TraceInputError("no such file", p) from e
+    except (OSError, EOFError, zlib.error) as e:
+        raise TraceInputError(f"cannot read: {e}", p) from e
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TraceInputError(f"corrupt or truncated JSON: {e}", p) from e
+    return validate_document(doc, p)
+
+
+def load_document(path: str | Path | list[str | Path], options: Options | None = None) -> dict[str, Any]:
+    """The analysis document of an input: a stored analysis JSON file is read as it is; a trace set
+    (directory, rank files or globs) is analysed with ``options``. Unusable input raises
+    TraceInputError."""
+    paths = [path] if isinstance(path, (str, Path)) else list(path)
+    if not paths:
+        raise TraceInputError("no input given")
+    if len(paths) == 1:
+        p = Path(paths[0])
+        if p.is_file() and _is_analysis_file(p):
+            doc = load_json_document(p)
+            doc.setdefault("_source_label", str(p))
+            return doc
+        if not p.exists() and not any(ch in str(p) for ch in "*?["):
+            raise TraceInputError("no such file or directory", p)
+    from traceinspect.analysis import Options, analyze
+
+    doc = analyze([str(x) for x in paths], options or Options()).to_json()
+    doc = validate_document(doc, ", ".join(str(x) for x in paths))
+    doc["_source_label"] = ", ".join(str(x) for x in paths)
+    return doc
+
+
+def label(doc: dict[str, Any]) -> str:
+    """A short name for a document: where it came from."""
+    lab = doc.get("_source_label")
+    if lab:
+        return str(lab)
+    paths = (doc.get("source") or {}).get("paths") or []
+    return ", ".join(map(str, paths)) or "(analysis JSON)"
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x and abs(x) != float("inf")
+
+
+def num(x: Any) -> float | None:
+    """A finite number or None."""
+    return float(x) if _is_number(x) else None
+
+
+def step_value(doc: dict[str, Any]) -> float | None:
+    """The median step time in us."""
+    return num((doc.get("steps") or {}).get("median_us"))
+
+
+def step_samples(doc: dict[str, Any]) -> list[float] | None:
+    """Per-step TP step times (us), or None when the document has no samples."""
+    samples = (doc.get("steps") or {}).get("samples")
+    if not isinstance(samples, list) or not samples:
+        return None
+    vals = [num(s.get("step_us")) for s in samples if isinstance(s, dict)]
+    return [v for v in vals if v is not None] or None
+
+
+def class_values(doc: dict[str, Any]) -> dict[str, float] | None:
+    """us per step of every class, or None when the document has no class section."""
+    classes = doc.get("classes")
+    if not isinstance(classes, dict):
+        return None
+    out = {}
+    for name, row in classes.items():
+        v = num(row.get("us_per_step")) if isinstance(row, dict) else None
+        if v is not None:
+            out[str(name)] = v
+    return out
+
+
+def class_samples(doc: dict[str, Any], cls: str) -> list[float] | None:
+    """Per-step us of one class (0 in steps where it did not run), or None without samples."""
+    samples = (doc.get("steps") or {}).get("samples")
+    if not isinstance(samples, list) or not samples:
+        return None
+    out = []
+    for s in samples:
+        if not isinstance(s, dict):
+            continue
+        per = s.get("classes")
+        if not isinstance(per, dict):
+            return None
+        v = per.get(cls, 0.0)
+        out.append(num(v) if v is not None else 0.0)
+    return [v for v in out if v is not None] or None
