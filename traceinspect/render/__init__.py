@@ -1,0 +1,69 @@
+"""Stage 7, render: an :class:`~traceinspect.analysis.Analysis` as terminal text, HTML, Markdown, JSON or a
+merged Chrome trace. Each format lives in its own module and is imported only when used."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory, so a reader never
+    sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write UTF-8 text atomically (see :func:`write_bytes_atomic`)."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def fmt_us(v: float | None) -> str:
+    """A duration in microseconds as text: '812.3 µs', '12.4 ms', or 'n/a'."""
+    if v is None or v != v:
+        return "n/a"
+    if abs(v) >= 10_000:
+        return f"{v / 1000:,.1f} ms"
+    if abs(v) >= 100:
+        return f"{v:,.0f} µs"
+    return f"{v:,.1f} µs"
+
+
+def fmt_pct(v: float | None, digits: int = 1) -> str:
+    """A fraction as a percentage: 0.123 -> '12.3%'."""
+    if v is None or v != v:
+        return "n/a"
+    return f"{100 * v:.{digits}f}%"
+
+
+def short_name(name: str, width: int = 80) -> str:
+    """A kernel name cut to ``width`` characters, keeping its head (the family) and its tail."""
+    name = " ".join(str(name).split())
+    if len(name) <= width:
+        return name
+    head = width * 2 // 3
+    return name[:head] + "…" + name[-(width - head - 1):]
+
+
+def launching_ops(kernels: Any) -> dict[str, str]:
+    """For each kernel name, the CPU op that launches it most often ('' when none is linked, as for
+    CUDA-graph replays). ``kernels`` is the analysis' kernels table."""
+    if kernels is None or not len(kernels) or "op_name" not in kernels.columns:
+        return {}
+    linked = kernels[kernels["op_name"].astype(str) != ""]
+    if not len(linked):
+        return {}
+    counts = linked.groupby(["name", "op_name"], observed=True).size().reset_index(name="n")
+    counts = counts.sort_values(["name", "n"], ascending=[True, False]).drop_duplicates("name")
+    return {str(n): str(o) for n, o in zip(counts["name"], counts["op_name"], strict=True)}

@@ -1,0 +1,150 @@
+"""A short Markdown summary for PR comments and CI step summaries (GitHub/GitLab flavoured).
+
+Trace-derived strings (kernel names, model names, paths, finding text that quotes them) go through
+:func:`md` (markdown and HTML metacharacters escaped, newlines folded) or :func:`md_code` (a code span
+whose fence is longer than any backtick run inside).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from traceinspect import __version__
+from traceinspect.render import fmt_pct, fmt_us, launching_ops, short_name, write_text_atomic
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+
+# CommonMark lets any ASCII punctuation be backslash-escaped; these are the ones that start or end
+# inline markup: emphasis, code, links, images, headings, tables, strike-through, math, mentions.
+_MD_META = re.compile(r"([\\`*_{}\[\]()#+!|~@$])")
+_WS = re.compile(r"\s+")
+TOP_FINDINGS = 8
+TOP_CLASSES = 8
+TOP_KERNELS = 5
+
+
+def md(text: Any) -> str:
+    """Escape text for inline Markdown (also safe inside a table cell): HTML metacharacters become
+    entities, markdown punctuation is backslash-escaped, whitespace runs become one space."""
+    s = _WS.sub(" ", str(text)).strip()
+    s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+    return _MD_META.sub(r"\\\1", s)
+
+
+def md_code(text: Any) -> str:
+    """Text as an inline code span (no escaping needed inside, except table pipes)."""
+    s = _WS.sub(" ", str(text)).strip()
+    run = max((len(m) for m in re.findall(r"`+", s)), default=0)
+    fence = "`" * (run + 1)
+    pad = " " if s.startswith("`") or s.endswith("`") or not s else ""
+    # GFM splits table rows on '|' even inside code spans; '\|' there renders as '|'
+    return f"{fence}{pad}{s.replace('|', chr(92) + '|')}{pad}{fence}"
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None) -> str:
+    """The Markdown summary of an analysis (or of its JSON document)."""
+    if doc is None:
+        if a is None:
+            raise ValueError("render_markdown needs an Analysis or its JSON document")
+        doc = a.to_json()
+    run, steps = doc.get("run") or {}, doc.get("steps") or {}
+    step_us = steps.get("median_us")
+    findings = list(doc.get("findings") or [])  # the judge's order: largest estimated saving first
+    out: list[str] = []
+
+    if findings:
+        f = findings[0]
+        saving = f.get("est_saving_us_per_step")
+        head = f"### traceinspect: {md(f.get('title') or f.get('rule'))}"
+        out.append(head)
+        line = f"**{md(str(f.get('severity', '')).upper())}** {md(f.get('message') or '')}"
+        if _num(saving):
+            of = f" ({fmt_pct(saving / step_us)} of the step)" if _num(step_us) and step_us else ""
+            line += f" Estimated saving: **{fmt_us(saving)} per step**{of}."
+        out.append(line)
+    else:
+        out.append("### traceinspect: no findings")
+    out.append("")
+
+    ranks = run.get("ranks")
+    out += [
+        "| | |",
+        "|---|---|",
+        f"| Model | {md(run.get('model') or 'unknown')} |",
+        f"| Device | {md(run.get('device') or 'unknown')} × {md(ranks)} (TP {md(run.get('tp_size'))}) |",
+        f"| KV cache dtype | {md(run.get('kv_cache_dtype') or 'unknown')} |",
+        f"| Batch (median) | {md(run.get('batch_median') if run.get('batch_median') is not None else 'unknown')} |",
+        f"| {md(str(steps.get('phase', 'decode')).capitalize())} step | median {md(fmt_us(step_us))}, "
+        f"p90 {md(fmt_us(steps.get('p90_us')))} over {md(steps.get('count'))} steps per rank |",
+        f"| CUDA graph | {'yes' if run.get('cuda_graph') else 'no'} |",
+        "",
+    ]
+
+    if findings:
+        out += [f"#### Findings ({len(findings)})", "",
+                "| severity | finding | est. saving per step | ranks |", "|---|---|---:|---|"]
+        for f in findings[:TOP_FINDINGS]:
+            saving = f.get("est_saving_us_per_step")
+            sv = md(fmt_us(saving)) if _num(saving) else "n/a"
+            if _num(saving) and _num(step_us) and step_us:
+                sv += f" ({md(fmt_pct(saving / step_us))})"
+            rk = f.get("ranks")
+            rk = ", ".join(md(r) for r in rk) if isinstance(rk, list) and rk else "all"
+            out.append(f"| {md(f.get('severity'))} | **{md(f.get('title') or f.get('rule'))}** "
+                       f"({md(f.get('rule'))}): {md(f.get('message') or '')} | {sv} | {rk} |")
+        if len(findings) > TOP_FINDINGS:
+            out.append(f"| | … and {len(findings) - TOP_FINDINGS} more (see the HTML report or JSON) | | |")
+        out.append("")
+        fixes = [f for f in findings[:TOP_FINDINGS] if str(f.get("remediation") or "").strip()]
+        if fixes:
+            out.append("**Fixes**")
+            out.append("")
+            for f in fixes:
+                out.append(f"- {md(f.get('title') or f.get('rule'))}: {md(f.get('remediation'))}")
+            out.append("")
+
+    classes = sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("share") or 0))
+    if classes:
+        out += ["#### GPU time by class (per rank per step)", "", "| class | time | share |", "|---|---:|---:|"]
+        for c, v in classes[:TOP_CLASSES]:
+            out.append(f"| {md(c)} | {md(fmt_us(v.get('us_per_step')))} | {md(fmt_pct(v.get('share')))} |")
+        rest = classes[TOP_CLASSES:]
+        if rest:
+            share = sum(v.get("share") or 0 for _, v in rest)
+            out.append(f"| {len(rest)} more {'class' if len(rest) == 1 else 'classes'} | | {md(fmt_pct(share))} |")
+        out.append("")
+
+    kernels = doc.get("top_kernels") or []
+    if kernels:
+        ops = launching_ops(a.kernels) if a is not None else {}
+        out += ["#### Top kernels", "", "| kernel | launched by | class | share |", "|---|---|---|---:|"]
+        for k in kernels[:TOP_KERNELS]:
+            name = str(k.get("name", ""))
+            out.append(f"| {md(short_name(name, 90))} | {md(short_name(ops.get(name, ''), 40))} | "
+                       f"{md(k.get('cls'))} | {fmt_pct(k.get('share'))} |")
+        out.append("")
+
+    cov = doc.get("coverage") or {}
+    if _num(cov.get("unknown_share")):
+        out.append(f"Classified: {md(fmt_pct(1 - cov['unknown_share']))} of kernel time.")
+    for w in (doc.get("warnings") or [])[:5]:
+        out.append(f"> warning: {md(w)}")
+    cmd = (doc.get("source") or {}).get("command")
+    tool = doc.get("tool") or {}
+    out.append("")
+    out.append(f"<sub>traceinspect {md(tool.get('version', __version__))}"
+               + (f" · {md_code(cmd)}" if cmd else "") + "</sub>")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write_markdown(a: Analysis, path: str | Path, doc: dict[str, Any] | None = None) -> Path:
+    """Write the Markdown summary atomically."""
+    write_text_atomic(path, render_markdown(a, doc))
+    return Path(path)

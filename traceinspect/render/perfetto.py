@@ -1,0 +1,288 @@
+"""One Chrome-trace (JSON) file merging all ranks, for Perfetto or chrome://tracing.
+
+Each rank is one process named the way SGLang's profile merger names them (``"[TP00] <pid>"``, with
+``-DP01``/``-PP02``/``-EP03`` parts where present, and ``process_sort_index`` = tp*100 + pp*1e4 + ep*1e6 +
+dp*1e8), holding its GPU streams, its CPU threads and a ``traceinspect`` lane with the analysed steps.
+Every kernel carries its class in ``args``; each finding is an instant event at the kernels it cites
+(or, when it cites none, at the start of each analysed step of its ranks), with the finding in ``args``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+import pandas as pd
+
+from traceinspect import __version__
+from traceinspect.render import write_bytes_atomic
+from traceinspect.render.palette import CHROME_CNAME
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+    from traceinspect.model import RankInfo
+
+STEPS_TID = 999_999_999  # the traceinspect lane of each process (steps and findings); no real tid
+KIND_CAT = {"kernel": "kernel", "memcpy": "gpu_memcpy", "memset": "gpu_memset"}
+MAX_FINDING_MARKS = 64  # instant events per finding and rank: one per analysed step, at most this many
+
+
+def rank_label(info: RankInfo) -> str:
+    """The SGLang merger's rank label: ``TP00``, ``TP03-DP01``, ... (TP from the rank when unknown)."""
+    parts = [f"TP{(info.tp if info.tp is not None else info.rank):02d}"]
+    for name, v in (("DP", info.dp), ("PP", info.pp), ("EP", info.ep)):
+        if v is not None:
+            parts.append(f"{name}{v:02d}")
+    return "-".join(parts)
+
+
+def sort_index(info: RankInfo) -> int:
+    """``process_sort_index`` as SGLang's merger computes it."""
+    tp = info.tp if info.tp is not None else info.rank
+    return (info.dp or 0) * 100_000_000 + (info.ep or 0) * 1_000_000 + (info.pp or 0) * 10_000 + tp * 100
+
+
+def _json_arg(s: str) -> Any:
+    if not s:
+        return None
+    try:
+        return json.loads(s)
+    except ValueError:
+        return s
+
+
+def _cited_names(evidence: Any, names: set[str]) -> list[str]:
+    """Kernel names the evidence mentions (any string value equal to a kernel name), in order."""
+    out: list[str] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, str):
+            if v in names and v not in out:
+                out.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(evidence)
+    return out
+
+
+def _finding_args(f: dict[str, Any]) -> dict[str, Any]:
+    return {"rule": f.get("rule"), "severity": f.get("severity"), "title": f.get("title"),
+            "message": f.get("message"), "est_saving_us_per_step": f.get("est_saving_us_per_step"),
+            "share": f.get("share"), "ranks": f.get("ranks"), "remediation": f.get("remediation"),
+            "evidence": f.get("evidence")}
+
+
+def build_trace(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The merged Chrome trace as a dict (``traceEvents`` plus metadata)."""
+    doc = doc if doc is not None else a.to_json()
+    ts = a.trace
+    k = ts.kernels
+    events: list[dict[str, Any]] = []
+    pids: dict[int, str] = {}
+    gpu_tids: dict[tuple[int, int], int] = {}
+    for info in ts.ranks:
+        kr = k[k["rank"] == info.rank]
+        dev = kr["device"]
+        dev = dev[dev >= 0]
+        device = int(dev.mode().iloc[0]) if len(dev) else info.rank
+        pid = f"[{rank_label(info)}] {device}"
+        pids[info.rank] = pid
+        gpu = info.device.name if info.device else "GPU"
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": STEPS_TID,
+                       "args": {"name": f"{info.label} · GPU {device} · {gpu}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": STEPS_TID,
+                       "args": {"sort_index": sort_index(info)}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": STEPS_TID,
+                       "args": {"name": "traceinspect: analysed steps and findings"}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": STEPS_TID,
+                       "args": {"sort_index": 0}})
+        cpu_tids = set(ts.runtime.loc[ts.runtime["rank"] == info.rank, "tid"].tolist()) | set(
+            ts.cpu_ops.loc[ts.cpu_ops["rank"] == info.rank, "tid"].tolist()) | set(
+            ts.annotations.loc[ts.annotations["rank"] == info.rank, "tid"].tolist())
+        # GPU streams get their own thread ids, clear of the CPU thread ids of this rank
+        next_tid = 1
+        for s in sorted(kr["stream"].unique().tolist()):
+            while next_tid in cpu_tids:
+                next_tid += 1
+            gpu_tids[(info.rank, int(s))] = next_tid
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": next_tid,
+                           "args": {"name": f"GPU {device} stream {int(s)}"}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": next_tid,
+                           "args": {"sort_index": next_tid}})
+            next_tid += 1
+        gpu_ann_tid = next_tid
+        while gpu_ann_tid in cpu_tids:
+            gpu_ann_tid += 1
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": gpu_ann_tid,
+                       "args": {"name": f"GPU {device} annotations"}})
+        for t in sorted(cpu_tids):
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": int(t),
+                           "args": {"name": f"CPU thread {int(t)}"}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": int(t),
+                           "args": {"sort_index": 1000 + len(events)}})
+        ga = ts.gpu_annotations[ts.gpu_annotations["rank"] == info.rank]
+        events.extend({"ph": "X", "cat": "gpu_user_annotation", "name": r.name, "pid": pid, "tid": gpu_ann_tid,
+                       "ts": r.ts, "dur": r.dur} for r in ga.itertuples())
+
+    events.extend(_kernel_events(a, pids, gpu_tids))
+    for table, cat in ((ts.runtime, "cuda_runtime"), (ts.cpu_ops, "cpu_op"), (ts.annotations, "user_annotation")):
+        events.extend(_cpu_events(table, cat, pids))
+    events.extend(_step_events(a, pids))
+    events.extend(_finding_events(a, doc, pids, gpu_tids))
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "deviceProperties": [{"name": d.name, "computeCapability": d.compute_capability,
+                              "totalGlobalMem": d.total_memory_bytes, "numSms": d.num_sms, "rank": info.rank}
+                             for info in ts.ranks for d in info.devices[:1]],
+        "otherData": {
+            "generator": f"traceinspect {__version__}",
+            "schema": doc.get("schema"),
+            "sources": [{"rank": f.get("label"), "path": f.get("path"), "sha256": f.get("sha256")}
+                        for f in (doc.get("source") or {}).get("files") or []],
+            "findings": len(doc.get("findings") or []),
+        },
+    }
+
+
+def _kernel_events(a: Analysis, pids: dict[int, str], gpu_tids: dict[tuple[int, int], int]
+                   ) -> Iterable[dict[str, Any]]:
+    ts = a.trace
+    k = ts.kernels
+    rt_tid = ts.runtime["tid"].to_numpy()
+    rt_ts = ts.runtime["ts"].to_numpy()
+    has_cls = "cls" in k.columns
+    analysed = set(a.selected.index.tolist())
+    for r in k.itertuples(index=False):
+        pid = pids[r.rank]
+        tid = gpu_tids[(r.rank, int(r.stream))]
+        cls = str(r.cls) if has_cls else None
+        args: dict[str, Any] = {"device": int(r.device), "stream": int(r.stream)}
+        if r.correlation >= 0:
+            args["correlation"] = int(r.correlation)
+        if r.external_id >= 0:
+            args["External id"] = int(r.external_id)
+        if r.grid:
+            args["grid"] = _json_arg(r.grid)
+        if r.block:
+            args["block"] = _json_arg(r.block)
+        if r.bytes >= 0:
+            args["bytes"] = float(r.bytes)
+        if cls is not None:
+            args["class"] = cls
+            if getattr(r, "cls2", ""):
+                args["class2"] = str(r.cls2)
+            if getattr(r, "cls_evidence", ""):
+                args["class_evidence"] = str(r.cls_evidence)
+        step = int(getattr(r, "step", -1))
+        if step >= 0:
+            args["step"] = step
+            args["analysed"] = step in analysed
+        if getattr(r, "op_name", ""):
+            args["op"] = str(r.op_name)
+        if getattr(r, "graph_replay", False):
+            args["graph_replay"] = True
+        ev = {"ph": "X", "cat": KIND_CAT.get(str(r.kind), "kernel"), "name": r.name, "pid": pid, "tid": tid,
+              "ts": float(r.ts), "dur": float(r.dur), "args": args}
+        if cls is not None and cls in CHROME_CNAME:
+            ev["cname"] = CHROME_CNAME[cls]
+        yield ev
+        # flow arrow from the launching runtime call (as Kineto's ac2g flows)
+        rt_idx = int(getattr(r, "rt_idx", -1))
+        if rt_idx >= 0 and r.correlation >= 0:
+            fid = (int(r.rank) << 40) | int(r.correlation)  # correlation ids repeat across ranks
+            yield {"ph": "s", "cat": "ac2g", "name": "ac2g", "id": fid, "pid": pid, "tid": int(rt_tid[rt_idx]),
+                   "ts": float(rt_ts[rt_idx])}
+            yield {"ph": "f", "cat": "ac2g", "name": "ac2g", "id": fid, "pid": pid, "tid": tid,
+                   "ts": float(r.ts), "bp": "e"}
+
+
+def _cpu_events(table: pd.DataFrame, cat: str, pids: dict[int, str]) -> Iterable[dict[str, Any]]:
+    for r in table.itertuples(index=False):
+        ev = {"ph": "X", "cat": cat, "name": r.name, "pid": pids[r.rank], "tid": int(r.tid),
+              "ts": float(r.ts), "dur": float(r.dur)}
+        corr = getattr(r, "correlation", -1)
+        ext = getattr(r, "external_id", -1)
+        args = {}
+        if corr is not None and corr >= 0:
+            args["correlation"] = int(corr)
+        if ext is not None and ext >= 0:
+            args["External id"] = int(ext)
+        if args:
+            ev["args"] = args
+        yield ev
+
+
+def _step_events(a: Analysis, pids: dict[int, str]) -> Iterable[dict[str, Any]]:
+    """The analysed steps as spans on each rank's traceinspect lane (GPU time of the step)."""
+    sel = a.selected
+    for idx, s in sel.iterrows():
+        if not (np.isfinite(s["gpu_start"]) and np.isfinite(s["gpu_end"])):
+            continue
+        yield {"ph": "X", "cat": "traceinspect", "name": f"analysed {s['phase']} step {int(s['idx'])}",
+               "pid": pids[int(s["rank"])], "tid": STEPS_TID, "ts": float(s["gpu_start"]),
+               "dur": float(s["gpu_end"] - s["gpu_start"]),
+               "args": {"step": int(idx), "span_us": float(s["span_us"]), "busy_us": float(s["busy_us"]),
+                        "idle_us": float(s["idle_us"]), "kernels": int(s["n_kernels"]), "bs": int(s["bs"]),
+                        "source": str(s["source"]), "name": str(s["name"])}}
+
+
+def _finding_events(a: Analysis, doc: dict[str, Any], pids: dict[int, str],
+                    gpu_tids: dict[tuple[int, int], int]) -> Iterable[dict[str, Any]]:
+    findings = doc.get("findings") or []
+    if not findings:
+        return
+    k = a.kernels
+    names = set(k["name"].unique().tolist())
+    all_ranks = [info.rank for info in a.trace.ranks]
+    for f in findings:
+        label = f"{str(f.get('severity', '')).upper()}: {f.get('title') or f.get('rule')}"
+        args = _finding_args(f)
+        ranks = f.get("ranks")
+        ranks = [r for r in ranks if r in pids] if isinstance(ranks, list) and ranks else all_ranks
+        cited = _cited_names(f.get("evidence"), names)
+        for rank in ranks:
+            kr = k[k["rank"] == rank]
+            if cited:
+                hit = kr[kr["name"].isin(cited)]
+                # the first launch of each cited kernel in each analysed step
+                first = hit.sort_values("ts").drop_duplicates(["step", "name"])
+                first = first[first["step"].isin(first["step"].drop_duplicates().head(MAX_FINDING_MARKS))]
+                for r in first.itertuples(index=False):
+                    yield {"ph": "i", "s": "t", "cat": "traceinspect.finding", "name": label, "pid": pids[rank],
+                           "tid": gpu_tids[(rank, int(r.stream))], "ts": float(r.ts),
+                           "args": dict(args, kernel=r.name, step=int(r.step))}
+            else:
+                sel = a.selected[a.selected["rank"] == rank].head(MAX_FINDING_MARKS)
+                for idx, s in sel.iterrows():
+                    if np.isfinite(s["gpu_start"]):
+                        yield {"ph": "i", "s": "t", "cat": "traceinspect.finding", "name": label,
+                               "pid": pids[rank], "tid": STEPS_TID, "ts": float(s["gpu_start"]),
+                               "args": dict(args, step=int(idx))}
+
+
+def encode(trace: dict[str, Any]) -> bytes:
+    """JSON bytes with ``<``, ``>`` and ``&`` written as ``\\u`` escapes (same values; safe to embed or
+    to show in any HTML-based viewer)."""
+    data = msgspec.json.encode(trace)
+    return data.replace(b"<", b"\\u003c").replace(b">", b"\\u003e").replace(b"&", b"\\u0026")
+
+
+def write_perfetto(a: Analysis, path: str | Path, doc: dict[str, Any] | None = None) -> Path:
+    """Write the merged trace to ``path`` (gzipped when the name ends in ``.gz``), atomically."""
+    data = encode(build_trace(a, doc))
+    path = Path(path)
+    if path.name.endswith(".gz"):
+        data = gzip.compress(data, compresslevel=6)
+    write_bytes_atomic(path, data)
+    return path
