@@ -87,11 +87,12 @@ def diff_cmd(base: str, cand: str, json_out: str | None, md_out: str | None, sho
 @click.option("--markdown", "md_out", type=click.Path(dir_okay=False), help="Write a Markdown report.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the verdict and diff as JSON.")
 @click.option("--verbose", "-v", is_flag=True, help="List passing checks too.")
+@click.option("--quiet", "-q", is_flag=True, help="Print only the verdict line.")
 @analysis_options
 def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str | None, alpha: float | None,
              fail_on: str | None, allow_mismatch: bool | None, config: str | None, no_config: bool,
              junit: str | None, github: bool, md_out: str | None, json_out: str | None, verbose: bool,
-             **kw: Any) -> None:
+             quiet: bool, **kw: Any) -> None:
     """Fail (exit 1) when CAND regressed against BASE beyond thresholds, floor and step-to-step
     noise, or has new findings at or above --fail-on. Exit 0 on pass, 2 on unusable input
     (bad files, missing steps, different GPU/TP size/phase without --allow-mismatch). BASE and
@@ -133,7 +134,7 @@ def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str |
     result = gate.run(b, c)
     result.settings = settings
     _write_outputs(result, junit, github, md_out, json_out)
-    click.echo(gate_text(result, verbose=verbose), nl=False)
+    click.echo(result.verdict() if quiet else gate_text(result, verbose=verbose).rstrip("\n"))
     if result.exit_code == 2:
         raise TraceInputError("; ".join(result.reasons()))
     # SystemExit, not ctx.exit(): click's non-standalone main() returns ctx.exit()'s code instead of exiting

@@ -215,7 +215,8 @@ class Gate:
         data["exceeded"] = [t.expr for t in exceeded]
         if not exceeded:
             limits = ", ".join(t.describe() for t in thresholds)
-            return Check(m.metric, "regression", "pass", f"{change}; within {limits}", data)
+            verdict = "improved" if delta < 0 else f"within {limits}"
+            return Check(m.metric, "regression", "pass", f"{change}; {verdict}", data)
         limits = ", ".join(t.describe() for t in exceeded)
         if delta <= floor_us:
             return Check(m.metric, "regression", "pass",

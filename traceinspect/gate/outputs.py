@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 # Characters XML 1.0 cannot hold at all, even escaped.
 _XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
-_MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+!|~>])")
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
 STATUS_MARK = {"pass": "✅ pass", "warn": "⚠️ warn", "fail": "❌ fail", "error": "⛔ error"}
 
 
@@ -68,6 +68,8 @@ def junit_xml(result: GateResult) -> str:
         settings["baseline"] = result.diff.base_label
         settings["candidate"] = result.diff.cand_label
     for k, v in settings.items():
+        if v is None:
+            continue
         ET.SubElement(props, "property", name=_xml_text(k),
                       value=_xml_text(", ".join(map(str, v)) if isinstance(v, list) else v))
     for c in checks:
