@@ -1,0 +1,556 @@
+"""``traceinspect capture`` against a stand-in SGLang server (tests/standin_sglang), plus unit tests.
+
+The stand-in profiles a tiny CPU model with torch, one process per simulated rank, so these tests
+need torch; they are skipped without it. CPU traces hold no GPU kernels, so the analyzer refuses
+them; the end-to-end ``--analyze`` test serves recorded GPU traces instead (``--gpu-trace-from``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from traceinspect.capture.errors import ConfigError
+from traceinspect.capture.layout import check_prefix, redact, redact_argv
+from traceinspect.capture.load import LoadSpec, bench_serving_command
+from traceinspect.capture.wait import RankWatcher, check_complete, expected_ranks
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+GPU_FIXTURE = ROOT / "fixtures" / "kv-gather-cast-eager"
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_AIOHTTP = importlib.util.find_spec("aiohttp") is not None
+needs_standin = pytest.mark.skipif(
+    not (HAS_TORCH and HAS_AIOHTTP),
+    reason="the stand-in SGLang server needs torch (CPU build) and aiohttp: pip install torch aiohttp")
+
+SECRET = "sk-standin-Zq81xLw0"
+LOAD = "concurrency=6,input=16,output=4000"  # requests outlive a capture: no prefill churn mid-window
+
+
+# -- the stand-in servers ---------------------------------------------------------------------------
+
+class Standin:
+    """A running ``python -m standin_sglang`` subprocess."""
+
+    def __init__(self, name: str, args: list[str], workdir: Path) -> None:
+        self.name = name
+        self.port_file = workdir / f"{name}.port"
+        self.log = workdir / f"{name}.log"
+        env = {**os.environ, "PYTHONPATH": str(TESTS)}
+        self._logf = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "standin_sglang", "--port-file", str(self.port_file), *args],
+            cwd=TESTS, env=env, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.url = ""
+
+    def wait_ready(self, deadline: float) -> None:
+        while not self.port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"stand-in {self.name} did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port_file.read_text().strip()}"
+
+    def state(self, key: str | None = None) -> dict:
+        h = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(self.url + "/standin/state", headers=h, timeout=5).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        self.reap()
+
+    def reap(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._logf.close()
+
+
+SERVERS = {
+    "main": ["--tp", "2"],
+    "keyed": ["--tp", "1", "--api-key", SECRET],
+    "old": ["--tp", "1", "--old"],
+    "silent": ["--tp", "2", "--silent-rank", "1"],
+    "forbid": ["--tp", "1", "--forbid-profile"],
+}
+if sorted(GPU_FIXTURE.glob("fixture-TP-*.trace.json.gz")):
+    SERVERS["gpu"] = ["--gpu-trace-from", str(GPU_FIXTURE)]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Standin]]:
+    """All stand-ins at once (started in parallel: each rank process imports torch)."""
+    if not (HAS_TORCH and HAS_AIOHTTP):
+        pytest.skip("the stand-in SGLang server needs torch and aiohttp")
+    work = tmp_path_factory.mktemp("standin")
+    started = {name: Standin(name, args, work) for name, args in SERVERS.items()}
+    try:
+        deadline = time.monotonic() + 90
+        for s in started.values():
+            s.wait_ready(deadline)
+        yield started
+    finally:
+        for s in started.values():
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGTERM)
+        for s in started.values():
+            s.reap()
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "TRACEINSPECT_API_KEY"}
+    full_env.update({"PYTHONPATH": str(ROOT), **(env or {})})
+    return subprocess.run([sys.executable, "-m", "traceinspect", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def capture_args(url: str, out: Path, *extra: str, steps: int = 3, load: str | None = LOAD) -> list[str]:
+    args = ["capture", "--url", url, "--out", str(out), "--steps", str(steps), "--ramp-timeout", "15"]
+    if load:
+        args += ["--load", load]
+    return args + list(extra)
+
+
+def traces(d: Path) -> list[Path]:
+    return sorted(d.glob("*.trace.json.gz"))
+
+
+def step_spans(path: Path) -> list[str]:
+    data = json.loads(gzip.decompress(path.read_bytes()))
+    return [e["name"] for e in data["traceEvents"] if str(e.get("name", "")).startswith("step[")]
+
+
+def no_traceback(p: subprocess.CompletedProcess) -> None:
+    assert "Traceback" not in p.stderr, p.stderr
+
+
+# -- the full capture path ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def full_capture(servers: dict[str, Standin], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    out = tmp_path_factory.mktemp("full") / "cap"
+    p = run_cli(*capture_args(servers["main"].url, out, "--timeout", "30"))
+    assert p.returncode == 0, p.stderr
+    return out, Path(p.stdout.strip())
+
+
+@pytest.mark.timeout(60)
+def test_full_capture_writes_every_rank_and_metadata(full_capture: tuple[Path, Path]) -> None:
+    out, printed = full_capture
+    assert printed == out.resolve()
+    files = traces(out)
+    assert [f.name.split("-TP-")[1] for f in files] == ["0-DECODE.trace.json.gz", "1-DECODE.trace.json.gz"]
+    for f in files:
+        assert check_complete(f) is None
+        assert step_spans(f) == ["step[DECODE bs=6]"] * 3  # exactly num_steps decode batches, full batch
+
+    info = json.loads((out / "server_info.json").read_text())
+    for key in ("tp_size", "dp_size", "ep_size", "pp_size", "model_path", "quantization", "kv_cache_dtype",
+                "max_total_num_tokens", "attention_backend", "moe_runner_backend", "max_running_requests",
+                "cuda_graph_max_bs", "internal_states", "version"):
+        assert key in info, key
+    assert info["tp_size"] == 2 and info["model_info"]["architectures"] == ["LlamaForCausalLM"]
+
+    cap = json.loads((out / "capture.json").read_text())
+    assert cap["status"] == "complete" and cap["reason"] is None
+    assert cap["expected_ranks"] == ["TP-0", "TP-1"] and cap["missing_ranks"] == []
+    assert {f["name"] for f in cap["files"]} == {f.name for f in files}
+    assert all(f["complete"] and len(f["sha256"]) == 64 for f in cap["files"])
+    req = cap["profile_request"]
+    assert req["profile_by_stage"] is True and req["num_steps"] == 3 and req["output_dir"] == str(out.resolve())
+    assert all(f.name.startswith(f"traceinspect-{cap['profile_id']}-TP-") for f in files)
+    assert cap["profiler_reset"] == "ok"
+    assert cap["running_batch_at_start"] == 6 and set(cap["timings_s"]) >= {"ramp", "start_profile", "wait"}
+
+
+@pytest.mark.timeout(60)
+def test_cpu_traces_are_refused_by_the_analyzer(full_capture: tuple[Path, Path]) -> None:
+    """CPU-only traces carry no kernels; the analyzer must say so rather than invent a GPU."""
+    out, _ = full_capture
+    p = run_cli("analyze", str(out))
+    if "No such command" in p.stderr:
+        pytest.skip("the analyze command is not available")
+    assert p.returncode == 2
+    assert "no GPU kernel" in p.stderr or "CUPTI" in p.stderr, p.stderr
+    no_traceback(p)
+
+
+@pytest.mark.timeout(90)
+def test_capture_analyze_end_to_end_with_recorded_gpu_traces(servers: dict[str, Standin], tmp_path: Path) -> None:
+    if "gpu" not in servers:
+        pytest.skip(f"no recorded GPU traces in {GPU_FIXTURE}")
+    if importlib.util.find_spec("traceinspect.analysis") is None:
+        pytest.skip("traceinspect.analysis is not available")
+    out = tmp_path / "cap"
+    p = run_cli(*capture_args(servers["gpu"].url, out, "--analyze", "--timeout", "30"), timeout=80)
+    assert p.returncode == 0, p.stderr
+    n = len(sorted(GPU_FIXTURE.glob("fixture-TP-*.trace.json.gz")))
+    assert len(traces(out)) == n
+    analysis = json.loads((out / "analysis.json").read_text())
+    assert analysis
+    if importlib.util.find_spec("traceinspect.render.html") is not None:
+        assert (out / "report.html").is_file()
+    cap = json.loads((out / "capture.json").read_text())
+    assert cap["status"] == "complete" and cap["analysis"]["status"] == "ok"
+
+
+@pytest.mark.timeout(60)
+def test_python_api_capture(servers: dict[str, Standin], tmp_path: Path) -> None:
+    import traceinspect
+
+    res = traceinspect.capture(servers["main"].url, tmp_path / "api", steps=2, load=LOAD, timeout=30,
+                               ramp_timeout=15, phase="all")
+    assert res.complete and res.missing == [] and len(res.files) == 2
+    assert [f.name.split("-TP-")[1] for f in res.files] == ["0.trace.json.gz", "1.trace.json.gz"]
+    assert all(step_spans(f) == ["step[DECODE bs=6]"] * 2 for f in res.files)  # the next 2 batches
+    assert res.server_info["tp_size"] == 2
+    assert callable(traceinspect.capture)  # still callable once the package is imported
+
+
+# -- failure modes ------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(30)
+def test_server_down_exits_2_with_message(tmp_path: Path) -> None:
+    p = run_cli("capture", "--url", f"http://127.0.0.1:{_free_port()}", "--out", str(tmp_path / "o"))
+    assert p.returncode == 2
+    assert "connection refused" in p.stderr and "is it running" in p.stderr
+    assert p.stderr.count("\n") == 1  # one line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("prefix", ["../evil", "a/b", "..", ".hidden", "x\\y"])
+def test_prefix_that_could_escape_out_is_rejected(prefix: str, tmp_path: Path) -> None:
+    p = run_cli("capture", "--url", f"http://127.0.0.1:{_free_port()}", "--out", str(tmp_path / "o"),
+                "--prefix", prefix)
+    assert p.returncode == 2 and "prefix" in p.stderr
+    assert "connection refused" not in p.stderr  # refused before any request
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(ConfigError):
+        check_prefix(prefix)
+
+
+@pytest.mark.timeout(60)
+def test_api_key_missing_wrong_and_right_and_never_written(servers: dict[str, Standin], tmp_path: Path) -> None:
+    url = servers["keyed"].url
+    p = run_cli(*capture_args(url, tmp_path / "nokey"))
+    assert p.returncode == 2 and "requires an API key" in p.stderr and "HTTP 401" in p.stderr
+    no_traceback(p)
+
+    wrong = "sk-wrong-Kq7aa19"  # given through the environment
+    p = run_cli(*capture_args(url, tmp_path / "wrong"), env={"TRACEINSPECT_API_KEY": wrong})
+    assert p.returncode == 2 and "rejected the API key" in p.stderr
+    assert wrong not in p.stderr + p.stdout
+
+    out = tmp_path / "right"
+    p = run_cli(*capture_args(url, out, "--api-key", SECRET, "--timeout", "30"))
+    assert p.returncode == 0, p.stderr
+    assert len(traces(out)) == 1
+    assert SECRET not in p.stderr + p.stdout
+
+    # the server reports its api_key in /server_info, as SGLang does: it must not reach the disk
+    raw = httpx.get(url + "/server_info", headers={"Authorization": f"Bearer {SECRET}"}).json()
+    assert raw["api_key"] == SECRET
+    written = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert len(written) >= 3
+    for f in written:
+        data = f.read_bytes()
+        assert SECRET.encode() not in data, f
+        if f.suffix == ".gz":
+            assert SECRET.encode() not in gzip.decompress(data), f
+    info = json.loads((out / "server_info.json").read_text())
+    assert info["api_key"] == "<redacted>"
+    cap = json.loads((out / "capture.json").read_text())
+    assert cap["command"][cap["command"].index("--api-key") + 1] == "<redacted>"
+
+
+@pytest.mark.timeout(30)
+def test_forbidden_profile_endpoint_exits_2(servers: dict[str, Standin], tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    p = run_cli(*capture_args(servers["forbid"].url, out))
+    assert p.returncode == 2 and "HTTP 403" in p.stderr and "admin API key" in p.stderr
+    cap = json.loads((out / "capture.json").read_text())
+    assert cap["status"] == "incomplete" and "403" in cap["reason"]
+    assert servers["forbid"].state()["running"] == 0  # the load was stopped
+
+
+@pytest.mark.timeout(60)
+def test_old_server_falls_back_to_get_server_info(servers: dict[str, Standin], tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    p = run_cli(*capture_args(servers["old"].url, out, "--timeout", "30"))
+    assert p.returncode == 0, p.stderr
+    assert "/get_server_info" in p.stderr
+    cap = json.loads((out / "capture.json").read_text())
+    assert cap["server_info_endpoint"] == "/get_server_info"
+    assert cap["model_info_endpoint"] == "/get_model_info"
+    assert cap["status"] == "complete"
+    assert any("profile_by_stage" in w for w in cap["warnings"])
+    # old releases ignore profile_prefix: "{profile_id}-TP-{r}.trace.json.gz"
+    assert [f.name for f in traces(out)] == [f"{cap['profile_id']}-TP-0.trace.json.gz"]
+    info = json.loads((out / "server_info.json").read_text())
+    assert info["version"].startswith("0.4") and info["model_info"]["is_generation"] is True
+    assert all(step_spans(f) == [] for f in traces(out))  # no step spans in old releases
+
+
+@pytest.mark.timeout(60)
+def test_profile_already_in_progress(servers: dict[str, Standin], tmp_path: Path) -> None:
+    s = servers["main"]
+    other = tmp_path / "someone-else"
+    r = httpx.post(s.url + "/start_profile", json={"output_dir": str(other), "profile_id": "theirs"})
+    assert r.status_code == 200 and r.text == "Start profiling.\n"
+    try:
+        out = tmp_path / "o"
+        p = run_cli(*capture_args(s.url, out))
+        assert p.returncode == 2
+        assert "already in progress" in p.stderr and "HTTP 500" in p.stderr and "/stop_profile" in p.stderr
+        no_traceback(p)
+        cap = json.loads((out / "capture.json").read_text())
+        assert cap["status"] == "incomplete" and "already in progress" in cap["reason"]
+        assert not other.exists()  # their profile was not stopped by us
+    finally:
+        r = httpx.post(s.url + "/stop_profile")
+    assert r.status_code == 200 and r.text == "Stop profiling. This will take some time.\n"
+    assert len(list(other.glob("theirs-TP-*.trace.json.gz"))) == 2
+
+
+@pytest.mark.timeout(60)
+def test_timeout_names_the_missing_rank(servers: dict[str, Standin], tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    p = run_cli(*capture_args(servers["silent"].url, out, "--timeout", "3"))
+    assert p.returncode == 2
+    assert "1 of 2 rank files complete; missing TP-1" in p.stderr
+    assert "no traffic" in p.stderr and "not visible from the server" in p.stderr
+    cap = json.loads((out / "capture.json").read_text())
+    assert cap["status"] == "incomplete" and cap["missing_ranks"] == ["TP-1"]
+    assert [f["rank"] for f in cap["files"] if f["complete"]] == ["TP-0"]
+
+
+@pytest.mark.timeout(60)
+def test_timeout_with_no_file_says_directory_may_not_be_visible(servers: dict[str, Standin],
+                                                                tmp_path: Path) -> None:
+    """The server writes somewhere this host doesn't look (as on another host): files never appear here."""
+    out, elsewhere = tmp_path / "o", tmp_path / "server-side"
+    p = run_cli(*capture_args(servers["main"].url, out, "--timeout", "2", "--server-out-dir", str(elsewhere),
+                              steps=100000))
+    assert p.returncode == 2
+    assert "no trace file appeared" in p.stderr and "may not be visible from the server" in p.stderr
+    assert "stopped a running profile" in p.stderr
+    assert traces(out) == [] and len(traces(elsewhere)) == 2  # written on the "server side" when stopped
+    assert json.loads((out / "capture.json").read_text())["status"] == "incomplete"
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_load_and_profile_and_marks_incomplete(servers: dict[str, Standin], tmp_path: Path) -> None:
+    s = servers["main"]
+    stops = s.state()["calls"]["stop_profile"]
+    out = tmp_path / "o"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traceinspect", *capture_args(s.url, out, "--timeout", "60", steps=100000)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, stdin=subprocess.DEVNULL)
+    assert proc.stderr is not None
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("waiting for"):
+            break
+    assert s.state()["running"] == 6
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    rc = proc.wait(30)
+    assert rc == 130, "".join(lines) + rest
+    assert "interrupted" in rest and "Traceback" not in rest
+    cap = json.loads((out / "capture.json").read_text())
+    assert cap["status"] == "incomplete" and cap["reason"].startswith("interrupted")
+    assert cap["stop_profile"]["ok"] is True
+    assert s.state()["calls"]["stop_profile"] == stops + 1
+    kept = traces(out)  # the stop wrote what was recorded so far; it is kept
+    assert len(kept) == 2 and all(check_complete(f) is None for f in kept)
+    assert {f["name"] for f in cap["files"]} == {f.name for f in kept}
+    deadline = time.monotonic() + 5
+    while s.state()["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert s.state()["running"] == 0  # the load was stopped
+
+
+@pytest.mark.timeout(60)
+def test_earlier_capture_in_out_is_not_mixed(servers: dict[str, Standin], tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    out.mkdir()
+    old = out / "traceinspect-111.0_aaaa-TP-0-DECODE.trace.json.gz"
+    old_bytes = gzip.compress(b'{"traceEvents": []}')
+    old.write_bytes(old_bytes)
+    (out / "server_info.json").write_text('{"tp_size": 8}')
+    p = run_cli(*capture_args(servers["main"].url, out, "--timeout", "30"))
+    assert p.returncode == 0, p.stderr
+    sub = Path(p.stdout.strip())
+    assert sub.parent == out.resolve() and sub.name.startswith("capture-")
+    assert "already holds files of an earlier capture" in p.stderr and old.name in p.stderr
+    assert old.read_bytes() == old_bytes
+    assert json.loads((out / "server_info.json").read_text()) == {"tp_size": 8}
+    assert traces(out) == [old]
+    cap = json.loads((sub / "capture.json").read_text())
+    assert len(traces(sub)) == 2 and all(cap["profile_id"] in f.name for f in traces(sub))
+
+
+# -- units -----------------------------------------------------------------------------------------------
+
+def test_load_spec_parsing() -> None:
+    spec = LoadSpec.parse("concurrency=256,input=1024,output=2048")
+    assert (spec.concurrency, spec.input, spec.output, spec.driver) == (256, 1024, 2048, "builtin")
+    assert LoadSpec.parse("c=4,in=8,out=16,driver=bench-serving").driver == "bench_serving"
+    for bad in ("concurrency=0", "concurrency=x", "speed=3", "driver=locust", "concurrency"):
+        with pytest.raises(ConfigError):
+            LoadSpec.parse(bad)
+
+
+def test_bench_serving_command_never_passes_request_rate() -> None:
+    cmd = bench_serving_command("http://127.0.0.1:30000", LoadSpec.parse("concurrency=256,input=1024,output=2048"))
+    assert "--request-rate" not in cmd
+    assert cmd[cmd.index("--max-concurrency") + 1] == "256"
+    assert cmd[cmd.index("--dataset-name") + 1] == "random-ids"
+    assert cmd[cmd.index("--random-range-ratio") + 1] == "1.0"
+    assert cmd[cmd.index("--num-prompts") + 1] == str(5 * 256)
+
+
+def test_expected_ranks_follow_sglang_naming() -> None:
+    assert [k.label for k in expected_ranks({"tp_size": 8})] == [f"TP-{r}" for r in range(8)]
+    ep = expected_ranks({"tp_size": 8, "ep_size": 8})
+    assert [k.label for k in ep][:2] == ["TP-0-EP-0", "TP-1-EP-1"]
+    dp = expected_ranks({"tp_size": 4, "dp_size": 2})
+    assert len(dp) == 8 and dp[4].label == "TP-0-DP-1"
+    attn = expected_ranks({"tp_size": 8, "dp_size": 8, "enable_dp_attention": True})
+    assert len(attn) == 8 and attn[3].label == "TP-3-DP-3"
+    attn2 = expected_ranks({"tp_size": 8, "dp_size": 1, "attn_dp_size": 4})
+    assert [k.dp for k in attn2] == [0, 0, 1, 1, 2, 2, 3, 3]
+    pp = expected_ranks({"tp_size": 2, "pp_size": 2})
+    assert [k.label for k in pp] == ["TP-0-PP-0", "TP-1-PP-0", "TP-0-PP-1", "TP-1-PP-1"]
+    assert len(expected_ranks({"tp_size": None})) == 1
+
+
+def test_watcher_waits_for_complete_gzip(tmp_path: Path) -> None:
+    stem = "p-1.5_ab"
+    w = RankWatcher(tmp_path, stem, expected_ranks({"tp_size": 2}), "DECODE", stable_s=0.0)
+    body = gzip.compress(json.dumps({"traceEvents": [{"name": "x"}] * 2000}).encode())
+    (tmp_path / f"{stem}-TP-0-DECODE.trace.json.gz").write_bytes(body[: len(body) // 2])  # being written
+    (tmp_path / f"{stem}-TP-1-DECODE.trace.json.gz").write_bytes(body)
+    (tmp_path / f"other-{stem}-TP-0-DECODE.trace.json.gz").write_bytes(body)  # another capture
+    (tmp_path / "p-9.9_zz-TP-0-DECODE.trace.json.gz").write_bytes(body)  # another capture
+    for _ in range(2):
+        w.poll()
+    res = w.result(False, 0.0)
+    assert [k.label for k in res.missing] == ["TP-0"] and len(res.files) == 2
+    assert "truncated" in w.pending_note()
+    (tmp_path / f"{stem}-TP-0-DECODE.trace.json.gz").write_bytes(body)
+    for _ in range(2):
+        w.poll()
+    assert w.done()
+    assert check_complete(tmp_path / f"{stem}-TP-1-DECODE.trace.json.gz") is None
+    (tmp_path / "plain.gz").write_bytes(b"not gzip")
+    assert "gzip" in (check_complete(tmp_path / "plain.gz") or "")
+
+
+def test_redaction() -> None:
+    info = {"api_key": "k1", "admin_api_key": None, "ssl_keyfile_password": "pw", "hf_token": "t",
+            "max_prefill_tokens": 5, "kv_cache_dtype": "fp8_e4m3",
+            "launch_command": "python -m sglang.launch_server --api-key k1 --admin-api-key=k2 --tp 8",
+            "internal_states": [{"api_key": "k1", "note": "uses k1 inside"}]}
+    out = redact(info, ["k1"])
+    assert out["api_key"] == "<redacted>" and out["admin_api_key"] is None
+    assert out["ssl_keyfile_password"] == "<redacted>" and out["hf_token"] == "<redacted>"
+    assert out["max_prefill_tokens"] == 5 and out["kv_cache_dtype"] == "fp8_e4m3"
+    assert "k1" not in json.dumps(out) and "k2" not in out["launch_command"]
+    assert redact_argv(["capture", "--api-key", "k1", "--api-key=k1", "--url", "u"], ["k1"]) == [
+        "capture", "--api-key", "<redacted>", "--api-key=<redacted>", "--url", "u"]
+
+
+def test_progress_on_a_terminal_hides_secrets() -> None:
+    from traceinspect.capture.ui import CaptureUI
+
+    buf = io.StringIO()
+    ui = CaptureUI(stream=buf, force_terminal=True, secrets=("sekrit",))
+    with ui.progress("rank files", 2, "ranks") as update:
+        update(1, 2, "waiting for TP-1 sekrit")
+    ui.info("key sekrit")
+    assert "rank files" in buf.getvalue() and "sekrit" not in buf.getvalue()
+    quiet = io.StringIO()
+    with CaptureUI(stream=quiet).progress("x", 1, "y") as update:  # not a terminal: no progress
+        update(1, 1, "")
+    assert quiet.getvalue() == ""
+
+
+def test_analyze_into_writes_json_or_html(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from traceinspect.capture.report import analyze_into
+
+    seen = {}
+
+    class FakeAnalysis:
+        def to_json(self) -> dict:
+            return {"schema": "fake"}
+
+    def analyze(paths, phase="decode", command=None):  # noqa: ANN001
+        seen.update(paths=paths, phase=phase, command=command)
+        return FakeAnalysis()
+
+    monkeypatch.setitem(sys.modules, "traceinspect.analysis", types.SimpleNamespace(analyze=analyze))
+    monkeypatch.setitem(sys.modules, "traceinspect.render.html", None)  # absent
+    _, written = analyze_into(tmp_path, command="traceinspect capture --api-key <redacted>")
+    assert [p.name for p in written] == ["analysis.json"] and seen["command"].endswith("<redacted>")
+    assert json.loads((tmp_path / "analysis.json").read_text()) == {"schema": "fake"}
+
+    def write_html(analysis, path) -> None:  # noqa: ANN001
+        Path(path).write_text("<html></html>")
+
+    monkeypatch.setitem(sys.modules, "traceinspect.render.html", types.SimpleNamespace(write_html=write_html))
+    _, written = analyze_into(tmp_path)
+    assert [p.name for p in written] == ["report.html", "analysis.json"]
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="profile_steps needs torch")
+def test_profile_steps_in_process(tmp_path: Path) -> None:
+    import torch
+
+    from traceinspect.capture import profile_steps
+    from traceinspect.load.discover import parse_name
+
+    with profile_steps(tmp_path, rank=1, prefix="mine", profile_id="42.5", server_info={"tp_size": 2}) as prof:
+        for bs in (8, 8, 8):
+            with prof.step(bs=bs):
+                torch.mm(torch.randn(bs, 16), torch.randn(16, 16))
+    assert prof.path == tmp_path / "mine-42.5-TP-1-DECODE.trace.json.gz"
+    assert [p.name for p in tmp_path.iterdir()] == [prof.path.name]  # rank 1 writes no server_info
+    assert step_spans(prof.path) == ["step[DECODE bs=8]"] * 3
+    rf = parse_name(prof.path)
+    assert (rf.tp, rf.stage, rf.profile_id) == (1, "DECODE", "42.5")
+    with profile_steps(tmp_path, rank=0, prefix="mine", profile_id="42.5", server_info={"tp_size": 2}) as p0, \
+            p0.step(bs=2):
+        torch.ones(2).sum()
+    assert json.loads((tmp_path / "server_info.json").read_text()) == {"tp_size": 2}
+    with pytest.raises(ConfigError), profile_steps(tmp_path, prefix="../x"):
+        pass

@@ -1,0 +1,41 @@
+"""Errors raised while capturing traces from a live server (all exit 2 through the CLI, or 130 on Ctrl-C)."""
+
+from __future__ import annotations
+
+from traceinspect.errors import ConfigError, TraceInspectError
+
+__all__ = [
+    "CaptureError",
+    "ServerUnreachable",
+    "AuthError",
+    "ProfileRejected",
+    "CaptureIncomplete",
+    "CaptureInterrupted",
+    "ConfigError",
+]
+
+
+class CaptureError(TraceInspectError):
+    """A capture could not be made."""
+
+
+class ServerUnreachable(CaptureError):
+    """The server refused the connection, timed out or is not an SGLang server."""
+
+
+class AuthError(CaptureError):
+    """The server answered 401/403: a missing or wrong API key."""
+
+
+class ProfileRejected(CaptureError):
+    """``/start_profile`` failed, usually because a profile is already in progress."""
+
+
+class CaptureIncomplete(CaptureError):
+    """The capture ended without every rank's file; ``capture.json`` says ``incomplete``."""
+
+
+class CaptureInterrupted(CaptureIncomplete):
+    """Ctrl-C during a capture: the profile was stopped and what was written is kept."""
+
+    exit_code = 130

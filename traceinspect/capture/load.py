@@ -1,0 +1,338 @@
+"""Driving decode traffic during a capture.
+
+``--load concurrency=256,input=1024,output=2048`` keeps ``concurrency`` requests in flight, each with
+``input`` prompt tokens and ``output`` generated tokens (``ignore_eos``), so the running batch stays
+full while the profiler records. Two drivers:
+
+* ``builtin`` (default): an async httpx client posting ``input_ids`` to ``/generate``; needs no tokenizer.
+* ``bench_serving``: ``python -m sglang.bench_serving`` (sglang installed) with ``--dataset-name random-ids``
+  and ``--max-concurrency``. ``--request-rate`` is left at its default (inf): ``--request-rate -1``
+  with ``--max-concurrency`` crashes bench_serving (``np.random.exponential(1/-1)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from traceinspect.capture.errors import ConfigError
+
+DRIVERS = ("builtin", "bench_serving")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What traffic to drive."""
+
+    concurrency: int = 64
+    input: int = 1024
+    output: int = 2048
+    prompts: int | None = None  # bench_serving --num-prompts (default 5 x concurrency)
+    driver: str = "builtin"
+
+    @classmethod
+    def parse(cls, text: str) -> LoadSpec:
+        """Parse ``concurrency=256,input=1024,output=2048[,prompts=N][,driver=builtin|bench_serving]``."""
+        aliases = {"c": "concurrency", "conc": "concurrency", "in": "input", "input_len": "input",
+                   "isl": "input", "out": "output", "output_len": "output", "osl": "output",
+                   "num_prompts": "prompts", "n": "prompts"}
+        kw: dict[str, Any] = {}
+        for part in (p.strip() for p in text.split(",")):
+            if not part:
+                continue
+            k, eq, v = part.partition("=")
+            k = aliases.get(k.strip().lower().replace("-", "_"), k.strip().lower())
+            if not eq or k not in ("concurrency", "input", "output", "prompts", "driver"):
+                raise ConfigError(
+                    f"bad --load item {part!r}: expected concurrency=N,input=N,output=N[,prompts=N]"
+                    "[,driver=builtin|bench_serving]")
+            if k == "driver":
+                v = v.strip().replace("-", "_")
+                if v not in DRIVERS:
+                    raise ConfigError(f"unknown load driver {v!r}; use one of {', '.join(DRIVERS)}")
+                kw[k] = v
+                continue
+            try:
+                n = int(v)
+            except ValueError:
+                raise ConfigError(f"--load {k} must be an integer, got {v!r}") from None
+            if n < 1:
+                raise ConfigError(f"--load {k} must be at least 1, got {n}")
+            kw[k] = n
+        return cls(**kw)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"concurrency": self.concurrency, "input": self.input, "output": self.output,
+                "prompts": self.prompts, "driver": self.driver}
+
+
+def bench_serving_module() -> str | None:
+    """The importable bench_serving module of the installed sglang, without importing sglang."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(list(spec.submodule_search_locations)[0])
+    if (root / "benchmark" / "serving.py").is_file():
+        return "sglang.benchmark.serving"
+    if (root / "bench_serving.py").is_file():
+        return "sglang.bench_serving"
+    return None
+
+
+def bench_serving_command(url: str, spec: LoadSpec, module: str = "sglang.bench_serving",
+                          model: str | None = None, tokenizer: str | None = None) -> list[str]:
+    """The bench_serving command line for ``spec`` (never ``--request-rate``: see the module doc)."""
+    cmd = [
+        sys.executable, "-m", module, "--backend", "sglang", "--base-url", url,
+        "--dataset-name", "random-ids",
+        "--random-input-len", str(spec.input), "--random-output-len", str(spec.output),
+        "--random-range-ratio", "1.0",
+        "--num-prompts", str(spec.prompts or 5 * spec.concurrency),
+        "--max-concurrency", str(spec.concurrency),
+        "--disable-tqdm",
+    ]
+    if model:
+        cmd += ["--model", model]
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
+    assert "--request-rate" not in cmd
+    return cmd
+
+
+class LoadDriver:
+    """Common interface: start(), in_flight, error, stop()."""
+
+    name = "none"
+
+    def start(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 10.0) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @property
+    def in_flight(self) -> int | None:
+        return None
+
+    @property
+    def error(self) -> str | None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass
+class _Counters:
+    sent: int = 0
+    finished: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    last_error: str | None = None
+    statuses: dict[int, int] = field(default_factory=dict)
+
+
+class BuiltinLoad(LoadDriver):
+    """Keeps ``concurrency`` ``/generate`` requests in flight from a background thread."""
+
+    name = "builtin"
+
+    def __init__(self, url: str, spec: LoadSpec, api_key: str | None = None, seed: int = 0) -> None:
+        self.url = url
+        self.spec = spec
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._rng = random.Random(seed)
+        self._c = _Counters()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._started = threading.Event()
+
+    def __repr__(self) -> str:
+        return f"BuiltinLoad({self.url!r}, {self.spec!r})"
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="traceinspect-load", daemon=True)
+        self._thread.start()
+        self._started.wait(10)
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        finally:
+            loop.close()
+
+    async def _main(self) -> None:
+        self._stop_event = asyncio.Event()
+        limits = httpx.Limits(max_connections=self.spec.concurrency + 4,
+                              max_keepalive_connections=self.spec.concurrency + 4)
+        timeout = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=None)
+        async with httpx.AsyncClient(base_url=self.url, headers=self._headers, limits=limits,
+                                     timeout=timeout, trust_env=False) as client:
+            workers = [asyncio.create_task(self._worker(client, i)) for i in range(self.spec.concurrency)]
+            self._started.set()
+            await self._stop_event.wait()
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+
+    async def _worker(self, client: httpx.AsyncClient, i: int) -> None:
+        assert self._stop_event is not None
+        while not self._stop_event.is_set():
+            body = {
+                "input_ids": [self._rng.randrange(1000, 10000) for _ in range(self.spec.input)],
+                "sampling_params": {"max_new_tokens": self.spec.output, "temperature": 0.0,
+                                    "ignore_eos": True},
+                "stream": False,
+            }
+            with self._lock:
+                self._c.sent += 1
+                self._c.in_flight += 1
+            try:
+                r = await client.post("/generate", json=body)
+                with self._lock:
+                    self._c.statuses[r.status_code] = self._c.statuses.get(r.status_code, 0) + 1
+                    if r.status_code == 200:
+                        self._c.finished += 1
+                    else:
+                        self._c.failed += 1
+                        self._c.last_error = f"/generate answered HTTP {r.status_code}"
+                if r.status_code != 200:
+                    await asyncio.sleep(0.5)
+            except asyncio.CancelledError:
+                raise
+            except httpx.HTTPError as e:
+                with self._lock:
+                    self._c.failed += 1
+                    self._c.last_error = f"/generate failed: {type(e).__name__}"
+                await asyncio.sleep(0.5)
+            finally:
+                with self._lock:
+                    self._c.in_flight -= 1
+
+    @property
+    def in_flight(self) -> int | None:
+        with self._lock:
+            return self._c.in_flight
+
+    @property
+    def error(self) -> str | None:
+        with self._lock:
+            # only an error while nothing succeeds: a few failures under a full server are normal
+            if self._c.failed >= max(3, self.spec.concurrency) and self._c.finished == 0:
+                return self._c.last_error
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"sent": self._c.sent, "finished": self._c.finished, "failed": self._c.failed,
+                    "statuses": {str(k): v for k, v in sorted(self._c.statuses.items())}}
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel every request (the server aborts them when the connection closes) and join."""
+        loop, ev = self._loop, self._stop_event
+        if loop is not None and ev is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(ev.set)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+class BenchServingLoad(LoadDriver):
+    """Runs sglang's bench_serving as a subprocess; the API key goes through its environment."""
+
+    name = "bench_serving"
+
+    def __init__(self, url: str, spec: LoadSpec, api_key: str | None = None,
+                 model: str | None = None, tokenizer: str | None = None, log_path: Path | None = None) -> None:
+        module = bench_serving_module()
+        if module is None:
+            raise ConfigError("driver=bench_serving needs sglang installed (pip install sglang); "
+                              "or use the builtin driver")
+        self.cmd = bench_serving_command(url, spec, module, model=model, tokenizer=tokenizer)
+        self._env = dict(os.environ)
+        if api_key:
+            self._env["OPENAI_API_KEY"] = api_key  # bench_serving sends it as a Bearer token
+        self._log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    def start(self) -> None:
+        out = subprocess.DEVNULL
+        if self._log_path is not None:
+            self._log = open(self._log_path, "wb")  # noqa: SIM115 - closed in stop()
+            out = self._log
+        self._proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self._env,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+
+    @property
+    def error(self) -> str | None:
+        if self._proc is not None and self._proc.poll() is not None:
+            return f"bench_serving exited with code {self._proc.returncode}"
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        rc = self._proc.poll() if self._proc is not None else None
+        return {"command": self.cmd, "returncode": rc}
+
+    def stop(self, timeout: float = 10.0) -> None:
+        p = self._proc
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def make_driver(url: str, spec: LoadSpec, api_key: str | None = None, model: str | None = None,
+                tokenizer: str | None = None, log_path: Path | None = None) -> LoadDriver:
+    """The driver ``spec.driver`` names."""
+    if spec.driver == "bench_serving":
+        return BenchServingLoad(url, spec, api_key=api_key, model=model, tokenizer=tokenizer, log_path=log_path)
+    return BuiltinLoad(url, spec, api_key=api_key)
+
+
+def wait_for_batch(read_running: Any, target: int, timeout_s: float, driver: LoadDriver | None = None,
+                   poll_s: float = 0.5, progress: Any = None) -> tuple[int | None, float, str | None]:
+    """Wait until the server's running batch reaches ``target``.
+
+    ``read_running()`` returns the running request count or None when the server doesn't report it
+    (then the driver's in-flight count stands in). Returns ``(last count, seconds waited, problem)``.
+    """
+    t0 = time.monotonic()
+    last: int | None = None
+    while True:
+        n = read_running()
+        source = "server"
+        if n is None and driver is not None:
+            n, source = driver.in_flight, "client"
+        last = n
+        if progress is not None:
+            progress(n, target, source)
+        if n is not None and n >= target:
+            return n, time.monotonic() - t0, None
+        if driver is not None and driver.error:
+            return n, time.monotonic() - t0, driver.error
+        if time.monotonic() - t0 >= timeout_s:
+            return last, time.monotonic() - t0, "timeout"
+        time.sleep(poll_s)
