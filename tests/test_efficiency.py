@@ -1,0 +1,328 @@
+"""GEMM / memory efficiency: FLOPs and bytes from recorded shapes, % of the right dtype's peak, per-expert
+M of MoE GEMMs, shape recovery for CUDA-graph replays from the capture trace, and the GPU spec table."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import copy_set, fixture_dir, manifest
+
+from traceinspect.analysis import Options, analyze
+from traceinspect.errors import ConfigError
+from traceinspect.measure.gemm import ShapeCache, measure_efficiency, short_name
+from traceinspect.measure.specs import load_gpu_specs, match_gpu, resolve_gpu
+from traceinspect.model import DeviceInfo
+
+_CACHE: dict[str, object] = {}
+
+
+def _analysis(variant: str):
+    if variant not in _CACHE:
+        _CACHE[variant] = analyze(fixture_dir(variant), Options(command="test"))
+    return _CACHE[variant]
+
+
+def _spec(name: str):
+    return next(s for s in load_gpu_specs() if s.name == name)
+
+
+def _dims(a, kernel_row) -> tuple[list, list]:
+    """The recorded Input Dims / Input type of the op that launched a kernel, read independently."""
+    op = a.trace.cpu_ops.loc[a.kernels.loc[kernel_row, "op_idx"]]
+    return json.loads(op["input_dims"]), json.loads(op["input_types"])
+
+
+# ----------------------------------------------------------------------------- spec table
+
+
+@pytest.mark.parametrize(("device", "cc", "expected"), [
+    ("NVIDIA H200", "9.0", "H200"),
+    ("NVIDIA H200 NVL", "9.0", "H200 NVL"),
+    ("NVIDIA H100 80GB HBM3", "9.0", "H100 SXM"),
+    ("NVIDIA H100 PCIe", "9.0", "H100 PCIe"),
+    ("NVIDIA RTX PRO 6000 Blackwell Server Edition", "12.0", "RTX PRO 6000 Blackwell Server Edition"),
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "12.0", "RTX PRO 6000 Blackwell"),
+    ("NVIDIA B200", "10.0", "B200"),
+    ("NVIDIA GB200", "10.0", "GB200"),
+    ("NVIDIA GeForce RTX 5090", "12.0", "RTX 5090"),
+    ("NVIDIA A100-SXM4-80GB", "8.0", "A100 SXM4 80GB"),
+    ("NVIDIA A100 80GB PCIe", "8.0", "A100 80GB PCIe"),
+    ("NVIDIA A100-SXM4-40GB", "8.0", "A100 40GB"),
+    ("AMD Instinct MI300X", "9.4", "MI300X"),
+])
+def test_spec_matching(device: str, cc: str, expected: str) -> None:
+    spec = match_gpu(device, cc)
+    assert spec is not None and spec.name == expected
+
+
+def test_spec_table_is_complete_and_dense() -> None:
+    specs = {s.name: s for s in load_gpu_specs()}
+    for name in ("H100 SXM", "H200", "B200", "GB200", "RTX PRO 6000 Blackwell Server Edition", "RTX 5090",
+                 "A100 SXM4 80GB", "MI300X"):
+        s = specs[name]
+        assert s.mem_bw_gbps and s.source and {"bf16", "tf32", "fp32"} <= set(s.peak_tflops)
+    # dense figures: half of the datasheets' with-sparsity numbers
+    assert specs["H200"].peak("fp8") == pytest.approx(3958 / 2)
+    assert specs["H200"].peak("bf16") == pytest.approx(1979 / 2)
+    assert specs["B200"].peak("fp4") == pytest.approx(18000 / 2)
+    assert specs["MI300X"].peak("fp8") == pytest.approx(2614.9)
+    # no fp8/fp4 tensor path on Ampere: unknown, not zero
+    assert specs["A100 SXM4 80GB"].peak("fp8") is None
+    for s in specs.values():  # the Blackwell parts have fp4, Hopper/CDNA3 do not
+        assert ("fp4" in s.peak_tflops) == (s.compute_capability in ("10.0", "12.0"))
+
+
+def test_unknown_and_ambiguous_gpu() -> None:
+    spec, why = resolve_gpu("NVIDIA L4", "8.9")
+    assert spec is None and "not in the GPU table" in why and "--gpu" in why
+    spec, why = resolve_gpu("Some Hopper", "9.0")  # H100 and H200 share 9.0: no guess
+    assert spec is None and "H200" in why and "H100 SXM" in why
+    spec, why = resolve_gpu(None, None)
+    assert spec is None and "deviceProperties" in why
+
+
+def test_spec_override(tmp_path: Path) -> None:
+    spec, why = resolve_gpu("NVIDIA H200", "9.0", override="b200")
+    assert spec is not None and spec.name == "B200" and "--gpu" in why
+    f = tmp_path / "mygpu.yaml"
+    f.write_text("gpus:\n  - name: Lab GPU\n    match: ['nothing']\n    peak_tflops: {bf16: 100, fp8: 200}\n"
+                 "    mem_bw_gbps: 1000\n    source: test\n")
+    spec, _ = resolve_gpu("NVIDIA H200", "9.0", override=str(f))
+    assert spec is not None and spec.name == "Lab GPU" and spec.peak("bf16") == 100
+    with pytest.raises(ConfigError):
+        resolve_gpu("NVIDIA H200", "9.0", override="no-such-gpu")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gpus:\n  - name: X\n    peak_tflops: {bf17: 1}\n")
+    with pytest.raises(ConfigError, match="bf17"):
+        load_gpu_specs(bad)
+
+
+# ----------------------------------------------------------------------------- shape models
+
+
+def _shape(name: str, dims, types, concrete=None):
+    shapes, why = ShapeCache().get(name, json.dumps(dims).encode(), json.dumps(types).encode(),
+                                   json.dumps(concrete).encode() if concrete is not None else None)
+    return shapes, why
+
+
+def test_shape_models() -> None:
+    bf = "c10::BFloat16"
+    (s,), _ = _shape("aten::addmm", [[1024], [16, 512], [512, 1024], [], []], [bf, bf, bf, "Scalar", "Scalar"])
+    assert (s.m, s.n, s.k, s.flops) == (16, 1024, 512, 2 * 16 * 1024 * 512)
+    assert s.bytes == (16 * 512 + 512 * 1024 + 16 * 1024 + 1024) * 2
+    (s,), _ = _shape("aten::bmm", [[8, 16, 64], [8, 64, 32]], ["c10::Half"] * 2)
+    assert (s.batch, s.m, s.n, s.k, s.dtype, s.flops) == (8, 16, 32, 64, "fp16", 2 * 8 * 16 * 32 * 64)
+    (s,), _ = _shape("aten::matmul", [[4, 1, 16, 64], [3, 64, 32]], [bf, bf])  # broadcast batch 4 x 3
+    assert (s.batch, s.m, s.n, s.k) == (12, 16, 32, 64)
+    (s,), _ = _shape("aten::linear", [[2, 16, 64], [32, 64], [32]], [bf, bf, bf])
+    assert (s.m, s.n, s.k) == (32, 32, 64)
+    (s,), _ = _shape("aten::mm", [[16, 32], [32, 8]], ["c10::Float4_e2m1fn_x2"] * 2)  # packed pairs
+    assert (s.k, s.dtype, s.flops) == (64, "fp4", 2 * 16 * 8 * 64)
+    (s,), _ = _shape("aten::_scaled_mm", [[16, 1024], [1024, 2048], [], [], [], [], [], []],
+                     ["c10::Float8_e4m3fn"] * 2 + ["float"] * 2 + ["", "", "Scalar", "Scalar"],
+                     ["", "", "", "", "", "", "15", "False"])
+    assert s.dtype == "fp8" and s.bytes == 16 * 1024 + 1024 * 2048 + 16 * 2048 * 2 + 2 * 4
+    (s,), _ = _shape("aten::copy_", [[10, 20], [10, 20], []], [bf, "c10::Float8_e4m3fn", "Scalar"])
+    assert s.kind == "memory" and s.dtype == "fp8->bf16" and s.bytes == 200 * (1 + 2)
+    shapes, why = _shape("aten::mm", [[16, 32], [31, 8]], [bf, bf])
+    assert shapes == () and "inner dimensions differ" in why
+
+
+def test_grouped_and_fused_moe_models() -> None:
+    bf = "c10::BFloat16"
+    (s,), _ = _shape("aten::_grouped_mm", [[96, 64], [4, 64, 32], [4]], [bf, bf, "int"])
+    assert (s.groups, s.m, s.n, s.k, s.flops) == (4, 96, 32, 64, 2 * 96 * 32 * 64)
+    # SGLang fused MoE: [T,H], [E,2I,H], [E,H,I], [T,k], [T,k]: two GEMMs, mean per-expert M = T*k/E
+    up, down = _shape("sglang::inplace_fused_experts", [[16, 2048], [64, 1024, 2048], [64, 2048, 512], [16, 8],
+                                                        [16, 8]], [bf] * 3 + ["float", "int"])[0]
+    assert (up.m / up.groups, up.n, up.k) == (16 * 8 / 64, 1024, 2048)
+    assert (down.n, down.k, down.flops) == (2048, 512, 2 * 128 * 2048 * 512)
+    assert up.note == "shapes (mean over experts)"
+    # a different layout under a MoE-like name is not forced into the model
+    shapes, why = _shape("tinymoe::fused_experts", [[128, 2048], [16, 2048, 1024], [16, 512, 2048], []],
+                         [bf] * 3 + ["Scalar"])
+    assert shapes == () and "layout" in why
+
+
+def test_short_name() -> None:
+    assert short_name("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda("
+                      "at::TensorIteratorBase&)::{lambda()#3}, at::native::memory::LoadWithCast<1> >(int)") == \
+        "unrolled_elementwise_kernel<direct_copy_kernel_cuda,LoadWithCast>"
+    assert short_name("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long>(int)") == \
+        "indexSelectLargeIndex"
+    assert short_name("Memcpy DtoH (Device -> Pinned)") == "Memcpy DtoH"
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.mark.parametrize("variant", ["moe-small-m-eager", "kv-full-cast-eager"])
+def test_flops_are_2mnk_from_recorded_shapes(variant: str) -> None:
+    a = _analysis(variant)
+    man = manifest(variant)
+    calls = a.efficiency.calls
+    mm = calls[calls["op_name"].isin(["aten::mm", "aten::_scaled_mm"]) & (calls["shape_source"] == "shapes")]
+    n_steps = a.steps_per_rank() * a.n_ranks
+    # per step: 2 x experts expert GEMMs + q/kv-a, q-b, router per layer, lm-head; one _scaled_mm per layer
+    assert (mm["op_name"] == "aten::_scaled_mm").sum() == man["layers"] * n_steps
+    assert (mm["op_name"] == "aten::mm").sum() == (man["planted_kernels"]["expert_gemm"]["per_step"]
+                                                   + 3 * man["layers"] + 1) * n_steps
+    for r in mm.itertuples():
+        dims, types = _dims(a, r.kernel)
+        m, k = dims[0]
+        k2, n = dims[1]
+        assert k == k2 and (r.m, r.n, r.k) == (m, n, k)
+        assert r.flops == 2 * m * n * k
+        assert r.dtype == ("fp8" if types[0].startswith("c10::Float8") else "bf16")
+        assert r.tflops == pytest.approx(r.flops / r.us / 1e6)
+
+
+def test_pct_of_peak_uses_the_dtype_peak() -> None:
+    a = _analysis("moe-small-m-eager")
+    calls = a.efficiency.calls
+    h200 = _spec("H200")
+    assert a.efficiency.spec is not None and a.efficiency.spec.name == "H200"
+    fp8 = calls[calls["op_name"] == "aten::_scaled_mm"]
+    bf16 = calls[(calls["op_name"] == "aten::mm") & calls["dtype"].eq("bf16")]
+    assert len(fp8) and len(bf16)
+    assert (fp8["dtype"] == "fp8").all()
+    for df, peak in ((fp8, h200.peak("fp8")), (bf16, h200.peak("bf16"))):
+        for r in df.itertuples():
+            assert r.pct_peak == pytest.approx(100 * r.tflops / peak)
+    doc = a.efficiency.to_json()
+    for row in doc["gemm"]:
+        if row["tflops"] is not None and row["dtype"] in ("fp8", "bf16"):
+            assert row["pct_peak"] == pytest.approx(100 * row["tflops"] / h200.peak(row["dtype"]), abs=0.02)
+
+
+def test_per_expert_m_small_and_large() -> None:
+    small = _analysis("moe-small-m-eager").efficiency.moe["per_expert_m"]
+    want = manifest("moe-small-m-eager")["per_expert_m"]
+    assert small["source"] == "shapes"
+    assert abs(small["value"] - want) <= 1 and abs(small["min"] - want) <= 1 and abs(small["max"] - want) <= 1
+    large = _analysis("moe-large-m-eager").efficiency.moe["per_expert_m"]
+    assert large["source"] == "shapes" and large["value"] >= 128
+    assert abs(large["value"] - manifest("moe-large-m-eager")["per_expert_m"]) <= 1
+
+
+def test_json_sections() -> None:
+    a = _analysis("kv-full-cast-eager")
+    doc = a.to_json()
+    json.dumps(doc, allow_nan=False)
+    assert {"gemm", "memory_bound", "moe", "gpu"} <= set(doc)
+    row = doc["gemm"][0]
+    assert {"m", "n", "k", "dtype", "calls", "us", "tflops", "pct_peak", "shape_source"} <= set(row)
+    assert doc["gpu"]["name"] == "H200" and doc["gpu"]["mem_bw_gbps"] == 4800
+    # the planted full-pool KV cast: bytes = elements x (1 B fp8 read + 2 B bf16 written) per call
+    kv = manifest("kv-full-cast-eager")["planted_kernels"]["kv_cast"]
+    fam = [r for r in doc["memory_bound"] if r["cls"] == "kv_cast"]
+    assert len(fam) == 1 and "fp8->bf16" in fam[0]["dtypes"]
+    assert fam[0]["bytes"] / fam[0]["calls"] == kv["bytes_read_per_kernel"] + kv["bytes_written_per_kernel"]
+    assert fam[0]["gbps"] == pytest.approx(fam[0]["bytes"] / fam[0]["us"] / 1e3, rel=1e-3)
+    assert fam[0]["pct_bw"] == pytest.approx(100 * fam[0]["gbps"] / 4800, abs=0.02)
+
+
+def test_unknown_gpu_gives_null_percentages_with_reason() -> None:
+    a = analyze(fixture_dir("moe-small-m-eager"), Options(command="test"))
+    for r in a.trace.ranks:
+        r.devices = [DeviceInfo(name="Mystery Accelerator", compute_capability="7.5")]
+    eff = measure_efficiency(a)
+    doc = eff.to_json()
+    assert doc["gpu"]["name"] is None and "Mystery Accelerator" in doc["gpu"]["reason"]
+    assert all(r["pct_peak"] is None for r in doc["gemm"]) and all(r["pct_bw"] is None for r in doc["memory_bound"])
+    assert any(r["tflops"] for r in doc["gemm"])  # achieved rates stay known
+
+
+def test_gpu_override_file(tmp_path: Path) -> None:
+    f = tmp_path / "gpu.yaml"
+    f.write_text("gpus:\n  - name: Half H200\n    peak_tflops: {bf16: 400, fp8: 800}\n    mem_bw_gbps: 2000\n")
+    a = analyze(fixture_dir("moe-small-m-eager"), Options(command="test", gpu=str(f)))
+    calls = a.efficiency.calls
+    bf = calls[calls["dtype"].eq("bf16") & calls["tflops"].notna()]
+    assert a.efficiency.spec.name == "Half H200"
+    assert bf["pct_peak"].to_numpy() == pytest.approx(100 * bf["tflops"].to_numpy() / 400)
+
+
+# ----------------------------------------------------------------------------- CUDA-graph replays
+
+
+def _gemm_sequence(a) -> list[tuple]:
+    """(op, M, N, K, batch, dtype) of the GEMM calls of one analysed step of rank 0, in launch order."""
+    c = a.efficiency.calls
+    c = c[(c["kind"] == "gemm") & (c["rank"] == 0)]
+    c = c.assign(ts=a.kernels.loc[c["kernel"], "ts"].to_numpy()).sort_values("ts")
+    step = sorted(c["step"].unique())[1]
+    c = c[c["step"] == step]
+    return [(o, int(m), int(n), int(k), int(b), d) for o, m, n, k, b, d in
+            c[["op_name", "m", "n", "k", "batch", "dtype"]].itertuples(index=False)]
+
+
+@pytest.mark.parametrize(("graph", "eager"), [("kv-full-cast-graph", "kv-full-cast-eager"),
+                                              ("kv-gather-cast-graph", "kv-gather-cast-eager")])
+def test_graph_shapes_recovered_from_capture_trace(graph: str, eager: str) -> None:
+    a = _analysis(graph)
+    calls = a.efficiency.calls
+    rep = calls[a.kernels.loc[calls["kernel"], "graph_replay"].to_numpy() & (calls["kind"] == "gemm")]
+    assert len(rep) and (rep["shape_source"] == "graph_capture").all()
+    seq = _gemm_sequence(a)
+    assert len(seq) > 100
+    assert seq == _gemm_sequence(_analysis(eager))  # same M, N, K as the eager twin, position by position
+    pem = a.efficiency.moe["per_expert_m"]
+    assert pem["source"] == "graph_capture" and abs(pem["value"] - manifest(graph)["per_expert_m"]) <= 1
+
+
+def test_graph_shapes_unknown_without_capture_trace(tmp_path: Path) -> None:
+    src = fixture_dir("kv-full-cast-graph")
+    d = copy_set(src, tmp_path / "set")  # rank files and server_info, not graph_capture_profile/
+    a = analyze(d, Options(command="test"))
+    assert not a.trace.capture_traces
+    calls = a.efficiency.calls
+    rep = calls[a.kernels.loc[calls["kernel"], "graph_replay"].to_numpy() & (calls["kind"] == "gemm")]
+    assert len(rep) and (rep["shape_source"] == "unknown").all()
+    assert rep["flops"].isna().all() and rep["tflops"].isna().all()
+    assert rep["reason"].str.contains("no graph-capture trace").all()
+    doc = a.efficiency.to_json()
+    unknown = [r for r in doc["gemm"] if r["shape_source"] == "unknown"]
+    assert unknown and all(r["m"] is None and r["tflops"] is None and r["reason"] for r in unknown)
+    # per-expert M falls back to tokens x top-k / experts from the server metadata, and says so
+    pem = doc["moe"]["per_expert_m"]
+    man = manifest("kv-full-cast-graph")
+    assert pem["source"] == "server_metadata"
+    assert pem["value"] == man["batch"] * man["topk"] / man["experts"]
+    # without the metadata either, it is not decided
+    si = json.loads((d / "server_info.json").read_text())
+    si.pop("model_info")
+    (d / "server_info.json").write_text(json.dumps(si))
+    pem = analyze(d, Options(command="test")).efficiency.moe["per_expert_m"]
+    assert pem["value"] is None and pem["source"] == "unknown" and "could not be decided" in pem["reason"]
+
+
+def test_graph_capture_mismatch_is_reported(tmp_path: Path) -> None:
+    src = fixture_dir("kv-full-cast-graph")
+    d = copy_set(src, tmp_path / "set")
+    cap_dir = d / "graph_capture_profile"
+    cap_dir.mkdir()
+    for p in (src / "graph_capture_profile").iterdir():
+        shutil.copy(p, cap_dir / p.name)
+    # drop one captured GEMM launch on rank 0: the replay no longer lines up with the capture
+    p0 = next(cap_dir.glob("*-TP-0.json.gz"))
+    with gzip.open(p0, "rt") as f:
+        doc = json.load(f)
+    launches = [e for e in doc["traceEvents"] if e.get("name") == "cuLaunchKernelEx"]
+    doc["traceEvents"].remove(launches[len(launches) // 2])
+    with gzip.open(p0, "wt") as f:
+        json.dump(doc, f)
+    a = analyze(d, Options(command="test"))
+    calls = a.efficiency.calls
+    rep = calls[a.kernels.loc[calls["kernel"], "graph_replay"].to_numpy() & (calls["kind"] == "gemm")]
+    r0, r1 = rep[rep["rank"] == 0], rep[rep["rank"] == 1]
+    assert (r0["shape_source"] == "unknown").all() and r0["flops"].isna().all()
+    assert r0["reason"].str.contains("not matched to the capture trace").all()
+    assert (r1["shape_source"] == "graph_capture").all()  # the intact rank keeps its shapes
+    assert not any(isinstance(x, float) and math.isnan(x) for x in r0["m"])  # null, not NaN-as-number
