@@ -52,7 +52,9 @@ def cli() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI; unusable input prints one line and exits 2."""
     try:
-        cli.main(args=argv, prog_name="traceinspect", standalone_mode=False)
+        rc = cli.main(args=argv, prog_name="traceinspect", standalone_mode=False)
+        if isinstance(rc, int) and rc:
+            sys.exit(rc)
     except TraceInspectError as e:
         click.echo(f"traceinspect: error: {e.one_line()}", err=True)
         sys.exit(e.exit_code)

@@ -144,7 +144,9 @@ def _devices(props: list[dict[str, Any]]) -> list[DeviceInfo]:
 
 
 def _frame(columns: list[str], data: dict[str, Any]) -> pd.DataFrame:
-    df = pd.DataFrame({c: data[c] for c in columns if c not in ("rank", "end")})
+    cols = {c: data[c] for c in columns if c not in ("rank", "end")}
+    cols["name"] = pd.Series(cols["name"], dtype=object)  # stays a string column when empty
+    df = pd.DataFrame(cols)
     df["end"] = df["ts"] + df["dur"]
     return df[[c for c in columns if c != "rank"]]
 
