@@ -97,13 +97,24 @@ def test_svg_element_escapes_text_and_attributes() -> None:
 
 def test_markdown_escape() -> None:
     out = md(EVIL_MD + "\nnext line")
-    assert not re.search(r"(?<!\\)[`*~\[\]()|_@]", out), out  # every metacharacter is escaped
+    assert not re.search(r"(?<!\\)[`*~\[\]|_@#+$]", out), out  # every metacharacter is escaped
     assert "<" not in out and ">" not in out and "\n" not in out
     assert "\\|" in out and "\\_it\\_" in out and "&lt;b&gt;" in out and "&amp;" in out
-    assert "\\[link\\]\\(javascript:alert\\(2\\)\\)" in out
+    assert "\\[link\\](javascript:alert(2))" in out  # no '[' ... ']' pair, so no link
     # a table row built from escaped text keeps its column count
     row = f"| {md('a|b|c')} | x |"
     assert len(re.findall(r"(?<!\\)\|", row)) == 3
+
+
+def test_rule_text_keeps_code_spans_but_escapes_markup() -> None:
+    from traceinspect.render.html import rule_text
+    from traceinspect.render.markdown import md_rule
+
+    assert str(rule_text("run `--kv-cache-dtype auto` <img src=x> & [a](b)")) == (
+        "run <code>--kv-cache-dtype auto</code> &lt;img src=x&gt; &amp; [a](b)")
+    out = md_rule("run `--flag` <b>x</b> [a](javascript:b) | c")
+    assert "`--flag`" in out and "<b>" not in out and "\\[a\\]" in out and "\\|" in out
+    assert md_rule("odd ` tick").count("\\`") == 1  # an unpaired backtick cannot open a code span
 
 
 def test_markdown_code_span_fence() -> None:

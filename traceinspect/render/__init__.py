@@ -4,6 +4,7 @@ merged Chrome trace. Each format lives in its own module and is imported only wh
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -67,3 +68,19 @@ def launching_ops(kernels: Any) -> dict[str, str]:
     counts = linked.groupby(["name", "op_name"], observed=True).size().reset_index(name="n")
     counts = counts.sort_values(["name", "n"], ascending=[True, False]).drop_duplicates("name")
     return {str(n): str(o) for n, o in zip(counts["name"], counts["op_name"], strict=True)}
+
+
+_NAMESPACE = re.compile(r"\(anonymous namespace\)::|\b[A-Za-z_]\w*::(?!\w*\()(?=[A-Za-z_~])")
+_LAMBDA = re.compile(r"\{lambda\([^()]*\)#\d+\}")
+
+
+def kernel_label(name: str, width: int = 80) -> str:
+    """A kernel name for a table cell: no ``void``; when too long, no namespaces and lambdas as ``λ``;
+    then shortened (the full name stays available to the reader: hover text, JSON)."""
+    name = " ".join(str(name).split())
+    if name.startswith("void "):
+        name = name[5:]
+    if len(name) > width:
+        name = _LAMBDA.sub("λ", name).replace("::operator()() const", "")
+        name = _NAMESPACE.sub("", name).replace("> >", ">>").replace("> >", ">>")
+    return short_name(name, width)

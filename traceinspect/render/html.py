@@ -24,7 +24,7 @@ import pandas as pd
 from markupsafe import Markup, escape
 
 from traceinspect import __version__
-from traceinspect.render import fmt_pct, fmt_us, launching_ops, short_name, write_text_atomic
+from traceinspect.render import fmt_pct, fmt_us, kernel_label, launching_ops, short_name, write_text_atomic
 from traceinspect.render.palette import (
     IDLE_STROKE,
     class_color,
@@ -91,14 +91,6 @@ def _finite(v: Any) -> Any:
     return v
 
 
-def kernel_label(name: str, width: int = 80) -> str:
-    """A kernel name for a cell: without a leading ``void `` and shortened."""
-    name = " ".join(str(name).split())
-    if name.startswith("void "):
-        name = name[5:]
-    return short_name(name, width)
-
-
 # --------------------------------------------------------------------------------------------- helpers
 
 def _get(d: Any, *keys: str, default: Any = None) -> Any:
@@ -123,13 +115,17 @@ def _fmt_value(key: str, v: Any) -> str:
         k = key.lower()
         if k.endswith("_us") or k.endswith("us_per_step") or k == "us":
             return fmt_us(float(v))
-        if "share" in k or k.endswith("_frac") or k.endswith("fraction") or k.endswith("_pct_of_peak"):
+        if "share" in k or k.endswith("_frac") or k.endswith("fraction"):
             return fmt_pct(float(v)) if abs(float(v)) <= 1.5 else f"{float(v):,.3g}"
-        if k.endswith("_bytes") or k == "bytes":
+        if k.startswith("pct_") or k.endswith("_pct"):
+            return f"{float(v):.1f}%"
+        if "bytes" in k:
             return _fmt_bytes(float(v))
-        if isinstance(v, (int, np.integer)):
+        if isinstance(v, (int, np.integer)) or (float(v).is_integer() and abs(v) < 1e15):
             return f"{int(v):,}"
-        return f"{float(v):,.4g}"
+        if abs(float(v)) >= 1000:
+            return f"{float(v):,.0f}"
+        return f"{float(v):.4g}"
     return str(v)
 
 
@@ -157,10 +153,16 @@ def _nice_ticks(lo: float, hi: float, n: int = 6) -> list[float]:
     return ticks
 
 
-def _tick_label(v: float) -> str:
-    if abs(v) >= 10_000:
-        return f"{v / 1000:g} ms"
+def _tick_label(v: float, top: float | None = None) -> str:
+    """A µs tick value; in ms when the axis reaches 10 ms (``top``), so one axis uses one unit."""
+    if abs(top if top is not None else v) >= 10_000:
+        return f"{v / 1000:g}"
     return f"{v:g}"
+
+
+def _axis_unit(top: float, per_step: bool = False) -> str:
+    unit = "ms" if top >= 10_000 else "µs"
+    return f"{unit}/step" if per_step else unit
 
 
 def _svg(width: float, height: float, label: str, *children: Any) -> Markup:
@@ -190,6 +192,7 @@ class Headline:
     detail: str
     rule: str | None = None
     anchor: str | None = None
+    others: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _headline(doc: dict[str, Any], findings: list[dict[str, Any]], step_us: float | None) -> Headline:
@@ -204,7 +207,14 @@ def _headline(doc: dict[str, Any], findings: list[dict[str, Any]], step_us: floa
         else:
             detail = "Estimated saving: not available (the rule gives no estimate)."
         sev = str(f.get("severity") or "info")
-        return Headline(sev, severity_color(sev), title, detail, str(f.get("rule") or ""), f"f-{0}")
+        others = []
+        for i, o in enumerate(findings[1:], start=1):
+            sv = o.get("est_saving_us_per_step")
+            others.append({"anchor": f"f-{i}", "severity": str(o.get("severity") or "info"),
+                           "color": severity_color(str(o.get("severity") or "info")),
+                           "title": str(o.get("title") or o.get("rule") or ""),
+                           "saving": fmt_us(float(sv)) if _isnum(sv) else None})
+        return Headline(sev, severity_color(sev), title, detail, str(f.get("rule") or ""), "f-0", others)
     classes = doc.get("classes") or {}
     if classes:
         top, v = max(classes.items(), key=lambda kv: kv[1].get("share") or 0)
@@ -230,7 +240,7 @@ def class_breakdown_svg(doc: dict[str, Any]) -> tuple[Markup, list[str]]:
     vmax = max((sum(s for _, s in segs) + idle for _, segs, idle in rows), default=0.0)
     if not rows or vmax <= 0:
         return Markup(""), order
-    left, right, bar_h, gap, top = 78, 150, 22, 8, 8
+    left, right, bar_h, gap, top = 78, 215, 22, 8, 8
     plot_w = TIMELINE_WIDTH - left - right
     height = top + len(rows) * (bar_h + gap) + 30
     ticks = _nice_ticks(0, vmax)
@@ -240,8 +250,9 @@ def class_breakdown_svg(doc: dict[str, Any]) -> tuple[Markup, list[str]]:
         x = left + t * scale
         out.append(el("line", {"x1": x, "x2": x, "y1": top - 4, "y2": height - 24, "class": "grid"}))
         out.append(el("text", {"x": x, "y": height - 10, "text-anchor": "middle", "class": "axis"},
-                      _tick_label(t)))
-    out.append(el("text", {"x": left - 8, "y": height - 10, "text-anchor": "end", "class": "axis"}, "µs/step"))
+                      _tick_label(t, ticks[-1])))
+    out.append(el("text", {"x": left - 8, "y": height - 10, "text-anchor": "end", "class": "axis"},
+                  _axis_unit(ticks[-1], True)))
     for i, (r, segs, idle) in enumerate(rows):
         y = top + i * (bar_h + gap)
         out.append(el("text", {"x": left - 8, "y": y + bar_h / 2 + 4, "text-anchor": "end", "class": "lab"},
@@ -382,7 +393,8 @@ def timeline_svg(a: Analysis, budget: int = LANE_BLOCK_BUDGET) -> TimelineInfo:
         streams = kr.groupby("stream")["dur"].sum().sort_values(ascending=False).index.tolist()
         for s in streams:
             lanes.append((rank, s, kr[kr["stream"] == s].sort_values("ts")))
-    left, right, lane_h, lane_gap, top = 92, 14, 16, 4, 22
+    left, right, lane_gap, top = 92, 14, 4, 22
+    lane_h = 26 if len(lanes) <= 4 else 20 if len(lanes) <= 8 else 16
     plot_w = TIMELINE_WIDTH - left - right
     px_us = span / plot_w
     height = top + len(lanes) * (lane_h + lane_gap) + 34
@@ -392,8 +404,9 @@ def timeline_svg(a: Analysis, budget: int = LANE_BLOCK_BUDGET) -> TimelineInfo:
         x = left + t / px_us
         out.append(el("line", {"x1": x, "x2": x, "y1": top - 4, "y2": height - 28, "class": "grid"}))
         out.append(el("text", {"x": x, "y": height - 14, "text-anchor": "middle", "class": "axis"},
-                      _tick_label(t)))
-    out.append(el("text", {"x": left - 6, "y": height - 14, "text-anchor": "end", "class": "axis"}, "µs"))
+                      _tick_label(t, ticks[-1])))
+    out.append(el("text", {"x": left - 6, "y": height - 14, "text-anchor": "end", "class": "axis"},
+                  _axis_unit(ticks[-1])))
     n_blocks = 0
     prev_rank = None
     for i, (rank, stream, kl) in enumerate(lanes):
@@ -458,14 +471,16 @@ def gemm_scatter_svg(doc: dict[str, Any]) -> tuple[Markup, str | None, list[str]
     ms = [p["m"] for p in points]
     lo = math.floor(math.log10(max(min(ms), 1)))
     hi = max(math.ceil(math.log10(max(max(ms), 1))), lo + 1)
-    ymax = max(100.0, math.ceil(max(p["pct"] for p in points) / 10) * 10)
+    # log y from a decade below the least efficient GEMM to 100% (decode GEMMs often run at 0.1-10%)
+    ylo = min(math.floor(math.log10(max(min(p["pct"] for p in points), 1e-3))), 0)
+    yhi = max(2, math.ceil(math.log10(max(max(p["pct"] for p in points), 1e-3))))
     tmax = max(p["us"] for p in points) or 1.0
 
     def xs(m: float) -> float:
         return left + (math.log10(max(m, 1)) - lo) / (hi - lo) * pw
 
     def ys(v: float) -> float:
-        return top + ph - min(v, ymax) / ymax * ph
+        return top + ph - (math.log10(max(v, 10.0 ** ylo)) - ylo) / (yhi - ylo) * ph
 
     out: list[Markup] = []
     for e in range(lo, hi + 1):
@@ -473,23 +488,37 @@ def gemm_scatter_svg(doc: dict[str, Any]) -> tuple[Markup, str | None, list[str]
         out.append(el("line", {"x1": x, "x2": x, "y1": top, "y2": top + ph, "class": "grid"}))
         out.append(el("text", {"x": x, "y": top + ph + 16, "text-anchor": "middle", "class": "axis"},
                       f"{10 ** e:,}"))
-    for v in _nice_ticks(0, ymax, 5):
-        y = ys(v)
-        out.append(el("line", {"x1": left, "x2": left + pw, "y1": y, "y2": y, "class": "grid"}))
-        out.append(el("text", {"x": left - 6, "y": y + 4, "text-anchor": "end", "class": "axis"}, f"{v:g}%"))
+    for e in range(ylo, yhi + 1):
+        y = ys(10.0 ** e)
+        out.append(el("line", {"x1": left, "x2": left + pw, "y1": y, "y2": y,
+                               "class": "grid", "stroke": "#c9cdd3" if e == 2 else None}))
+        out.append(el("text", {"x": left - 6, "y": y + 4, "text-anchor": "end", "class": "axis"},
+                      f"{10.0 ** e:g}%"))
     out.append(el("text", {"x": left + pw / 2, "y": height - 6, "text-anchor": "middle", "class": "axis"},
                   "M: rows per GEMM (per expert for grouped MoE GEMMs), log scale"))
     out.append(el("text", {"x": 14, "y": top + ph / 2, "text-anchor": "middle", "class": "axis",
-                           "transform": f"rotate(-90 14 {_num(top + ph / 2)})"}, "% of dense peak"))
-    for p in sorted(points, key=lambda p: -p["us"]):
+                           "transform": f"rotate(-90 14 {_num(top + ph / 2)})"}, "% of dense peak (log)"))
+    ranked = sorted(points, key=lambda p: -p["us"])
+    labels: list[Markup] = []
+    placed: list[tuple[float, float]] = []
+    for i, p in enumerate(ranked):
         r = 3 + 20 * math.sqrt(p["us"] / tmax)
-        tip = (f"{p['label']}\n{p['cls']} · {p['dtype']} · {p['shape']}\n{p['pct']:.1f}% of peak"
+        tip = (f"{p['label']}\n{p['cls']} · {p['dtype']} · {p['shape']}\n{p['pct']:.2g}% of peak"
                + (f" ({p['tflops']:.1f} TFLOP/s)" if _isnum(p.get("tflops")) else "")
                + f" · {fmt_us(p['us'])} per step per rank · {p['calls']} calls")
         col = class_color(p["cls"])
-        out.append(el("circle", {"cx": xs(p["m"]), "cy": ys(p["pct"]), "r": r, "fill": col,
+        cx, cy = xs(p["m"]), ys(p["pct"])
+        out.append(el("circle", {"cx": cx, "cy": cy, "r": r, "fill": col,
                                  "fill-opacity": 0.5, "stroke": col, "stroke-width": 1.2},
                       el("title", None, tip)))
+        if i < 3:  # name the three GEMMs that take the most time, without overlapping labels
+            text = f"{short_name(p['label'], 28)} {p['dtype']} M={p['m']:g}: {p['pct']:.2g}%"
+            lx, ly = cx + r + 4, cy + 4
+            while any(abs(ly - y0) < 13 and abs(lx - x0) < 6.2 * len(text) for x0, y0 in placed):
+                ly += 13
+            placed.append((lx, ly))
+            labels.append(el("text", {"x": lx, "y": ly, "class": "lab halo", "font-size": "10.5"}, text))
+    out.extend(labels)
     classes = sorted({p["cls"] for p in points})
     return _svg(width, height, "GEMM efficiency: M versus percent of peak", *out), None, classes, note
 
@@ -572,7 +601,7 @@ def collectives_svg(doc: dict[str, Any]) -> tuple[Markup, str | None]:
     if not rows:
         return Markup(""), "wait and transfer time could not be split for any rank"
     vmax = max(w + t for _, w, t, *_ in rows) or 1.0
-    left, right, bar_h, gap, top = 78, 300, 20, 8, 8
+    left, right, bar_h, gap, top = 78, 330, 20, 8, 8
     plot_w = TIMELINE_WIDTH - left - right
     height = top + len(rows) * (bar_h + gap) + 30
     ticks = _nice_ticks(0, vmax)
@@ -582,8 +611,9 @@ def collectives_svg(doc: dict[str, Any]) -> tuple[Markup, str | None]:
         x = left + t * scale
         out.append(el("line", {"x1": x, "x2": x, "y1": top - 4, "y2": height - 24, "class": "grid"}))
         out.append(el("text", {"x": x, "y": height - 10, "text-anchor": "middle", "class": "axis"},
-                      _tick_label(t)))
-    out.append(el("text", {"x": left - 8, "y": height - 10, "text-anchor": "end", "class": "axis"}, "µs/step"))
+                      _tick_label(t, ticks[-1])))
+    out.append(el("text", {"x": left - 8, "y": height - 10, "text-anchor": "end", "class": "axis"},
+                  _axis_unit(ticks[-1], True)))
     for i, (label, wait, xfer, late, arrivals, is_straggler) in enumerate(rows):
         y = top + i * (bar_h + gap)
         out.append(el("text", {"x": left - 8, "y": y + bar_h / 2 + 4, "text-anchor": "end",
@@ -649,7 +679,7 @@ def _path_color(c: str) -> str:
 
 # --------------------------------------------------------------------------------------------- context
 
-def _finding_view(i: int, f: dict[str, Any], step_us: float | None) -> dict[str, Any]:
+def _finding_view(i: int, f: dict[str, Any], step_us: float | None, labels: dict[Any, str]) -> dict[str, Any]:
     sev = str(f.get("severity") or "info")
     saving = f.get("est_saving_us_per_step")
     refs = []
@@ -663,6 +693,7 @@ def _finding_view(i: int, f: dict[str, Any], step_us: float | None) -> dict[str,
         # only web links are clickable; anything else (javascript:, data:) is shown as text
         refs.append({"url": url if url.startswith(("https://", "http://")) else None, "title": text})
     ranks = f.get("ranks")
+    ev = f.get("evidence") if isinstance(f.get("evidence"), dict) else {}
     return {
         "id": f"f-{i}", "n": i + 1, "rule": str(f.get("rule") or ""), "severity": sev,
         "color": severity_color(sev), "title": str(f.get("title") or f.get("rule") or ""),
@@ -670,7 +701,9 @@ def _finding_view(i: int, f: dict[str, Any], step_us: float | None) -> dict[str,
         "saving": fmt_us(float(saving)) if _isnum(saving) else None,
         "saving_of_step": fmt_pct(saving / step_us) if _isnum(saving) and _isnum(step_us) and step_us else None,
         "share": fmt_pct(f.get("share")) if _isnum(f.get("share")) else None,
-        "ranks": ", ".join(str(r) for r in ranks) if isinstance(ranks, list) and ranks else
+        "impact": fmt_us(float(ev["impact_us_per_step"])) if _isnum(ev.get("impact_us_per_step")) else None,
+        "share_of": str(ev.get("share_of") or "").split(" (")[0],
+        "ranks": ", ".join(str(labels.get(r, r)) for r in ranks) if isinstance(ranks, list) and ranks else
         ("all" if ranks is None else str(ranks)),
         "evidence": _evidence_view(f.get("evidence") or {}),
         "remediation": str(f.get("remediation") or "").strip(),
@@ -701,8 +734,10 @@ def _evidence_view(ev: Any) -> list[dict[str, Any]]:
         elif isinstance(v, (dict, list)):
             rows.append({"key": key, "kind": "code", "value": json.dumps(v, indent=1, default=str)[:4000]})
         else:
-            rows.append({"key": key, "kind": "text", **_cell(key, v, "value")})
-    return rows
+            cell = _cell(key, v, "value")
+            rows.append({"key": key, "kind": "text", "wide": len(cell.get("full") or cell["value"]) > 34, **cell})
+    # long values get a full row of the evidence grid, after the short ones
+    return sorted(rows, key=lambda r: bool(r.get("wide")))
 
 
 def _cell(key: str, v: Any, field_: str = "text") -> dict[str, Any]:
@@ -731,7 +766,8 @@ def _meta_rows(doc: dict[str, Any]) -> list[tuple[str, str, bool]]:
         ("TP size", val(run.get("tp_size")) + (f" ({run.get('ranks')} rank files)" if run.get("ranks") else ""),
          False),
         ("KV cache dtype", val(run.get("kv_cache_dtype"), "unknown (no server_info)"), False),
-        ("Batch (median bs)", val(run.get("batch_median")), False),
+        ("Batch (median bs)", f"{run['batch_median']:g}" if _isnum(run.get("batch_median")) else
+         val(run.get("batch_median")), False),
         ("Attention backend", val(run.get("attention_backend")), False),
         ("KV pool tokens", f"{run['kv_pool_tokens']:,}" if _isnum(run.get("kv_pool_tokens")) else
          val(run.get("kv_pool_tokens")), False),
@@ -848,6 +884,14 @@ def _memory_view(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]
     return rows, None
 
 
+def _isfloat(s: Any) -> bool:
+    try:
+        float(s)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _moe_view(doc: dict[str, Any]) -> tuple[list[tuple[str, str]], str | None]:
     moe = doc.get("moe")
     if not isinstance(moe, dict):
@@ -867,7 +911,8 @@ def _moe_view(doc: dict[str, Any]) -> tuple[list[tuple[str, str]], str | None]:
         dist = pem.get("distribution")
         if isinstance(dist, dict) and dist:
             items = sorted(dist.items(), key=lambda kv: -kv[1])[:12]
-            rows.append(("M distribution (calls)", ", ".join(f"M={k}: {v}" for k, v in items)))
+            rows.append(("M distribution (calls)", ", ".join(
+                f"M={float(k):g}: {v}" if _isfloat(k) else f"M={k}: {v}" for k, v in items)))
     for key, label in (("experts", "Experts"), ("topk", "Top-k"), ("tokens", "Tokens per step (median)")):
         if moe.get(key) is not None:
             src = moe.get(f"{key}_key")
@@ -972,7 +1017,8 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
         "glance_svg": glance_svg(doc),
         "meta": _meta_rows(doc),
         "files": _files_view(doc),
-        "findings": [_finding_view(i, f, step_us) for i, f in enumerate(findings)],
+        "findings": [_finding_view(i, f, step_us, {r.get("rank"): r.get("label") for r in doc.get("ranks") or []})
+                     for i, f in enumerate(findings)],
         "breakdown_svg": breakdown,
         "breakdown_legend": _legend_html(order, {c: (doc["classes"][c].get("share")) for c in order}),
         "class_rows": _class_rows(doc),
@@ -995,9 +1041,18 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
     }
 
 
+_CODE_SPAN = re.compile(r"`([^`]+)`")
+
+
+def rule_text(text: str) -> Markup:
+    """Rule-authored text (remediation, why) escaped, with its `code spans` shown as code."""
+    return Markup(_CODE_SPAN.sub(r"<code>\1</code>", str(escape(text))))
+
+
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["rule_text"] = rule_text
     return env
 
 

@@ -12,14 +12,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traceinspect import __version__
-from traceinspect.render import fmt_pct, fmt_us, launching_ops, short_name, write_text_atomic
+from traceinspect.render import fmt_pct, fmt_us, kernel_label, launching_ops, short_name, write_text_atomic
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
 # CommonMark lets any ASCII punctuation be backslash-escaped; these are the ones that start or end
-# inline markup: emphasis, code, links, images, headings, tables, strike-through, math, mentions.
-_MD_META = re.compile(r"([\\`*_{}\[\]()#+!|~@$])")
+# inline markup: emphasis, code, links and images (no '[' means no link), headings, list items, table
+# cells, strike-through, math, mentions. '<', '>' and '&' become entities (no HTML, no autolinks).
+_MD_META = re.compile(r"([\\`*_\[\]#+|~@$])")
 _WS = re.compile(r"\s+")
 TOP_FINDINGS = 8
 TOP_CLASSES = 8
@@ -32,6 +33,17 @@ def md(text: Any) -> str:
     s = _WS.sub(" ", str(text)).strip()
     s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
     return _MD_META.sub(r"\\\1", s)
+
+
+_RULE_META = re.compile(r"([\\\[\]|~@$])")
+
+
+def md_rule(text: Any) -> str:
+    """Rule-authored text (remediation): like :func:`md` but keeping its `code spans` and emphasis."""
+    s = _WS.sub(" ", str(text)).strip()
+    s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    s = _RULE_META.sub(r"\\\1", s)
+    return s if s.count("`") % 2 == 0 else s.replace("`", "\\`")
 
 
 def md_code(text: Any) -> str:
@@ -80,7 +92,7 @@ def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None
         f"| Model | {md(run.get('model') or 'unknown')} |",
         f"| Device | {md(run.get('device') or 'unknown')} × {md(ranks)} (TP {md(run.get('tp_size'))}) |",
         f"| KV cache dtype | {md(run.get('kv_cache_dtype') or 'unknown')} |",
-        f"| Batch (median) | {md(run.get('batch_median') if run.get('batch_median') is not None else 'unknown')} |",
+        f"| Batch (median) | {f'{bm:g}' if _num(bm := run.get('batch_median')) else md(bm or 'unknown')} |",
         f"| {md(str(steps.get('phase', 'decode')).capitalize())} step | median {md(fmt_us(step_us))}, "
         f"p90 {md(fmt_us(steps.get('p90_us')))} over {md(steps.get('count'))} steps per rank |",
         f"| CUDA graph | {'yes' if run.get('cuda_graph') else 'no'} |",
@@ -98,17 +110,16 @@ def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None
             rk = f.get("ranks")
             rk = ", ".join(md(r) for r in rk) if isinstance(rk, list) and rk else "all"
             out.append(f"| {md(f.get('severity'))} | **{md(f.get('title') or f.get('rule'))}** "
-                       f"({md(f.get('rule'))}): {md(f.get('message') or '')} | {sv} | {rk} |")
+                       f"({md(f.get('rule'))}) | {sv} | {rk} |")
         if len(findings) > TOP_FINDINGS:
             out.append(f"| | … and {len(findings) - TOP_FINDINGS} more (see the HTML report or JSON) | | |")
         out.append("")
-        fixes = [f for f in findings[:TOP_FINDINGS] if str(f.get("remediation") or "").strip()]
-        if fixes:
-            out.append("**Fixes**")
-            out.append("")
-            for f in fixes:
-                out.append(f"- {md(f.get('title') or f.get('rule'))}: {md(f.get('remediation'))}")
-            out.append("")
+        out += ["<details><summary>Details and fixes</summary>", ""]
+        for f in findings[:TOP_FINDINGS]:
+            out.append(f"- **{md(f.get('title') or f.get('rule'))}**: {md(f.get('message') or '')}")
+            if str(f.get("remediation") or "").strip():
+                out.append(f"  Fix: {md_rule(f.get('remediation'))}")
+        out += ["", "</details>", ""]
 
     classes = sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("share") or 0))
     if classes:
@@ -127,7 +138,8 @@ def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None
         out += ["#### Top kernels", "", "| kernel | launched by | class | share |", "|---|---|---|---:|"]
         for k in kernels[:TOP_KERNELS]:
             name = str(k.get("name", ""))
-            out.append(f"| {md(short_name(name, 90))} | {md(short_name(ops.get(name, ''), 40))} | "
+            op = ops.get(name, "")
+            out.append(f"| {md(kernel_label(name, 80))} | {md(short_name(op, 40)) if op else '–'} | "
                        f"{md(k.get('cls'))} | {fmt_pct(k.get('share'))} |")
         out.append("")
 

@@ -8,24 +8,25 @@ from __future__ import annotations
 
 import hashlib
 
-# Families share a hue: GEMMs blue, MoE teal, attention/KV purple-gold, comm orange,
-# casts/quant red-pink (the usual suspects stand out), small ops green/brown, copies grey.
+# Families share a hue: GEMMs blue, MoE teal, attention and KV writes purple, comm orange, casts and
+# quantization red-pink (the usual suspects stand out), small ops green/brown/tan, copies grey.
 CLASS_COLORS: dict[str, str] = {
-    "attention": "#7b4fb0",
-    "kv_write": "#c99a2e",
+    "attention": "#6a3d9a",
+    "kv_write": "#b39ddb",
+    "kv_cast": "#d62728",
+    "dtype_cast": "#f28e8e",
+    "quantize": "#f6c3cf",
     "bf16_gemm": "#1f5fa8",
     "fp8_gemm": "#4b93d1",
-    "fp4_gemm": "#96c3ea",
+    "fp4_gemm": "#9cc7ec",
     "moe_gemm": "#137a78",
-    "moe_dispatch": "#67c2b6",
-    "comm": "#e0731a",
-    "dtype_cast": "#d42a2a",
-    "quantize": "#ee8f8f",
+    "moe_dispatch": "#6cc3b8",
+    "comm": "#f08c00",
     "norm": "#5f8a24",
     "rotary": "#a9c95f",
     "activation": "#8c564b",
-    "elementwise": "#c9a48f",
-    "sampling": "#c77fb4",
+    "elementwise": "#c4a484",
+    "sampling": "#e3c01c",
     "memcpy": "#6e6e6e",
     "memset": "#a5a5a5",
     "other": "#cfcfcf",
@@ -43,7 +44,7 @@ SEVERITY_ORDER: dict[str, int] = {"critical": 0, "warning": 1, "info": 2}
 
 # Chrome-trace reserved colour names closest to each family (chrome://tracing ignores arbitrary hex).
 CHROME_CNAME: dict[str, str] = {
-    "attention": "rail_animation", "kv_write": "yellow", "bf16_gemm": "thread_state_running",
+    "attention": "rail_animation", "kv_write": "rail_animation", "kv_cast": "terrible", "bf16_gemm": "thread_state_running",
     "fp8_gemm": "thread_state_running", "fp4_gemm": "thread_state_running", "moe_gemm": "good",
     "moe_dispatch": "good", "comm": "rail_load", "dtype_cast": "terrible", "quantize": "bad",
     "norm": "olive", "rotary": "olive", "activation": "thread_state_iowait", "elementwise": "generic_work",

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 STEPS_TID = 999_999_999  # the traceinspect lane of each process (steps and findings); no real tid
 KIND_CAT = {"kernel": "kernel", "memcpy": "gpu_memcpy", "memset": "gpu_memset"}
-MAX_FINDING_MARKS = 64  # instant events per finding and rank: one per analysed step, at most this many
+MAX_FINDING_MARKS = 64  # step-start marks per finding and rank (findings that cite no kernel)
+MAX_KERNEL_MARKS = 256  # kernel marks per finding and rank
 
 
 def rank_label(info: RankInfo) -> str:
@@ -57,13 +58,19 @@ def _json_arg(s: str) -> Any:
 
 
 def _cited_names(evidence: Any, names: set[str]) -> list[str]:
-    """Kernel names the evidence mentions (any string value equal to a kernel name), in order."""
+    """Kernel names the evidence mentions (any string value equal to a kernel name, or its head when the
+    evidence cut a long name short with '…'), in order."""
     out: list[str] = []
 
     def walk(v: Any) -> None:
         if isinstance(v, str):
-            if v in names and v not in out:
-                out.append(v)
+            if v in names:
+                hits = [v]
+            elif v.endswith("…") and len(v) > 40:
+                hits = sorted(n for n in names if n.startswith(v[:-1]))
+            else:
+                hits = []
+            out.extend(h for h in hits if h not in out)
         elif isinstance(v, dict):
             for x in v.values():
                 walk(x)
@@ -255,10 +262,8 @@ def _finding_events(a: Analysis, doc: dict[str, Any], pids: dict[int, str],
             kr = k[k["rank"] == rank]
             if cited:
                 hit = kr[kr["name"].isin(cited)]
-                # the first launch of each cited kernel in each analysed step
-                first = hit.sort_values("ts").drop_duplicates(["step", "name"])
-                first = first[first["step"].isin(first["step"].drop_duplicates().head(MAX_FINDING_MARKS))]
-                for r in first.itertuples(index=False):
+                # every launch of a cited kernel in the analysed steps (capped per rank)
+                for r in hit.sort_values("ts").head(MAX_KERNEL_MARKS).itertuples(index=False):
                     yield {"ph": "i", "s": "t", "cat": "traceinspect.finding", "name": label, "pid": pids[rank],
                            "tid": gpu_tids[(rank, int(r.stream))], "ts": float(r.ts),
                            "args": dict(args, kernel=r.name, step=int(r.step))}
