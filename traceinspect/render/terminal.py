@@ -38,7 +38,8 @@ def short_name(name: str, width: int = 80) -> str:
 def render(a: Analysis, doc: dict[str, Any] | None = None, console: Console | None = None) -> None:
     """Print the summary: run, steps, time per class, top kernels, findings, warnings."""
     doc = doc if doc is not None else a.to_json()
-    con = console or Console(highlight=False, soft_wrap=False)
+    con = console or Console(highlight=False, soft_wrap=False,
+                             width=None if Console().is_terminal else 140)
     run, steps = doc["run"], doc["steps"]
     con.print(f"[bold]traceinspect[/bold] {escape(', '.join(doc['source']['paths']))}")
     con.print(

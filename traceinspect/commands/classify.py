@@ -1,0 +1,59 @@
+"""``traceinspect classify``: the kernel name -> class table, for audit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from traceinspect.commands.analyze import PHASES, write_atomic
+
+
+@click.command("classify")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--unknown", is_flag=True, help="Only kernels that fell into 'other'.")
+@click.option("--csv", "csv_out", type=click.Path(dir_okay=False), help="Write the table as CSV.")
+@click.option("--all-steps", is_flag=True, help="Every kernel of the trace, not only the analysed steps.")
+@click.option("--phase", type=PHASES, default="decode", show_default=True)
+@click.option("--server-info", type=click.Path(dir_okay=False), default=None)
+@click.option("--table", "tables", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Extra class table YAML (its rules come before the shipped ones).")
+@click.option("--limit", type=int, default=40, show_default=True, help="Rows to print (0: all).")
+def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all_steps: bool, phase: str,
+                 server_info: str | None, tables: tuple[str, ...], limit: int) -> None:
+    """Print each kernel name with its class, evidence, time and calls."""
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from traceinspect.classify import class_table_rows, classify_kernels, load_class_table
+    from traceinspect.link import link
+    from traceinspect.load import load_trace_set
+    from traceinspect.render.terminal import short_name
+    from traceinspect.steps import build_steps, select_steps
+
+    ts = load_trace_set(list(paths), phase=phase, server_info=server_info)
+    link(ts)
+    steps = build_steps(ts)
+    table = load_class_table(extra=[Path(t) for t in tables]) if tables else None
+    classify_kernels(ts, steps, table)
+    k = ts.kernels if all_steps else ts.kernels[ts.kernels["step"].isin(select_steps(steps, phase).index)]
+    rows = class_table_rows(k)
+    if unknown:
+        rows = rows[rows["cls"] == "other"]
+    if csv_out:
+        write_atomic(csv_out, rows.to_csv(index=False))
+    con = Console(highlight=False, width=max(Console().width, 160))
+    t = Table(title=f"Kernel classes ({'all kernels' if all_steps else phase + ' steps'})", title_justify="left")
+    for col in ("kernel", "class", "2nd", "evidence", "calls", "us", "share"):
+        t.add_column(col, justify="right" if col in ("calls", "us", "share") else "left", overflow="fold")
+    shown = rows if limit <= 0 else rows.head(limit)
+    for r in shown.itertuples():
+        t.add_row(escape(short_name(r.name, 60)), r.cls, r.cls2 or "", escape(short_name(str(r.evidence), 50)),
+                  str(r.calls), f"{r.us:,.1f}", f"{100 * r.share:.2f}%")
+    con.print(t)
+    other: Any = rows.loc[rows["cls"] == "other", "share"].sum() if len(rows) else 0.0
+    con.print(f"{len(rows)} kernel name(s); other: {100 * other:.2f}% of kernel time"
+              + (f"; {len(rows) - len(shown)} more not shown (--limit 0)" if len(rows) > len(shown) else ""))
