@@ -79,10 +79,12 @@ def test_synthetic_wait_transfer_offset_and_path(skew: float) -> None:
     assert inst.loc[1, "launch_lateness_us"] == pytest.approx(590)
     assert c.straggler["rank"] == 1
     cp = c.critical_path
-    # path: gemm_a 100 -> host 400 (rank 1) -> gemm_b 100 (rank 1) -> transfer 20 -> gemm_c 100
-    assert cp["total_us_median"] == pytest.approx(720)
+    # path: gemm_a 100 -> host 400 (rank 1) -> gemm_b 100 (rank 1) -> transfer 20 -> idle 5 -> gemm_c 100
+    assert cp["total_us_median"] == pytest.approx(725)
+    assert cp["median_step"]["span_us"] == pytest.approx(725)
     assert cp["composition"]["host"]["us_per_step"] == pytest.approx(400)
     assert cp["composition"]["comm"]["us_per_step"] == pytest.approx(20)
+    assert cp["composition"]["idle"]["us_per_step"] == pytest.approx(5)
     assert "comm_wait" not in cp["composition"]
     assert cp["host_by_rank"] == {"1": {"us_per_step": 400.0, "share_of_host": 1.0}}
     assert cp["bounding_rank"] == 1

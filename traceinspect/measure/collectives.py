@@ -82,6 +82,8 @@ STRAGGLER_MIN_WAIT_SHARE = 0.5  # of all wait, caused by this rank's late arriva
 STRAGGLER_MIN_STEP_FRACTION = 0.05  # caused wait per step vs the median TP step time
 # "Ended before" tolerance when ordering GPU activities of one rank (Kineto rounds to ns).
 ORDER_TOL_US = 0.5
+# Idle gaps (GPU idle although the launch came in time) shorter than this are rounding, not time.
+IDLE_MIN_US = 0.01
 INSTANCES_JSON_MAX = 2000
 
 PER_RANK_COLUMNS = [
@@ -720,12 +722,13 @@ def _step_graph(act: pd.DataFrame) -> tuple[_Graph, int, int, float, float]:
             idle_from = max(run_end, t0)
             gap = ts[j] - idle_from
             host = _host_part(gap, launch[j], launch_end[j], idle_from) if gap > 0 else 0.0
-            if host > 0:
-                h = G.node(host, "host", int(r), f"host before {name[j]}")
-                G.edge(pred, h)
-                G.edge(h, int(n_in[j]))
-            else:
-                G.edge(pred, int(n_in[j]))
+            idle = gap - host if gap > IDLE_MIN_US else 0.0
+            for w, c in ((idle, "idle"), (host, "host")):
+                if w > 0:
+                    h = G.node(w, c, int(r), f"{c} before {name[j]}")
+                    G.edge(pred, h)
+                    pred = h
+            G.edge(pred, int(n_in[j]))
             heapq.heappush(pending, (end[j], j))
             run_end = max(run_end, end[j])
     sink = G.node(0.0, "end", None, "step end")
