@@ -124,3 +124,16 @@ def test_injected_kernel_name_renders_as_text(browser, tmp_path: Path) -> None:
         assert page.locator("script").count() == 2
     finally:
         page.close()
+
+
+def test_harness_catches_requests_errors_and_scripts(browser, tmp_path: Path) -> None:
+    """The checks above can fail: a page that loads a remote image, logs an error and opens a dialog
+    is caught on all three counts."""
+    bad = tmp_path / "bad.html"
+    bad.write_text('<!DOCTYPE html><html><body><img src="https://example.invalid/x.png">'
+                   '<script>console.error("boom"); alert(1);</script></body></html>')
+    page, seen = open_report(browser, bad)
+    page.close()
+    assert any(u.startswith("https://example.invalid/") for u in seen["network"])
+    assert any("boom" in m for m in seen["console"])
+    assert seen["dialog"] == ["1"]

@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory, so a reader never
     sees half a file."""
@@ -19,6 +25,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is made to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -42,6 +42,7 @@ _URL = re.compile(r"https?://[^\s<>\"')\]]+")
 # half a pixel are merged into one block; when a lane still has more blocks, the merge distance grows.
 TIMELINE_WIDTH = 1120
 LANE_BLOCK_BUDGET = 900
+TOTAL_BLOCK_BUDGET = 12_000  # over all lanes: keeps a TP8 report with several streams per rank small
 TITLE_NAME_WIDTH = 90
 
 
@@ -393,6 +394,7 @@ def timeline_svg(a: Analysis, budget: int = LANE_BLOCK_BUDGET) -> TimelineInfo:
         streams = kr.groupby("stream")["dur"].sum().sort_values(ascending=False).index.tolist()
         for s in streams:
             lanes.append((rank, s, kr[kr["stream"] == s].sort_values("ts")))
+    budget = min(budget, max(TOTAL_BLOCK_BUDGET // max(len(lanes), 1), 50))
     left, right, lane_gap, top = 92, 14, 4, 22
     lane_h = 26 if len(lanes) <= 4 else 20 if len(lanes) <= 8 else 16
     plot_w = TIMELINE_WIDTH - left - right
