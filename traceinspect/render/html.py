@@ -27,6 +27,7 @@ from traceinspect import __version__
 from traceinspect.render import fmt_pct, fmt_us, kernel_label, launching_ops, short_name, write_text_atomic
 from traceinspect.render.palette import (
     IDLE_STROKE,
+    PATH_COLORS,
     class_color,
     severity_color,
     text_color,
@@ -620,7 +621,7 @@ def collectives_svg(doc: dict[str, Any]) -> tuple[Markup, str | None]:
         y = top + i * (bar_h + gap)
         out.append(el("text", {"x": left - 8, "y": y + bar_h / 2 + 4, "text-anchor": "end",
                                "class": "lab", "font-weight": "700" if is_straggler else None}, label))
-        out.append(el("rect", {"x": left, "y": y, "width": wait * scale, "height": bar_h, "fill": WAIT_COLOR},
+        out.append(el("rect", {"x": left, "y": y, "width": wait * scale, "height": bar_h, "fill": PATH_COLORS["comm_wait"]},
                       el("title", None, f"{label}: waiting for peers {fmt_us(wait)} per step")))
         out.append(el("rect", {"x": left + wait * scale, "y": y, "width": xfer * scale, "height": bar_h,
                                "fill": class_color("comm")},
@@ -671,12 +672,8 @@ def critical_path_svg(doc: dict[str, Any]) -> tuple[Markup, str | None, list[str
     return _svg(TIMELINE_WIDTH, top + bar_h + 6, "critical path composition", *out), None, [c for c, _, _ in segs]
 
 
-WAIT_COLOR = "#f4c8a6"
-HOST_COLOR = "#5b6270"
-
-
 def _path_color(c: str) -> str:
-    return {"comm_wait": WAIT_COLOR, "host": HOST_COLOR}.get(c, class_color(c))
+    return PATH_COLORS.get(c, class_color(c))
 
 
 # --------------------------------------------------------------------------------------------- context
@@ -778,8 +775,8 @@ def _meta_rows(doc: dict[str, Any]) -> list[tuple[str, str, bool]]:
         (f"{str(steps.get('phase', 'decode')).capitalize()} step",
          f"median {fmt_us(steps.get('median_us'))}, p90 {fmt_us(steps.get('p90_us'))} (slowest rank's GPU span)",
          False),
-        ("CUDA runtime / driver", f"{val(run.get('cuda_runtime_version'))} / {val(run.get('cuda_driver_version'))}",
-         False),
+        ("CUDA runtime / driver", f"{_cuda_version(run.get('cuda_runtime_version'))} / "
+                                  f"{_cuda_version(run.get('cuda_driver_version'))}", False),
         ("Steps", f"{steps.get('count')} {steps.get('phase')} steps per rank analysed; found (all ranks): "
                   f"{found or 'none'}; edge steps excluded: {steps.get('excluded_edge')}; step source: {src}", True),
     ]
@@ -801,6 +798,17 @@ def _meta_rows(doc: dict[str, Any]) -> list[tuple[str, str, bool]]:
     return rows
 
 
+def _cuda_version(v: Any) -> str:
+    """CUDA's integer version (12080) as 12.8; other text as it is."""
+    if v is None or v == "":
+        return "unknown"
+    text = str(v)
+    if text.isdigit() and len(text) >= 4:
+        n = int(text)
+        return f"{n // 1000}.{(n % 1000) // 10}"
+    return text
+
+
 def _files_view(doc: dict[str, Any]) -> list[dict[str, str]]:
     out = []
     for f in _get(doc, "source", "files", default=[]) or []:
@@ -813,13 +821,19 @@ def _files_view(doc: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
+def _short_float(v: float) -> str:
+    """12.0 -> '12', 12.25 -> '12.2' (one decimal only when there is one)."""
+    text = f"{v:,.1f}"
+    return text[:-2] if text.endswith(".0") else text
+
+
 def _class_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for c, v in sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("share") or 0)):
         rows.append({"cls": c, "color": class_color(c), "us": v.get("us_per_step"), "us_t": fmt_us(v.get("us_per_step")),
                      "share": v.get("share"), "share_t": fmt_pct(v.get("share")),
                      "calls": v.get("calls_per_step"),
-                     "calls_t": f"{v['calls_per_step']:,.1f}" if _isnum(v.get("calls_per_step")) else "n/a"})
+                     "calls_t": _short_float(v["calls_per_step"]) if _isnum(v.get("calls_per_step")) else "n/a"})
     return rows
 
 
@@ -828,7 +842,7 @@ def _top_kernel_rows(doc: dict[str, Any], ops: dict[str, str]) -> list[dict[str,
     for i, k in enumerate(doc.get("top_kernels") or []):
         op = ops.get(str(k.get("name", "")), "")
         rows.append({"i": i + 1, "name": str(k.get("name", "")), "short": kernel_label(str(k.get("name", "")), 72),
-                     "op": op, "op_short": short_name(op, 34),
+                     "op": op, "op_short": short_name(op, 34) if op else "–",
                      "cls": str(k.get("cls", "")), "color": class_color(str(k.get("cls", ""))),
                      "calls": k.get("calls"), "us": k.get("us"), "us_t": fmt_us(k.get("us")),
                      "mean": k.get("mean_us"), "mean_t": fmt_us(k.get("mean_us")),

@@ -36,6 +36,10 @@ CLASS_COLORS: dict[str, str] = {
 EXTRA: tuple[str, ...] = ("#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#31a354",
                           "#756bb1", "#636363", "#e6550d")
 
+# Critical-path parts that are not kernels: waiting in a collective for a late peer, and GPU idle
+# waiting for the host to launch.
+PATH_COLORS: dict[str, str] = {"comm_wait": "#f4c8a6", "host": "#5b6270"}
+
 IDLE_COLOR = "#ffffff"
 IDLE_STROKE = "#9a9a9a"
 
