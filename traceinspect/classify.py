@@ -33,7 +33,8 @@ CLASSES: tuple[str, ...] = (
 )
 DEFAULT_FILE = "kernel_classes.yaml"
 RULE_KEYS = {"id", "class", "secondary", "priority", "name", "not_name", "op", "not_op", "has_op", "kind",
-             "case_sensitive", "note"}
+             "case_sensitive", "verify", "note"}
+VERIFY = ("experts",)
 MATCHERS = ("name", "not_name", "op", "not_op", "has_op", "kind")
 PROMOTE_KEYS = {"from", "name", "note"}
 PROMOTE_TARGETS = ("kv_cast", "kv_write")
@@ -69,6 +70,7 @@ class Rule:
     not_op: re.Pattern[str] | None = None
     has_op: bool | None = None
     kind: re.Pattern[str] | None = None
+    verify: str | None = None
 
     def match(self, name: str, op_path: str, kind: str) -> str | None:
         """The evidence string if this rule matches, else None."""
@@ -255,12 +257,15 @@ def _parse_rule(f: _File, node: yaml.Node, index: int, macros: dict[str, str]) -
     has_op = vals.get("has_op")
     if has_op is not None and not isinstance(has_op, bool):
         raise f.error(vnode["has_op"], "'has_op' must be true or false")
+    verify = vals.get("verify")
+    if verify is not None and verify not in VERIFY:
+        raise f.error(vnode["verify"], f"'verify' must be one of {', '.join(VERIFY)}, got {verify!r}")
     rid = vals.get("id", f"{cls}@{line}")
     if not isinstance(rid, str) or not rid:
         raise f.error(vnode.get("id", node), "'id' must be a non-empty string")
     flags = 0 if cs else re.IGNORECASE
     out: dict[str, Any] = {"id": rid, "cls": cls, "cls2": cls2, "priority": prio, "line": line,
-                           "source": str(f.path), "has_op": has_op}
+                           "source": str(f.path), "has_op": has_op, "verify": verify}
     for key in ("name", "not_name"):
         if key in m:
             out[key] = _patterns(f, vnode[key], vals[key], macros, flags, key)
@@ -288,11 +293,11 @@ def _parse_file(path: Path, base_macros: dict[str, str]) -> tuple[list[dict[str,
             raise f.error(top["version"][1], f"unsupported version {ver!r} (this traceinspect reads version 1)")
     macros = dict(base_macros)
     if "macros" in top:
-        for name, (kn, vn) in f.mapping(top["macros"][1], "macros").items():
+        for name, (_, vn) in f.mapping(top["macros"][1], "macros").items():
             raw = f.value(vn)
             if not isinstance(raw, str):
                 raise f.error(vn, f"macro '{name}' must be a string")
-            macros[name] = MACRO.sub(lambda m, kn=kn: macros.get(m.group(1), m.group(0)), raw)
+            macros[name] = MACRO.sub(lambda m: macros.get(m.group(1), m.group(0)), raw)
             _pattern(f, vn, macros[name], macros, 0, f"macros.{name}")
     rules: list[dict[str, Any]] = []
     if "rules" in top:
@@ -376,7 +381,87 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
     k["cls"] = np.array([lb.cls for lb in labels], dtype=object)[codes]
     k["cls2"] = np.array([lb.cls2 for lb in labels], dtype=object)[codes]
     k["cls_evidence"] = np.array([lb.evidence for lb in labels], dtype=object)[codes]
+    verify_experts(ts, table)
     promote_kv(ts, steps, table)
+
+
+# --- routing labels that must work on the expert dimension ---------------------------------------
+
+_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
+_RULE_ID = re.compile(r"^rule (\S+) \(")
+_SOFTMAX_WARP = re.compile(r"softmax_warp_forward<[^,<>]+, [^,<>]+, [^,<>]+, (\d+),")
+_SIZE_OPS = ("aten::_softmax", "aten::softmax", "aten::topk", "aten::_log_softmax", "aten::log_softmax")
+
+
+def _model_int(si: dict[str, Any], keys: Sequence[str]) -> tuple[int | None, str]:
+    mi = si.get("model_info") if isinstance(si.get("model_info"), dict) else {}
+    for src, d in (("model_info", mi), ("server_info", si)):
+        for key in keys:
+            v = _int(d.get(key))
+            if v and v > 0:
+                return v, f"{src}.{key}"
+    return None, ""
+
+
+def _routing_size(name: str, o: int, inputs: _OpInputs | None) -> tuple[int | None, str]:
+    """Elements per row a softmax / top-k works on: recorded shapes, else the kernel template."""
+    if inputs is not None and o >= 0:
+        for j in inputs.chain(o, 4):
+            if str(inputs.names[j]) in _SIZE_OPS:
+                t = inputs.tensors(j)
+                if t:
+                    return t[0][1][-1], f"{inputs.names[j]} input {t[0][1]}"
+    m = _SOFTMAX_WARP.search(name)
+    if m:
+        n = 1 << int(m.group(1))
+        return n, f"softmax_warp_forward log2_elements={m.group(1)} (rows of <= {n})"
+    return None, ""
+
+
+def verify_experts(ts: TraceSet, table: ClassTable | None = None) -> None:
+    """Re-label kernels of ``verify: experts`` rules whose softmax / top-k size is known and is not
+    the model's expert count (vocabulary-wide -> sampling, else elementwise)."""
+    table = table or _default_table()
+    ids = {r.id for r in table.rules if r.verify == "experts"}
+    k = ts.kernels
+    if not ids or not len(k):
+        return
+    si = ts.server_info if isinstance(ts.server_info, dict) else {}
+    n_exp, exp_src = _model_int(si, _EXPERT_KEYS)
+    if n_exp is None:
+        return
+    vocab, _ = _model_int(si, ("vocab_size",))
+    ev = k["cls_evidence"].to_numpy(dtype=object)
+    uniq = pd.unique(ev)
+    hit = {e for e in uniq if (m := _RULE_ID.match(str(e))) and m.group(1) in ids}
+    if not hit:
+        return
+    rows = np.nonzero(np.isin(ev, list(hit)))[0]
+    cls = k["cls"].to_numpy(dtype=object).copy()
+    ev = ev.copy()
+    names = k["name"].to_numpy(dtype=object)
+    op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
+    inputs = _OpInputs(ts.cpu_ops) if len(ts.cpu_ops) else None
+    pow2 = 1 << max(n_exp - 1, 0).bit_length()
+    memo: dict[tuple[str, int], tuple[str, str] | None] = {}
+    for r in rows:
+        o = int(op_idx[r])
+        key = (names[r], o if inputs is not None and o >= 0 and inputs.has_shapes(o) else -1)
+        if key not in memo:
+            size, how = _routing_size(names[r], key[1], inputs)
+            if size is None:
+                memo[key] = None
+            elif size == n_exp or (how.startswith("softmax_warp") and size == pow2):
+                memo[key] = (cls[r], f"{how} matches {n_exp} experts ({exp_src})")
+            else:
+                new = "sampling" if vocab and size >= vocab else "elementwise"
+                memo[key] = (new, f"{how} is not the {n_exp} experts ({exp_src}): not MoE routing")
+        res = memo[key]
+        if res is not None:
+            ev[r] = f"{ev[r]}; {res[1]}" if res[0] == cls[r] else f"{res[0]}: {res[1]}; was {cls[r]} by {ev[r]}"
+            cls[r] = res[0]
+    k["cls"] = cls
+    k["cls_evidence"] = ev
 
 
 # --- KV-cache evidence --------------------------------------------------------------------------
@@ -437,6 +522,8 @@ def _layer_count(si: dict[str, Any], k: pd.DataFrame, included: np.ndarray) -> t
             if pp > 1 and n % pp == 0:
                 return n // pp, f"{src}.num_hidden_layers={n} / pp_size={pp}"
             return n, f"{src}.num_hidden_layers={n}"
+    if "step" not in k:
+        return None, "unknown (no num_hidden_layers in server_info, no steps)"
     att = k[(k["cls"] == "attention").to_numpy() & included & (k["step"] >= 0).to_numpy()]
     if not len(att):
         return None, "unknown (no num_hidden_layers in server_info, no attention kernels)"
@@ -596,6 +683,7 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
     cls = k["cls"].to_numpy(dtype=object).copy()
     ev = k["cls_evidence"].to_numpy(dtype=object).copy()
     names = k["name"].to_numpy(dtype=object)
+    ranks = k["rank"].to_numpy()
     is_kernel = (k["kind"] == "kernel").to_numpy() if "kind" in k else np.ones(len(k), dtype=bool)
     pool_shapes: set[tuple[int, ...]] | None = None
     for target in PROMOTE_TARGETS:
@@ -612,14 +700,12 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
             continue
         recur = _recurrence(k, rows, ctx)
         attn_cache: dict[int, bool] = {}
+        memo: dict[tuple[Any, str, bool], str | None] = {}
         for r in rows:
             o = int(op_idx[r])
-            reason = None
-            shaped = inputs is not None and o >= 0 and inputs.has_shapes(o)
-            if shaped:
-                assert inputs is not None
+            rec = recur.get((ranks[r], names[r]))
+            if inputs is not None and o >= 0 and inputs.has_shapes(o):
                 reason = _pool_evidence(inputs, o, ctx, target)
-                rec = recur.get((k["rank"].iat[r], names[r]))
                 if reason is None and rec is not None and target == "kv_cast":
                     if o not in attn_cache:
                         attn_cache[o] = any(ATTENTION_OP.search(str(inputs.names[j])) for j in inputs.chain(o, 8))
@@ -630,23 +716,28 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
                             pool_shapes = _pool_row_shapes(ts.cpu_ops, ctx)
                         reason = _kv_rows_evidence(inputs, o, ctx, pool_shapes, rec)
             else:
-                rec = recur.get((k["rank"].iat[r], names[r]))
-                if rec is not None:
-                    dst = _cast_destination(names[r]) if target == "kv_cast" else None
-                    writes_kv = dst is not None and ctx.kv_dtype is not None and ctx.kv_dtype.startswith(dst)
-                    if not writes_kv:
-                        how = "graph replay, no CPU op" if o < 0 else "no recorded shapes"
-                        reason = f"{how}: same kernel {rec}"
+                key = (ranks[r], names[r], o < 0)
+                if key not in memo:
+                    memo[key] = _recurrence_evidence(names[r], rec, o < 0, target, ctx)
+                reason = memo[key]
             if reason is not None:
+                ev[r] = f"{target}: {reason}; was {cls[r]} by {ev[r]}"
                 cls[r] = target
-                ev[r] = f"{target}: {reason}; was {cls_before(k, r)}"
     k["cls"] = cls
     k["cls_evidence"] = ev
 
 
-def cls_before(k: pd.DataFrame, r: int) -> str:
-    """The rule label a promoted row had."""
-    return f"{k['cls'].iat[r]} by {k['cls_evidence'].iat[r]}"
+def _recurrence_evidence(name: str, rec: str | None, graph: bool, target: str, ctx: _KvContext) -> str | None:
+    """Evidence for a kernel without recorded shapes: once per layer per step, and (for casts) not
+    a cast into the KV dtype (that is the write side)."""
+    if rec is None:
+        return None
+    if target == "kv_cast":
+        dst = _cast_destination(name)
+        if dst is not None and ctx.kv_dtype is not None and ctx.kv_dtype.startswith(dst):
+            return None
+    how = "graph replay, no CPU op" if graph else "no recorded shapes"
+    return f"{how}: same kernel {rec}"
 
 
 def _pool_evidence(inputs: _OpInputs, o: int, ctx: _KvContext, target: str) -> str | None:
