@@ -106,7 +106,7 @@ def build_trace(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, Any
         pids[info.rank] = pid
         gpu = info.device.name if info.device else "GPU"
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": STEPS_TID,
-                       "args": {"name": f"{info.label} · GPU {device} · {gpu}"}})
+                       "args": {"name": f"{pid} · {gpu}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": STEPS_TID,
                        "args": {"sort_index": sort_index(info)}})
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": STEPS_TID,
