@@ -91,7 +91,7 @@ def render(a: Analysis, doc: dict[str, Any] | None = None, console: Console | No
             con.print(f"[{style}]{f['severity'].upper():8}[/{style}] [bold]{escape(f['rule'])}[/bold]: "
                       f"{escape(f['message'])}")
             if saving is not None:
-                con.print(f"          est. saving {_us(saving)} per step ({_pct(f['share'])} of step time)")
+                con.print(f"          est. saving {_us(saving)} per step ({_pct(f['evidence'].get('saving_share'))} of {escape(str(f['evidence'].get('share_of') or 'step time').split(' (')[0])})")
             con.print(f"          fix: {escape(str(f['remediation']).strip())}")
     else:
         con.print("\n[green]No findings.[/green]")

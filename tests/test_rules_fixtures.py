@@ -1,0 +1,197 @@
+"""The shipped rules on the real GPU fixtures, checked against each fixture's planted truth
+(manifest.json), and ``traceinspect rules test``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIX = ROOT / "fixtures"
+
+
+def _need(name: str) -> Path:
+    d = FIX / name
+    if not (d / "manifest.json").is_file() or not list(d.glob("*-TP-*.trace.json.gz")):
+        pytest.skip(f"fixture {name} is not present")
+    return d
+
+
+@cache
+def _analysis(name: str):
+    from traceinspect.analysis import analyze
+
+    return analyze(str(FIX / name))
+
+
+def _findings(name: str, rule: str) -> list[dict]:
+    _need(name)
+    return [f for f in _analysis(name).to_json()["findings"] if f["rule"] == rule]
+
+
+def _truth_share(name: str) -> float:
+    """Time of the planted cast kernels (name contains both manifest substrings) in the analysed
+    steps over all kernel time of the analysed steps."""
+    man = json.loads((_need(name) / "manifest.json").read_text())
+    pk = man["planted_kernels"]["kv_cast"]
+    k = _analysis(name).kernels
+    k = k[k["kind"] == "kernel"]
+    hit = k["name"].str.contains(pk["name_substring"], regex=False) & k["name"].str.contains(
+        pk["and_substring"], regex=False)
+    return float(k.loc[hit, "dur"].sum() / k["dur"].sum())
+
+
+@pytest.mark.parametrize("name", ["kv-full-cast-eager", "kv-full-cast-graph"])
+def test_kv_full_pool_cast_fires_with_true_share(name: str) -> None:
+    fs = _findings(name, "kv-full-pool-cast")
+    assert len(fs) == 1, fs
+    f = fs[0]
+    truth = _truth_share(name)
+    assert abs(f["share"] - truth) <= 0.03, (f["share"], truth)
+    man = json.loads((FIX / name / "manifest.json").read_text())
+    ev = f["evidence"]
+    assert ev["calls_per_step"] == man["planted_kernels"]["kv_cast"]["per_step"]
+    assert ev["layers"] == man["layers"]
+    assert ev["kv_pool_bytes_per_layer"] == man["kv_pool_bytes_per_layer"]
+    # each call moves the pool: read (fp8) + write (bf16)
+    moved = man["planted_kernels"]["kv_cast"]["bytes_read_per_kernel"] + \
+        man["planted_kernels"]["kv_cast"]["bytes_written_per_kernel"]
+    assert ev["bytes_per_call"] == pytest.approx(moved, rel=0.01)
+    assert f["severity"] == "critical" and f["est_saving_us_per_step"] > 0
+    assert f["ranks"] == man["ranks"]
+    assert "gather" in f["remediation"].lower()
+
+
+@pytest.mark.parametrize("name", ["kv-gather-cast-eager", "kv-gather-cast-graph"])
+def test_kv_full_pool_cast_silent_on_gather_then_cast(name: str) -> None:
+    assert _findings(name, "kv-full-pool-cast") == []
+    from traceinspect.judge import explain, load_rule_set
+
+    out = explain(_analysis(name), load_rule_set(only=["kv-full-pool-cast"]))
+    # silent because the evidence says no (not because it could not be decided)
+    assert [o.status for o in out] == ["silent"], [(o.status, o.reasons) for o in out]
+
+
+def test_small_m_gemm_reports_planted_m() -> None:
+    man = json.loads((_need("moe-small-m-eager") / "manifest.json").read_text())
+    fs = _findings("moe-small-m-eager", "small-m-gemm")
+    experts = [f for f in fs if f["evidence"]["is_moe"]]
+    assert len(experts) == 1, fs
+    ev = experts[0]["evidence"]
+    assert ev["per_expert_m"] == man["per_expert_m"] == 8
+    assert f"M = {man['per_expert_m']} rows per expert" in experts[0]["message"]
+    assert ev["pct_peak"] < 0.05
+    assert experts[0]["est_saving_us_per_step"] > 0
+
+
+def test_small_m_gemm_silent_or_far_weaker_at_large_batch() -> None:
+    small = _findings("moe-small-m-eager", "small-m-gemm")
+    large = _findings("moe-large-m-eager", "small-m-gemm")
+    if large:
+        assert max(f["est_saving_us_per_step"] for f in large) < 0.2 * max(
+            f["est_saving_us_per_step"] for f in small)
+    else:
+        assert large == []
+
+
+def test_comm_wait_fires_on_slow_rank_and_comm_bound_does_not() -> None:
+    man = json.loads((_need("slow-rank-eager") / "manifest.json").read_text())
+    waits = _findings("slow-rank-eager", "comm-wait")
+    assert len(waits) == 1
+    w = waits[0]
+    slowed = man["slowed_rank"]
+    assert slowed not in w["ranks"]  # the ranks that wait are the others
+    assert w["evidence"]["wait_share"] >= 0.5
+    assert _findings("slow-rank-eager", "comm-bound") == []
+
+
+def test_rank_straggler_names_the_slowed_rank() -> None:
+    man = json.loads((_need("slow-rank-eager") / "manifest.json").read_text())
+    fs = _findings("slow-rank-eager", "rank-straggler")
+    assert len(fs) == 1 and fs[0]["ranks"] == [man["slowed_rank"]], fs
+
+
+def test_comm_bound_fires_on_transfer_bound_derived_fixture() -> None:
+    _need("rule-tests/comm-bound-graph")
+    assert len(_findings("rule-tests/comm-bound-graph", "comm-bound")) == 1
+    assert _findings("rule-tests/comm-bound-graph", "comm-wait") == []
+
+
+def test_findings_sorted_and_json_shape_on_fixture() -> None:
+    _need("kv-full-cast-eager")
+    doc = _analysis("kv-full-cast-eager").to_json()
+    fs = doc["findings"]
+    assert fs, "expected findings"
+    keys = {"rule", "severity", "title", "message", "share", "est_saving_us_per_step", "ranks", "evidence",
+            "remediation"}
+    for f in fs:
+        assert set(f) == keys
+    savings = [f["est_saving_us_per_step"] for f in fs if f["est_saving_us_per_step"] is not None]
+    assert savings == sorted(savings, reverse=True)
+    json.dumps(doc, allow_nan=False)
+
+
+def test_analyze_prints_findings_and_honours_only_disable(tmp_path: Path) -> None:
+    _need("kv-full-cast-eager")
+    out = tmp_path / "a.json"
+    r = subprocess.run([sys.executable, "-m", "traceinspect", "analyze", str(FIX / "kv-full-cast-eager"),
+                        "--only", "kv-full-pool-cast", "--json", str(out)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "kv-full-pool-cast" in r.stdout
+    assert {f["rule"] for f in json.loads(out.read_text())["findings"]} == {"kv-full-pool-cast"}
+    r = subprocess.run([sys.executable, "-m", "traceinspect", "analyze", str(FIX / "kv-full-cast-eager"),
+                        "--disable", "kv-full-pool-cast", "--json", str(out), "-q"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "kv-full-pool-cast" not in {f["rule"] for f in json.loads(out.read_text())["findings"]}
+
+
+def test_user_rule_directory_adds_rules(tmp_path: Path) -> None:
+    _need("kv-full-cast-eager")
+    text = """\
+rules:
+  - id: big-casts
+    title: Casts take time
+    severity: info
+    scope: decode
+    select:
+      kernels: {name: 'direct_copy_kernel_cuda.*LoadWithCast'}
+    when: "us_per_step > 1000"
+    estimate: us_per_step
+    message: "{calls_per_step:.0f} casts per step, {us_per_step:,.0f} us"
+    why: casting costs time
+    remediation: cast less
+    references: []
+    tests:
+      fires: [FIRES]
+      silent: [SILENT]
+"""
+    text = text.replace("FIRES", str(FIX / "kv-full-cast-eager")).replace("SILENT", str(FIX / "kv-gather-cast-eager"))
+    (tmp_path / "mine.yaml").write_text(text)
+    r = subprocess.run([sys.executable, "-m", "traceinspect", "rules", "test", "--rules", str(tmp_path),
+                        "--no-shipped"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 passed, 0 failed" in r.stdout
+    # a rule that claims the wrong thing fails the test run
+    (tmp_path / "mine.yaml").write_text((tmp_path / "mine.yaml").read_text().replace("> 1000", "> 1e12"))
+    r = subprocess.run([sys.executable, "-m", "traceinspect", "rules", "test", "--rules", str(tmp_path),
+                        "--no-shipped"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 1 and "FAIL big-casts should have fired" in r.stdout
+
+
+@pytest.mark.slow
+def test_rules_test_command_passes_on_shipped_rules() -> None:
+    for name in ("kv-full-cast-eager", "kv-gather-cast-eager", "kv-full-cast-graph", "kv-gather-cast-graph",
+                 "moe-small-m-eager", "moe-large-m-eager", "slow-rank-eager", "rule-tests/comm-bound-graph",
+                 "rule-tests/host-sync-graph"):
+        _need(name)
+    r = subprocess.run([sys.executable, "-m", "traceinspect", "rules", "test"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert " 0 failed, 0 skipped" in r.stdout

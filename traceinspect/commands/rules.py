@@ -1,0 +1,238 @@
+"""``traceinspect rules``: list, show, test and explain the rules, and print the metric namespace."""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+RULES_OPT = click.option("--rules", "rules", multiple=True, type=click.Path(),
+                         help="Extra rule file or directory (repeatable).")
+
+
+def _load(rules: tuple[str, ...], only: tuple[str, ...] = (), shipped: bool = True) -> Any:
+    from traceinspect.judge import load_rule_set
+
+    return load_rule_set(extra=rules, only=only, shipped=shipped)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=True)
+
+
+@click.group("rules")
+def rules_cmd() -> None:
+    """List, show, test and explain the diagnostic rules (rules/*.yaml)."""
+
+
+@rules_cmd.command("list")
+@RULES_OPT
+def list_cmd(rules: tuple[str, ...]) -> None:
+    """Every rule: id, severity, steps it applies to, title and file."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    rs = _load(rules)
+    t = Table(title=f"{len(rs)} rules", title_justify="left")
+    for col in ("id", "severity", "steps", "select", "title", "file"):
+        t.add_column(col, overflow="fold")
+    for r in rs:
+        t.add_row(r.id, r.severity, r.scope, r.select.scope, escape(r.title),
+                  escape(f"{r.source.name}:{r.line}" if r.source else ""))
+    _console().print(t)
+
+
+@rules_cmd.command("show")
+@click.argument("rule_id")
+@RULES_OPT
+def show_cmd(rule_id: str, rules: tuple[str, ...]) -> None:
+    """The full text of one rule with the definitions of the metrics it uses."""
+    from traceinspect.errors import ConfigError
+    from traceinspect.judge.docs import rule_markdown
+
+    rs = _load(rules)
+    rule = rs.get(rule_id)
+    if rule is None:
+        raise ConfigError(f"no rule {rule_id!r} (known: {', '.join(sorted(rs.ids))})")
+    click.echo(rule_markdown(rule, generated_note=False))
+
+
+@rules_cmd.command("metrics")
+@click.argument("scope", required=False,
+                type=click.Choice(["run", "kernels", "gemm", "rank", "class"]))
+def metrics_cmd(scope: str | None) -> None:
+    """The metric namespace rules are written against (all scopes, or one)."""
+    from traceinspect.judge import metrics as M
+
+    for s in [scope] if scope else list(M.SCOPES):
+        click.echo(f"[{s}]" + ("  (visible to every rule)" if s == "run" else f"  (rules with select: {s})"))
+        for m in M.own_metrics(s).values():
+            click.echo(f"  {m.name:<28} {m.unit:<8} {m.definition}")
+        click.echo("")
+
+
+@rules_cmd.command("docs")
+@click.argument("out_dir", type=click.Path(file_okay=False), default="docs/rules")
+@RULES_OPT
+def docs_cmd(out_dir: str, rules: tuple[str, ...]) -> None:
+    """Write the rule documentation pages (one per rule, an index and the metric list)."""
+    from traceinspect.commands.analyze import write_atomic
+    from traceinspect.judge.docs import index_markdown, metrics_markdown, rule_markdown
+
+    rs = _load(rules)
+    out = Path(out_dir)
+    for r in rs:
+        write_atomic(out / f"{r.id}.md", rule_markdown(r))
+    write_atomic(out / "index.md", index_markdown(rs))
+    write_atomic(out / "metrics.md", metrics_markdown())
+    click.echo(f"wrote {len(rs) + 2} pages to {out}")
+
+
+@rules_cmd.command("check")
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+def check_cmd(paths: tuple[str, ...]) -> None:
+    """Validate rule files or directories (exit 2 with file:line: reason on the first error)."""
+    from traceinspect.judge.rules import load_rule_file, rule_files
+
+    n = 0
+    for p in paths:
+        for f in rule_files(Path(p)):
+            rules = load_rule_file(f)
+            n += len(rules)
+            click.echo(f"{f}: {len(rules)} rule(s) OK")
+    if not n:
+        click.echo("no rules found")
+
+
+@rules_cmd.command("explain")
+@click.argument("paths", nargs=-1, required=True)
+@RULES_OPT
+@click.option("--only", multiple=True, help="Explain only this rule id (repeatable).")
+@click.option("--phase", type=click.Choice(["decode", "prefill", "all"]), default="decode", show_default=True)
+@click.option("--gpu", default=None, help="GPU spec: a name from rules/gpus.yaml or a YAML file.")
+def explain_cmd(paths: tuple[str, ...], rules: tuple[str, ...], only: tuple[str, ...], phase: str,
+                gpu: str | None) -> None:
+    """Analyse a trace set and say, for every rule, whether it fired and why (or why not)."""
+    from rich.markup import escape
+
+    from traceinspect.analysis import Options, analyze
+    from traceinspect.judge import explain
+
+    rs = _load(rules, only)
+    a = analyze(list(paths), Options(phase=phase, rules=rules, only=only, gpu=gpu))
+    con = _console()
+    style = {"fired": "bold red", "silent": "green", "undecided": "yellow", "skipped": "dim", "error": "bold magenta"}
+    for o in explain(a, rs):
+        subj = f" [{escape(o.subject)}]" if o.subject else ""
+        con.print(f"[{style.get(o.status, '')}]{o.status:9}[/] [bold]{o.rule}[/bold]{subj}")
+        if o.finding is not None:
+            f = o.finding
+            con.print(f"          {escape(f.message)}")
+            if f.est_saving_us_per_step is not None:
+                con.print(f"          est. saving {f.est_saving_us_per_step:,.1f} us/step; share "
+                          f"{(f.share or 0):.1%}")
+        for why in o.reasons:
+            con.print(f"          - {escape(why)}")
+
+
+@dataclass
+class _Case:
+    rule: str
+    expect: str  # 'fires' | 'silent'
+    path: Path
+    written: str
+
+
+def _cases(rs: Any) -> tuple[list[_Case], list[str]]:
+    cases, problems = [], []
+    for r in rs:
+        for kind in ("fires", "silent"):
+            written = r.tests.get(kind, [])
+            for w, p in zip(written, r.test_paths(kind), strict=True):
+                cases.append(_Case(r.id, kind, p, w))
+            if not written:
+                problems.append(f"{r.id}: names no fixture it must {'fire on' if kind == 'fires' else 'stay silent on'}")
+    return cases, problems
+
+
+@rules_cmd.command("test")
+@RULES_OPT
+@click.option("--only", multiple=True, help="Test only this rule id (repeatable).")
+@click.option("--no-shipped", is_flag=True, help="Test only the rules of --rules, not the shipped ones.")
+@click.option("--allow-missing", is_flag=True,
+              help="Skip (instead of fail) fixtures that are not present and rules without fixtures.")
+@click.option("--jobs", "-j", type=int, default=None, help="Parallel rank parsers (default: CPUs).")
+def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, allow_missing: bool,
+             jobs: int | None) -> None:
+    """Run every rule's own fixtures: it must fire on each `tests.fires` trace set and stay silent on
+    each `tests.silent` one (like `semgrep --test`). Exit 1 if any check fails."""
+    from rich.markup import escape
+
+    from traceinspect.analysis import Options, analyze
+    from traceinspect.errors import TraceInputError
+    from traceinspect.judge import explain
+
+    rs = _load(rules, only, shipped=not no_shipped)
+    con = _console()
+    cases, problems = _cases(rs)
+    failed = skipped = passed = 0
+    for p in problems:
+        if allow_missing:
+            skipped += 1
+            con.print(f"[yellow]SKIP[/yellow] {escape(p)}")
+        else:
+            failed += 1
+            con.print(f"[red]FAIL[/red] {escape(p)}")
+    by_fixture: dict[tuple[Path, str], list[_Case]] = defaultdict(list)
+    for c in cases:
+        rule = rs.get(c.rule)
+        phase = rule.scope if rule.scope != "all" else "decode"
+        by_fixture[(c.path, phase)].append(c)
+    for (path, phase), group in sorted(by_fixture.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        if not path.exists():
+            for c in group:
+                tag = "[yellow]SKIP[/yellow]" if allow_missing else "[red]FAIL[/red]"
+                skipped += allow_missing
+                failed += not allow_missing
+                con.print(f"{tag} {c.rule} {c.expect} {escape(c.written)}: fixture not found ({escape(str(path))})")
+            continue
+        try:
+            a = analyze([str(path)], Options(phase=phase, jobs=jobs, command="traceinspect rules test"))
+        except TraceInputError as e:
+            for c in group:
+                failed += 1
+                con.print(f"[red]FAIL[/red] {c.rule} {c.expect} {escape(c.written)}: cannot analyse: "
+                          f"{escape(e.one_line())}")
+            continue
+        outcomes = explain(a, rs)
+        for c in group:
+            mine = [o for o in outcomes if o.rule == c.rule]
+            fired = [o for o in mine if o.status == "fired"]
+            errors = [o for o in mine if o.status == "error"]
+            ok = not errors and (bool(fired) if c.expect == "fires" else not fired)
+            if ok:
+                passed += 1
+                detail = ""
+                if fired:
+                    f = fired[0].finding
+                    assert f is not None
+                    detail = (f" (share {(f.share or 0):.1%}, est. saving "
+                              f"{(f.est_saving_us_per_step or 0):,.0f} us/step)")
+                con.print(f"[green]PASS[/green] {c.rule} {c.expect} on {escape(c.written)}{detail}")
+            else:
+                failed += 1
+                con.print(f"[red]FAIL[/red] {c.rule} should have {'fired' if c.expect == 'fires' else 'stayed silent'}"
+                          f" on {escape(c.written)}")
+                for o in errors or fired or mine:
+                    msg = o.finding.message if o.finding is not None else "; ".join(o.reasons)
+                    con.print(f"       {o.status}{' [' + escape(o.subject) + ']' if o.subject else ''}: {escape(msg)}")
+    con.print(f"\n{passed} passed, {failed} failed, {skipped} skipped ({len(rs)} rules)")
+    if failed:
+        # SystemExit, not click's Exit: the non-standalone main() would return its code instead of exiting
+        sys.exit(1)

@@ -1,0 +1,13 @@
+"""Stage 6, judge: rules from ``rules/*.yaml`` evaluated over the metric namespace of an analysis.
+
+Public API: :class:`Finding`, :class:`Rule`, :class:`RuleSet`, :func:`load_rule_set`,
+:func:`evaluate` (findings sorted by estimated saving) and :func:`explain` (every rule's outcome
+and the reasons, for ``--explain``-style output).
+"""
+
+from __future__ import annotations
+
+from traceinspect.judge.engine import Finding, Outcome, evaluate, explain
+from traceinspect.judge.rules import Rule, RuleSet, load_rule_file, load_rule_set
+
+__all__ = ["Finding", "Outcome", "Rule", "RuleSet", "evaluate", "explain", "load_rule_file", "load_rule_set"]

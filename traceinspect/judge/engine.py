@@ -1,0 +1,403 @@
+"""Evaluate rules over an analysis: subjects from the selector, conditions, the savings estimate
+and the finding.
+
+Savings follow Nsight Compute's GLOBAL speedup estimates: a rule's ``impact`` is the time per step
+of what it points at (a kernel family, a rank's collective wait, idle time) and ``share`` is that
+impact over the step time; ``estimate`` is the time per step that fixing it would save, capped by
+the impact (a child never claims more than its parent) and by the step time.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from traceinspect.judge import metrics as M
+from traceinspect.judge.expr import Expr, ExprError, evaluate_explain
+from traceinspect.judge.rules import SEVERITY_RANK, Rule, RuleSet
+from traceinspect.judge.saferegex import search
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+
+MAX_MESSAGE = 2000
+MAX_TEXT_VALUE = 160  # characters of a text metric inside a message
+MAX_EVIDENCE_TEXT = 600
+
+
+@dataclass
+class Finding:
+    """One problem found by one rule (on one subject, or on several merged ranks)."""
+
+    rule: str
+    severity: str
+    title: str
+    message: str
+    share: float | None
+    est_saving_us_per_step: float | None
+    ranks: list[int]
+    evidence: dict[str, Any]
+    remediation: str
+
+    @property
+    def id(self) -> str:
+        return self.rule
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON form (``findings`` list of ``traceinspect.analysis/1``)."""
+        return {
+            "rule": self.rule, "severity": self.severity, "title": self.title, "message": self.message,
+            "share": _round(self.share), "est_saving_us_per_step": _round(self.est_saving_us_per_step),
+            "ranks": list(self.ranks), "evidence": {k: _json_value(v) for k, v in self.evidence.items()},
+            "remediation": self.remediation,
+        }
+
+
+@dataclass
+class Outcome:
+    """What one rule concluded on one subject: fired, silent, undecided, skipped or error, and why."""
+
+    rule: str
+    status: str
+    subject: str = ""
+    reasons: list[str] = field(default_factory=list)
+    finding: Finding | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+def _round(x: Any) -> Any:
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        if not math.isfinite(x):
+            return None
+        x = float(x)
+        if x.is_integer() and abs(x) < 2**53:
+            return int(x)
+        if abs(x) >= 100:
+            return round(x, 1)
+        return float(f"{x:.4g}")
+    return x
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, str):
+        return v if len(v) <= MAX_EVIDENCE_TEXT else v[:MAX_EVIDENCE_TEXT] + "…"
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    return _round(v)
+
+
+def _fmt_value(v: Any, spec: str) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        s = " ".join(v.split())
+        return s if len(s) <= MAX_TEXT_VALUE else s[:MAX_TEXT_VALUE - 1] + "…"
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    try:
+        if spec.endswith("d") and isinstance(v, float):
+            v = int(round(v))
+        return format(v, spec)
+    except (ValueError, TypeError):
+        return str(_round(v))
+
+
+def _describe_values(expr: Expr, env: dict[str, Any], rule: Rule) -> str:
+    """``name=value`` for the metrics an expression reads (through the rule's ``let`` names too)."""
+    parts: list[str] = []
+    seen: set[str] = set()
+
+    def add(names: frozenset[str]) -> None:
+        for n in sorted(names):
+            if n in rule.params or n in seen:
+                continue
+            seen.add(n)
+            v = env.get(n)
+            parts.append(f"{n}={_fmt_value(v, '')!r}" if isinstance(v, str) else f"{n}={_round(v)}")
+            if n in rule.let:
+                add(rule.let[n].names)
+
+    add(expr.names)
+    return ", ".join(parts)
+
+
+class _Subjects:
+    """Builds the subjects of a selector from the metric context."""
+
+    def __init__(self, ctx: M.MetricContext) -> None:
+        self.ctx = ctx
+
+    def of(self, rule: Rule) -> tuple[list[M.Subject], str | None]:
+        sel = rule.select
+        ctx = self.ctx
+        if sel.scope == "run":
+            return [ctx.run_subject()], None
+        if sel.scope == "rank":
+            return ctx.rank_subjects(), None
+        if sel.scope == "class":
+            subs = ctx.class_subjects(sel.classes or None)
+            return subs, (None if subs else "no GPU time in the selected classes")
+        if sel.scope == "kernels":
+            k = ctx.k
+            if not len(k):
+                return [], "no kernels in the analysed steps"
+            mask = np.ones(len(k), dtype=bool)
+            if sel.classes:
+                mask &= k["cls"].astype(str).isin(sel.classes).to_numpy()
+            if sel.kinds:
+                mask &= k["kind"].astype(str).isin(sel.kinds).to_numpy()
+            if sel.graph is not None:
+                mask &= (k["graph_replay"].to_numpy() == sel.graph)
+            if sel.name is not None or sel.not_name is not None:
+                mask &= M.name_mask(k["name"], sel.name, sel.not_name)
+            if sel.op is not None or sel.not_op is not None:
+                path = k["op_path"].astype(str) if "op_path" in k.columns else k["op_name"].astype(str)
+                uniq = {p: ((sel.op is None or search(sel.op, p)) and
+                            (sel.not_op is None or not search(sel.not_op, p))) for p in path.unique()}
+                mask &= path.map(uniq).to_numpy(dtype=bool)
+            subs = ctx.kernel_subjects(mask, sel.group_by)
+            return subs, (None if subs else "no kernel matched the selector")
+        if sel.scope == "gemm":
+            rows = ctx.gemm_rows()
+            if rows is None:
+                return [], "GEMM efficiency is unavailable (" + _eff_reason(ctx) + ")"
+            if sel.moe is not None:
+                rows = rows[rows["is_moe"].astype(bool) == sel.moe]
+            if sel.classes:
+                rows = rows[rows["cls"].isin(sel.classes)]
+            unknown = rows[~rows["known"].astype(bool)]
+            if sel.where is not None and len(rows):
+                keep = np.zeros(len(rows), dtype=bool)
+                for i in range(len(rows)):
+                    if not bool(rows["known"].iloc[i]):
+                        continue
+                    env = dict(ctx.run)
+                    env.update(ctx.gemm_row_values(rows.iloc[i]))
+                    env.update(rule.params)
+                    keep[i] = bool(sel.where.evaluate(env))
+                rows = rows[keep]
+            subs = ctx.gemm_subjects(rows, sel.group_by, unknown)
+            if not subs and len(unknown):
+                return [], (f"no GEMM with known shapes matched the selector ({len(unknown)} shape group(s) "
+                            "with unknown shapes)")
+            return subs, (None if subs else "no GEMM matched the selector")
+        return [], f"unknown scope {sel.scope}"
+
+
+def _eff_reason(ctx: M.MetricContext) -> str:
+    eff = ctx.a.efficiency
+    if eff is None:
+        return "the efficiency stage did not run"
+    return getattr(eff, "reason", None) or "no GEMM shapes were recovered"
+
+
+def _evaluate_rule(rule: Rule, ctx: M.MetricContext, subjects: _Subjects, phase: str) -> list[Outcome]:
+    if rule.scope != "all" and rule.scope != phase:
+        return [Outcome(rule.id, "skipped", reasons=[f"rule applies to {rule.scope} steps; the analysis is of "
+                                                      f"{phase} steps"])]
+    subs, why_none = subjects.of(rule)
+    if not subs:
+        return [Outcome(rule.id, "silent", reasons=[why_none or "nothing selected"])]
+    out = []
+    for sub in subs:
+        env: dict[str, Any] = dict(ctx.run)
+        env.update(sub.values)
+        env.update(rule.params)
+        missing = dict(ctx.run_missing)
+        missing.update(sub.missing)
+        for name, expr in rule.let.items():
+            val, why = evaluate_explain(expr, env)
+            env[name] = val
+            if val is None:
+                missing[name] = _explain_none(expr, why, missing)
+        out.append(_judge(rule, sub, env, missing, ctx))
+    return out
+
+
+def _explain_none(expr: Expr, reason: str | None, missing: dict[str, str]) -> str:
+    names = [n for n in sorted(expr.names) if n in missing]
+    if names:
+        return "; ".join(f"{n} unavailable: {missing[n]}" for n in names)
+    return reason or "cannot decide"
+
+
+def _judge(rule: Rule, sub: M.Subject, env: dict[str, Any], missing: dict[str, str],
+           ctx: M.MetricContext) -> Outcome:
+    reasons: list[str] = []
+    undecided: list[str] = []
+    for i, cond in enumerate(rule.when):
+        try:
+            val, why = evaluate_explain(cond, env)
+        except ExprError as e:
+            return Outcome(rule.id, "error", sub.label, [f"when[{i}]: {e}"])
+        label = f"when[{i}] `{cond.source}`"
+        if val is None:
+            undecided.append(f"{label} cannot be decided: {_explain_none(cond, why, missing)}")
+        elif not val:
+            reasons.append(f"{label} is false ({_describe_values(cond, env, rule)})")
+    if reasons:
+        return Outcome(rule.id, "silent", sub.label, reasons + undecided)
+    if undecided:
+        return Outcome(rule.id, "undecided", sub.label, undecided)
+    return Outcome(rule.id, "fired", sub.label, [], _finding(rule, sub, env, missing, ctx))
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, (bool, np.bool_)) or v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _default_impact(sub: M.Subject) -> float | None:
+    for key in ("us_per_step", "class_us_per_step"):
+        if key in sub.values:
+            return _num(sub.values[key])
+    return None
+
+
+def _finding(rule: Rule, sub: M.Subject, env: dict[str, Any], missing: dict[str, str],
+             ctx: M.MetricContext) -> Finding:
+    evidence: dict[str, Any] = {"subject": sub.label}
+    notes: list[str] = []
+    step_us = _num(ctx.run.get("step_us"))
+    # the finding's share: of the GPU time per step (kernel work), or of the step's duration (timeline
+    # problems such as idle gaps); see Rule.share_of
+    base_name = "kernel_us_per_step" if rule.share_of == "gpu_time" else "step_us"
+    base = _num(ctx.run.get(base_name))
+    if rule.impact is not None:
+        impact_v, why = evaluate_explain(rule.impact, env)
+        impact = _num(impact_v)
+        if impact is None:
+            notes.append("impact unavailable: " + _explain_none(rule.impact, why, missing))
+    else:
+        impact = _default_impact(sub)
+    if impact is not None:
+        impact = max(impact, 0.0)
+        if base is not None:
+            impact = min(impact, base)
+    est_v, why = evaluate_explain(rule.estimate, env)
+    est = _num(est_v)
+    if est is None:
+        notes.append("estimate unavailable: " + _explain_none(rule.estimate, why, missing))
+    else:
+        est = max(est, 0.0)
+        if impact is not None and est > impact:
+            est = impact  # a fix cannot save more than the time of what it fixes
+            evidence["estimate_capped_at_impact"] = True
+        if step_us is not None:
+            est = min(est, step_us)
+    share = impact / base if impact is not None and base else None
+    evidence["impact_us_per_step"] = impact
+    evidence["share_of"] = "GPU time per step (kernel_us_per_step)" if rule.share_of == "gpu_time" \
+        else "step time (step_us)"
+    evidence[base_name] = base
+    evidence["saving_share"] = est / base if est is not None and base else None
+    names = list(rule.evidence) if rule.evidence else [n for n in rule.metric_names() if n not in evidence]
+    for n in names:
+        expr = rule.evidence.get(n)
+        if expr is not None:
+            try:
+                v, _ = evaluate_explain(expr, env)
+            except ExprError:
+                v = None
+        else:
+            v = env.get(n)
+        evidence[n] = v
+        if v is None and n in missing:
+            notes.append(f"{n} unavailable: {missing[n]}")
+    if notes:
+        evidence["unavailable"] = notes
+    return Finding(
+        rule=rule.id, severity=rule.severity, title=rule.title, message=format_message(rule, env),
+        share=share, est_saving_us_per_step=est, ranks=list(sub.ranks), evidence=evidence,
+        remediation=" ".join(rule.remediation.split()) if "\n-" not in rule.remediation
+        else rule.remediation.strip(),
+    )
+
+
+_PLACE = re.compile(r"\{\{|\}\}|\{[^{}]*\}")
+
+
+def format_message(rule: Rule, env: dict[str, Any]) -> str:
+    """The rule's message with its placeholders filled from ``env`` (None -> 'n/a')."""
+    it = iter(rule.placeholders)
+
+    def sub(m: re.Match[str]) -> str:
+        tok = m.group(0)
+        if tok == "{{":
+            return "{"
+        if tok == "}}":
+            return "}"
+        ph = next(it)
+        try:
+            v, _ = evaluate_explain(ph.expr, env)
+        except ExprError:
+            v = None
+        return _fmt_value(v, ph.spec)
+
+    text = " ".join(_PLACE.sub(sub, rule.message).split())
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE - 1] + "…"
+
+
+def _merge_ranks(rule: Rule, outcomes: list[Outcome]) -> list[Finding]:
+    """Rank-scope findings of one rule become one finding: the largest one, naming every rank."""
+    fired = [o.finding for o in outcomes if o.finding is not None]
+    if rule.select.scope != "rank" or len(fired) <= 1:
+        return fired  # type: ignore[return-value]
+    fired.sort(key=lambda f: -(f.est_saving_us_per_step or 0.0))  # type: ignore[union-attr]
+    top = fired[0]
+    assert top is not None
+    ranks = sorted({r for f in fired for r in f.ranks})  # type: ignore[union-attr]
+    top.ranks = ranks
+    top.evidence["ranks_firing"] = ranks
+    return [top]
+
+
+def explain(analysis: Analysis, rule_set: RuleSet) -> list[Outcome]:
+    """Every rule's outcome on every subject, with the reasons it did or did not fire."""
+    try:
+        ctx = M.MetricContext(analysis)
+    except Exception as e:  # noqa: BLE001 - a metric bug must not hide the rest of the analysis
+        return [Outcome(r.id, "error", reasons=[f"metrics could not be computed: {type(e).__name__}: {e}"])
+                for r in rule_set]
+    subjects = _Subjects(ctx)
+    out: list[Outcome] = []
+    for rule in rule_set:
+        try:
+            out.extend(_evaluate_rule(rule, ctx, subjects, analysis.phase))
+        except Exception as e:  # noqa: BLE001
+            out.append(Outcome(rule.id, "error", reasons=[f"{type(e).__name__}: {e}"]))
+    return out
+
+
+def sort_findings(findings: list[Finding]) -> list[Finding]:
+    """By estimated saving (largest first; unknown last), then severity, then share."""
+    return sorted(findings, key=lambda f: (f.est_saving_us_per_step is None, -(f.est_saving_us_per_step or 0.0),
+                                           SEVERITY_RANK.get(f.severity, 9), -(f.share or 0.0), f.rule))
+
+
+def evaluate(analysis: Analysis, rule_set: RuleSet) -> list[Finding]:
+    """The findings of ``rule_set`` on ``analysis``, sorted by estimated saving per step."""
+    outcomes = explain(analysis, rule_set)
+    findings: list[Finding] = []
+    for rule in rule_set:
+        mine = [o for o in outcomes if o.rule == rule.id]
+        findings.extend(_merge_ranks(rule, mine))
+        for o in mine:
+            if o.status == "error":
+                analysis.trace.warnings.append(f"rule {rule.id} could not be evaluated: {'; '.join(o.reasons)}")
+    return sort_findings(findings)
