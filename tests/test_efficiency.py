@@ -326,3 +326,65 @@ def test_graph_capture_mismatch_is_reported(tmp_path: Path) -> None:
     assert r0["reason"].str.contains("not matched to the capture trace").all()
     assert (r1["shape_source"] == "graph_capture").all()  # the intact rank keeps its shapes
     assert not any(isinstance(x, float) and math.isnan(x) for x in r0["m"])  # null, not NaN-as-number
+
+
+# ----------------------------------------------------------------------------- SGLang fused MoE op
+
+
+def _fused_moe_trace(path: Path, rank: int, steps: int = 4, kernels: tuple[str, ...] = (
+        "moe_align_block_size_kernel", "fused_moe_kernel", "act_and_mul_kernel", "fused_moe_kernel",
+        "moe_sum_reduce_kernel")) -> None:
+    """A small Kineto trace in SGLang's shape: per step one ``sglang::inplace_fused_experts`` op with
+    recorded shapes (T=16 tokens, H=2048, E=64 experts, 2I=1024, top-8) launching the fused-MoE kernels."""
+    ev: list[dict] = []
+    t, corr, ext = 1000.0, 1, 1
+    dims = [[16, 2048], [64, 1024, 2048], [64, 2048, 512], [16, 8], [16, 8]]
+    types = ["c10::BFloat16"] * 3 + ["float", "int"]
+    for _ in range(steps):
+        ev.append({"ph": "X", "cat": "user_annotation", "name": "step[DECODE bs=16]", "ts": t, "dur": 400.0,
+                   "pid": 1, "tid": 1})
+        ev.append({"ph": "X", "cat": "cpu_op", "name": "sglang::inplace_fused_experts", "ts": t + 10, "dur": 300.0,
+                   "pid": 1, "tid": 1, "args": {"External id": ext, "Input Dims": dims, "Input type": types,
+                                                "Concrete Inputs": [""] * 5}})
+        for j, name in enumerate(kernels):
+            lt = t + 20 + 40 * j
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": lt, "dur": 5.0,
+                       "pid": 1, "tid": 1, "args": {"correlation": corr, "External id": ext}})
+            ev.append({"ph": "X", "cat": "kernel", "name": name, "ts": lt + 100, "dur": 10.0 + j, "pid": 0,
+                       "tid": 7, "args": {"correlation": corr, "External id": ext, "device": 0, "stream": 7,
+                                          "grid": [1, 1, 1], "block": [128, 1, 1]}})
+            corr += 1
+        ext += 1
+        t += 1000.0
+    doc = {"traceEvents": ev, "deviceProperties": [{"id": 0, "name": "NVIDIA H200", "computeMajor": 9,
+                                                    "computeMinor": 0}],
+           "distributedInfo": {"rank": rank, "world_size": 1}}
+    with gzip.open(path, "wt") as f:
+        json.dump(doc, f)
+
+
+def test_sglang_fused_moe_op(tmp_path: Path) -> None:
+    _fused_moe_trace(tmp_path / "moe-TP-0.trace.json.gz", 0)
+    a = analyze(tmp_path, Options(command="test"))
+    calls = a.efficiency.calls
+    g = calls[calls["kind"] == "gemm"]
+    n_steps = a.steps_per_rank()
+    assert n_steps == 2 and len(g) == 2 * n_steps and g["moe"].all()
+    assert (g["name"] == "fused_moe_kernel").all() and (g["shape_source"] == "shapes").all()
+    up = g.sort_values("kernel").iloc[0]
+    down = g.sort_values("kernel").iloc[1]
+    assert (up["m"], up["n"], up["k"], up["groups"]) == (128, 1024, 2048, 64)  # T*k rows, 2I, H
+    assert (down["n"], down["k"]) == (2048, 512)
+    assert up["flops"] == 2 * 128 * 1024 * 2048 and down["flops"] == 2 * 128 * 2048 * 512
+    assert up["us"] == 11.0 and down["us"] == 13.0  # each GEMM kernel its own time, not the op's
+    pem = a.efficiency.moe["per_expert_m"]
+    assert pem["value"] == 16 * 8 / 64 and pem["source"] == "shapes" and "mean over experts" in pem["reason"]
+
+
+def test_fused_moe_op_with_unexpected_kernels_is_unknown(tmp_path: Path) -> None:
+    _fused_moe_trace(tmp_path / "moe-TP-0.trace.json.gz", 0,
+                     kernels=("fused_moe_kernel", "fused_moe_kernel", "fused_moe_kernel"))
+    a = analyze(tmp_path, Options(command="test"))
+    g = a.efficiency.calls[a.efficiency.calls["kind"] == "gemm"]
+    assert len(g) and (g["shape_source"] == "unknown").all() and g["flops"].isna().all()
+    assert g["reason"].str.contains("cannot tell which is which").all()

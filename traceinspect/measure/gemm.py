@@ -546,7 +546,13 @@ def align(cap: _Capture, rkind: np.ndarray, rcat: np.ndarray) -> tuple[list[int]
     starts = [int(i) for i in np.nonzero(np.r_[True, cap.window[1:] != cap.window[:-1]])[0]]
     sizes = np.diff(np.r_[starts, n])
     exact = [o for o, sz in zip(starts, sizes, strict=True) if sz == m]
-    others = [o for o in range(n - m + 1) if o not in exact and cap.window[o] == cap.window[o + m - 1]]
+    # other windows inside one capture; cheap pre-filter on the first and last pair before the full check
+    o = np.arange(n - m + 1)
+    ok_ends = ((cap.window[o] == cap.window[o + m - 1])
+               & _compatible(cap.kind[o], cap.cat[o], rkind[0], rcat[0])
+               & _compatible(cap.kind[o + m - 1], cap.cat[o + m - 1], rkind[-1], rcat[-1]))
+    ok_ends[exact] = False
+    others = [int(x) for x in np.nonzero(ok_ends)[0]]
     best = (-1, -1, "")
     for group in (exact, others):
         hits = []
