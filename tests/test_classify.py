@@ -249,9 +249,13 @@ def test_kv_cast_promotion_synthetic(graph: bool, kv_mode: str) -> None:
         assert "KV pool" in ev and "max_total_num_tokens=4096" in ev
     else:
         assert "KV-dtype rows" in ev and "once per layer" in ev
-    # write-side and activation fp8 casts stay dtype casts
-    other_casts = k[k["name"].str.contains("float8_copy_kernel_cuda")]
-    assert (other_casts["cls"] == "dtype_cast").all(), other_casts[["cls", "cls_evidence"]].drop_duplicates()
+    # the write-side fp8 cast belongs to the KV write, the activation fp8 cast to the FP8 GEMM: never kv_cast
+    write_cast = k[k["name"] == FP8_CAST]
+    act_cast = k[k["name"] == FP8_CAST.replace("<4,", "<8,")]
+    assert (write_cast["cls"] == "kv_write").all(), write_cast["cls_evidence"].iloc[0]
+    assert "right before kv_write" in write_cast["cls_evidence"].iloc[0]
+    assert (act_cast["cls"] == "quantize").all(), act_cast["cls_evidence"].iloc[0]
+    assert "right before fp8_gemm" in act_cast["cls_evidence"].iloc[0]
     writes = k[k["name"] == INDEX_COPY]
     assert (writes["cls"] == "kv_write").all(), writes["cls_evidence"].iloc[0]
     assert set(k["cls"]) <= set(CLASSES) and "other" not in set(k["cls"])
@@ -272,6 +276,21 @@ def test_no_promotion_without_evidence() -> None:
     ts, st = _trace(graph=True, kv_mode="full", with_model_info=False)
     classify_kernels(ts, st)  # no layer count, no attention kernels, no ops: nothing to go on
     assert (ts.kernels.loc[ts.kernels["name"] == KV_CAST, "cls"] == "dtype_cast").all()
+
+
+def test_softmax_expert_size_check() -> None:
+    ts, st = _trace(graph=True, kv_mode="full")
+    k = ts.kernels
+    sm = "void (anonymous namespace)::softmax_warp_forward<c10::BFloat16, c10::BFloat16, float, {}, false, false>(int)"
+    extra = pd.DataFrame([{**k.iloc[0].to_dict(), "name": sm.format(n), "ts": -10.0 - n} for n in (4, 8)])
+    ts.kernels = pd.concat([k, extra], ignore_index=True)
+    ts.server_info["model_info"]["n_routed_experts"] = 16
+    classify_kernels(ts, st)
+    got = dict(zip(ts.kernels["name"], zip(ts.kernels["cls"], ts.kernels["cls_evidence"], strict=True), strict=True))
+    assert got[sm.format(4)][0] == "moe_dispatch" and "matches 16 experts" in got[sm.format(4)][1]
+    assert got[sm.format(8)][0] == "elementwise" and "not MoE routing" in got[sm.format(8)][1]
+    # without an expert count the generic label stands
+    assert classify_name(sm.format(8)).cls == "moe_dispatch"
 
 
 def test_class_table_rows() -> None:

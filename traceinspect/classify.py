@@ -36,8 +36,8 @@ RULE_KEYS = {"id", "class", "secondary", "priority", "name", "not_name", "op", "
              "case_sensitive", "verify", "note"}
 VERIFY = ("experts",)
 MATCHERS = ("name", "not_name", "op", "not_op", "has_op", "kind")
-PROMOTE_KEYS = {"from", "name", "note"}
-PROMOTE_TARGETS = ("kv_cast", "kv_write")
+PROMOTE_KEYS = {"from", "name", "next", "note"}
+PROMOTE_TARGETS = ("kv_cast", "kv_write", "consumer")
 UNMATCHED = "no rule matched"
 MACRO = re.compile(r"\$\{(\w+)\}")
 ATTENTION_OP = re.compile(r"attention|attn|mla|flash|sdpa|scaled_dot_product", re.IGNORECASE)
@@ -108,6 +108,7 @@ class Promotion:
     target: str
     sources: tuple[str, ...]
     name: re.Pattern[str] | None = None
+    next: dict[str, str] = field(default_factory=dict)  # consumer: class of the next kernel -> new class
 
 
 @dataclass
@@ -323,7 +324,15 @@ def _parse_file(path: Path, base_macros: dict[str, str]) -> tuple[list[dict[str,
             sources = tuple(_class_id(f, pm["from"][1], s, "from") for s in src)
             pat = (_pattern(f, pm["name"][1], f.value(pm["name"][1]), macros, re.IGNORECASE, "name")
                    if "name" in pm else None)
-            promote[target] = Promotion(target, sources, pat)
+            nxt: dict[str, str] = {}
+            if target == "consumer":
+                if "next" not in pm:
+                    raise f.error(vn, "promote.consumer: 'next' is required")
+                for a, (an, bn) in f.mapping(pm["next"][1], "promote.consumer.next").items():
+                    nxt[_class_id(f, an, a, "next")] = _class_id(f, bn, f.value(bn), "next")
+            elif "next" in pm:
+                raise f.error(pm["next"][0], f"promote.{target}: 'next' is only for 'consumer'")
+            promote[target] = Promotion(target, sources, pat, nxt)
     return rules, promote, macros
 
 
@@ -509,7 +518,7 @@ class _KvContext:
 def _int(v: Any) -> int | None:
     try:
         return int(v) if v is not None and not isinstance(v, bool) else None
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
 
 
@@ -686,7 +695,7 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
     ranks = k["rank"].to_numpy()
     is_kernel = (k["kind"] == "kernel").to_numpy() if "kind" in k else np.ones(len(k), dtype=bool)
     pool_shapes: set[tuple[int, ...]] | None = None
-    for target in PROMOTE_TARGETS:
+    for target in ("kv_cast", "kv_write"):
         promo = table.promote.get(target)
         if promo is None:
             continue
@@ -723,8 +732,67 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
             if reason is not None:
                 ev[r] = f"{target}: {reason}; was {cls[r]} by {ev[r]}"
                 cls[r] = target
+    consumer = table.promote.get("consumer")
+    if consumer is not None:
+        _promote_consumers(k, consumer, ctx, inputs, cls, ev, is_kernel)
     k["cls"] = cls
     k["cls_evidence"] = ev
+
+
+_LOW_FLOAT = ("Float8", "Float4")
+
+
+def _written_dtype(name: str, o: int, inputs: _OpInputs | None) -> str | None:
+    """The dtype a cast kernel writes: from its name, else from its copy_ op's destination."""
+    dst = _cast_destination(name)
+    if dst is None and inputs is not None and o >= 0:
+        for j in inputs.chain(o, 2):
+            if str(inputs.names[j]) in ("aten::copy_", "aten::copy"):
+                t = [d for a, _, d in inputs.tensors(j) if a == 0]
+                if t and t[0]:
+                    return t[0]
+    return dst
+
+
+def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, inputs: _OpInputs | None,
+                       cls: np.ndarray, ev: np.ndarray, is_kernel: np.ndarray) -> None:
+    """A cast to an 8/4-bit float takes its consumer's purpose: when one of the next two kernels on
+    its stream is of a class in ``promo.next`` (a quantized GEMM: quantize; a KV write of the KV
+    dtype: kv_write)."""
+    names = k["name"].to_numpy(dtype=object)
+    cand = np.isin(cls, promo.sources) & is_kernel
+    if promo.name is not None:
+        cand &= np.fromiter((bool(promo.name.search(n)) for n in names), dtype=bool, count=len(names))
+    if not cand.any():
+        return
+    idx = np.nonzero(is_kernel)[0]
+    stream = k["stream"].to_numpy()[idx] if "stream" in k else np.zeros(len(idx))
+    rank = k["rank"].to_numpy()[idx]
+    lane = np.lexsort((k["ts"].to_numpy()[idx], stream, rank))
+    order = idx[lane]
+    rank_s, stream_s = rank[lane], stream[lane]
+    where = np.full(len(k), -1, dtype=np.int64)
+    where[order] = np.arange(len(order))
+    op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
+    for r in np.nonzero(cand)[0]:
+        i = where[r]
+        for step in (1, 2):
+            j = i + step
+            if j >= len(order) or rank_s[j] != rank_s[i] or stream_s[j] != stream_s[i]:
+                break
+            nxt = order[j]
+            target = promo.next.get(cls[nxt])
+            if target is None:
+                continue
+            dst = _written_dtype(names[r], int(op_idx[r]), inputs)
+            if dst is None or not dst.startswith(_LOW_FLOAT):
+                break
+            if target == "kv_write" and ctx.kv_dtype is not None and not ctx.kv_dtype.startswith(dst):
+                break
+            ev[r] = (f"{target}: casts to {dst} right before {cls[nxt]} kernel {str(names[nxt])[:60]!r}; "
+                     f"was {cls[r]} by {ev[r]}")
+            cls[r] = target
+            break
 
 
 def _recurrence_evidence(name: str, rec: str | None, graph: bool, target: str, ctx: _KvContext) -> str | None:
