@@ -2,9 +2,16 @@
 
 The class table is data (``rules/kernel_classes.yaml``): ordered, prioritised regex rules over
 the kernel name, the enclosing CPU op path and the event kind. Classification runs once per unique
-(name, op_path, kind) triple. Afterwards, dtype casts that read the KV cache are promoted to
-``kv_cast`` (and scatters into the KV pool to ``kv_write``) on evidence from the trace: recorded
-shapes against the KV pool size from server_info, or a once-per-layer-per-step recurrence.
+(name, op_path, kind) triple. Then, on evidence from the whole trace:
+
+- generic softmax / top-k kernels taken as MoE routing are checked against the expert count;
+- dtype casts that read the KV cache become ``kv_cast`` and scatters into the KV pool ``kv_write``
+  (recorded shapes against the KV pool size from server_info, or a once-per-layer-per-step
+  recurrence under CUDA-graph replay);
+- casts to 8/4-bit floats right before a quantized GEMM become ``quantize``, right before a KV
+  write ``kv_write``.
+
+Every label carries its evidence (rule id and what matched, or the promotion's reason).
 """
 
 from __future__ import annotations
@@ -371,8 +378,9 @@ def classify_name(name: str, op_path: str = "", kind: str = "kernel", table: Cla
 
 
 def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None) -> None:
-    """Add ``cls``, ``cls2`` and ``cls_evidence`` to ``ts.kernels`` in place, then promote KV casts
-    and KV writes on evidence (see :func:`promote_kv`)."""
+    """Add ``cls``, ``cls2`` and ``cls_evidence`` to ``ts.kernels`` in place, then apply the
+    trace-evidence checks (:func:`verify_experts`, :func:`promote_kv`). ``steps`` is the steps table
+    (rank, idx, included); ``ts.kernels.step`` indexes its rows."""
     table = table or _default_table()
     k = ts.kernels
     n = len(k)
@@ -680,8 +688,9 @@ def _interleaved(mine: pd.DataFrame, pos: pd.Series) -> bool:
 
 
 def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None) -> None:
-    """Promote dtype casts that read KV-cache data to ``kv_cast`` and scatters into the KV pool to
-    ``kv_write`` (needs the ``cls`` columns; evidence goes to ``cls_evidence``)."""
+    """Promote dtype casts that read KV-cache data to ``kv_cast``, scatters into the KV pool to
+    ``kv_write``, and casts to 8/4-bit floats to their consumer's class (needs the ``cls`` columns;
+    the reason goes to ``cls_evidence``)."""
     table = table or _default_table()
     k = ts.kernels
     if not len(k) or "cls" not in k or not table.promote:
