@@ -7,6 +7,7 @@ them; the end-to-end ``--analyze`` test serves recorded GPU traces instead (``--
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib.util
 import io
@@ -39,6 +40,7 @@ needs_standin = pytest.mark.skipif(
     reason="the stand-in SGLang server needs torch (CPU build) and aiohttp: pip install torch aiohttp")
 
 SECRET = "sk-standin-Zq81xLw0"
+ADMIN_SECRET = "sk-admin-Pp40vTy7"
 LOAD = "concurrency=6,input=16,output=4000"  # requests outlive a capture: no prefill churn mid-window
 
 
@@ -70,6 +72,17 @@ class Standin:
         h = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.get(self.url + "/standin/state", headers=h, timeout=5).json()
 
+    @contextlib.contextmanager
+    def configured(self, **changes: object) -> Iterator[Standin]:
+        """Change the stand-in's behaviour for one test (silent_ranks, forbid_profile)."""
+        undo = {"silent_ranks": [], "forbid_profile": False}
+        httpx.post(self.url + "/standin/configure", json=changes, timeout=10).raise_for_status()
+        try:
+            yield self
+        finally:
+            httpx.post(self.url + "/standin/configure", json={k: undo[k] for k in changes},
+                       timeout=10).raise_for_status()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -87,10 +100,8 @@ class Standin:
 
 SERVERS = {
     "main": ["--tp", "2"],
-    "keyed": ["--tp", "1", "--api-key", SECRET],
+    "keyed": ["--tp", "1", "--api-key", SECRET, "--admin-api-key", ADMIN_SECRET],
     "old": ["--tp", "1", "--old"],
-    "silent": ["--tp", "2", "--silent-rank", "1"],
-    "forbid": ["--tp", "1", "--forbid-profile"],
 }
 if sorted(GPU_FIXTURE.glob("fixture-TP-*.trace.json.gz")):
     SERVERS["gpu"] = ["--gpu-trace-from", str(GPU_FIXTURE)]
@@ -256,35 +267,45 @@ def test_prefix_that_could_escape_out_is_rejected(prefix: str, tmp_path: Path) -
 
 
 @pytest.mark.timeout(60)
-def test_api_key_missing_wrong_and_right_and_never_written(servers: dict[str, Standin], tmp_path: Path) -> None:
-    url = servers["keyed"].url
-    p = run_cli(*capture_args(url, tmp_path / "nokey"))
+def test_api_keys_missing_wrong_and_right_and_never_written(servers: dict[str, Standin], tmp_path: Path) -> None:
+    """A server with --api-key and --admin-api-key: /server_info takes the first, profiling only the second."""
+    s = servers["keyed"]
+    p = run_cli(*capture_args(s.url, tmp_path / "nokey"))
     assert p.returncode == 2 and "requires an API key" in p.stderr and "HTTP 401" in p.stderr
     no_traceback(p)
 
     wrong = "sk-wrong-Kq7aa19"  # given through the environment
-    p = run_cli(*capture_args(url, tmp_path / "wrong"), env={"TRACEINSPECT_API_KEY": wrong})
-    assert p.returncode == 2 and "rejected the API key" in p.stderr
+    p = run_cli(*capture_args(s.url, tmp_path / "wrong"), env={"TRACEINSPECT_API_KEY": wrong})
+    assert p.returncode == 2 and "rejected the API key for /server_info" in p.stderr
     assert wrong not in p.stderr + p.stdout
 
+    no_admin = tmp_path / "noadmin"
+    p = run_cli(*capture_args(s.url, no_admin, "--api-key", SECRET))
+    assert p.returncode == 2 and "/start_profile" in p.stderr and "--admin-api-key" in p.stderr
+    assert json.loads((no_admin / "capture.json").read_text())["status"] == "incomplete"
+    assert s.state(SECRET)["running"] == 0  # the load was stopped
+
     out = tmp_path / "right"
-    p = run_cli(*capture_args(url, out, "--api-key", SECRET, "--timeout", "30"))
+    p = run_cli(*capture_args(s.url, out, "--api-key", SECRET, "--timeout", "30"),
+                env={"TRACEINSPECT_ADMIN_API_KEY": ADMIN_SECRET})
     assert p.returncode == 0, p.stderr
     assert len(traces(out)) == 1
-    assert SECRET not in p.stderr + p.stdout
+    for key in (SECRET, ADMIN_SECRET):
+        assert key not in p.stderr + p.stdout
 
-    # the server reports its api_key in /server_info, as SGLang does: it must not reach the disk
-    raw = httpx.get(url + "/server_info", headers={"Authorization": f"Bearer {SECRET}"}).json()
-    assert raw["api_key"] == SECRET
+    # the server reports its keys in /server_info, as SGLang does: they must not reach the disk
+    raw = httpx.get(s.url + "/server_info", headers={"Authorization": f"Bearer {SECRET}"}).json()
+    assert raw["api_key"] == SECRET and raw["admin_api_key"] == ADMIN_SECRET
     written = [f for f in tmp_path.rglob("*") if f.is_file()]
-    assert len(written) >= 3
+    assert len(written) >= 5
     for f in written:
         data = f.read_bytes()
-        assert SECRET.encode() not in data, f
         if f.suffix == ".gz":
-            assert SECRET.encode() not in gzip.decompress(data), f
+            data += gzip.decompress(data)
+        for key in (SECRET, ADMIN_SECRET):
+            assert key.encode() not in data, f
     info = json.loads((out / "server_info.json").read_text())
-    assert info["api_key"] == "<redacted>"
+    assert info["api_key"] == info["admin_api_key"] == "<redacted>"
     cap = json.loads((out / "capture.json").read_text())
     assert cap["command"][cap["command"].index("--api-key") + 1] == "<redacted>"
 
@@ -292,11 +313,12 @@ def test_api_key_missing_wrong_and_right_and_never_written(servers: dict[str, St
 @pytest.mark.timeout(30)
 def test_forbidden_profile_endpoint_exits_2(servers: dict[str, Standin], tmp_path: Path) -> None:
     out = tmp_path / "o"
-    p = run_cli(*capture_args(servers["forbid"].url, out))
-    assert p.returncode == 2 and "HTTP 403" in p.stderr and "admin API key" in p.stderr
-    cap = json.loads((out / "capture.json").read_text())
-    assert cap["status"] == "incomplete" and "403" in cap["reason"]
-    assert servers["forbid"].state()["running"] == 0  # the load was stopped
+    with servers["main"].configured(forbid_profile=True) as s:
+        p = run_cli(*capture_args(s.url, out))
+        assert p.returncode == 2 and "HTTP 403" in p.stderr and "admin API key" in p.stderr
+        cap = json.loads((out / "capture.json").read_text())
+        assert cap["status"] == "incomplete" and "403" in cap["reason"]
+        assert s.state()["running"] == 0  # the load was stopped
 
 
 @pytest.mark.timeout(60)
@@ -341,7 +363,8 @@ def test_profile_already_in_progress(servers: dict[str, Standin], tmp_path: Path
 @pytest.mark.timeout(60)
 def test_timeout_names_the_missing_rank(servers: dict[str, Standin], tmp_path: Path) -> None:
     out = tmp_path / "o"
-    p = run_cli(*capture_args(servers["silent"].url, out, "--timeout", "3"))
+    with servers["main"].configured(silent_ranks=[1]) as s:
+        p = run_cli(*capture_args(s.url, out, "--timeout", "4"))
     assert p.returncode == 2
     assert "1 of 2 rank files complete; missing TP-1" in p.stderr
     assert "no traffic" in p.stderr and "not visible from the server" in p.stderr
@@ -437,6 +460,13 @@ def test_bench_serving_command_never_passes_request_rate() -> None:
     assert cmd[cmd.index("--dataset-name") + 1] == "random-ids"
     assert cmd[cmd.index("--random-range-ratio") + 1] == "1.0"
     assert cmd[cmd.index("--num-prompts") + 1] == str(5 * 256)
+
+
+def test_name_pattern_is_the_analyzers() -> None:
+    from traceinspect.capture import wait
+    from traceinspect.load.discover import SGLANG_NAME
+
+    assert wait.SGLANG_NAME.pattern == SGLANG_NAME.pattern and wait.SGLANG_NAME.flags == SGLANG_NAME.flags
 
 
 def test_expected_ranks_follow_sglang_naming() -> None:
@@ -554,3 +584,39 @@ def test_profile_steps_in_process(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "server_info.json").read_text()) == {"tp_size": 2}
     with pytest.raises(ConfigError), profile_steps(tmp_path, prefix="../x"):
         pass
+
+
+@pytest.mark.timeout(30)
+def test_bench_serving_driver_runs_sglang_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With sglang installed the bench_serving driver runs it; a stand-in module records how it was called."""
+    from traceinspect.capture.load import BenchServingLoad, bench_serving_module
+
+    pkg = tmp_path / "site" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    record = tmp_path / "called.json"
+    (pkg / "bench_serving.py").write_text(
+        "import json, os, sys, time\n"
+        "json.dump({'argv': sys.argv[1:], 'key_ok': os.environ.get('OPENAI_API_KEY') == 'k-123'},\n"
+        "          open(os.environ['FAKE_BENCH_OUT'], 'w'))\n"
+        "print('running', flush=True)\n"
+        "time.sleep(30)\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv("FAKE_BENCH_OUT", str(record))
+    assert bench_serving_module() == "sglang.bench_serving"
+    drv = BenchServingLoad("http://127.0.0.1:1", LoadSpec.parse("concurrency=4,input=8,output=16,prompts=12"),
+                           api_key="k-123", log_path=tmp_path / "bench.log")
+    assert "k-123" not in " ".join(drv.cmd)
+    drv.start()
+    deadline = time.monotonic() + 15
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert drv.error is None
+    t = time.monotonic()
+    drv.stop()
+    assert time.monotonic() - t < 5 and drv.stats()["returncode"] is not None
+    called = json.loads(record.read_text())
+    assert called["key_ok"] and "--request-rate" not in called["argv"]
+    assert called["argv"][called["argv"].index("--max-concurrency") + 1] == "4"
+    assert called["argv"][called["argv"].index("--num-prompts") + 1] == "12"

@@ -85,7 +85,7 @@ class Scheduler:
         self.lock = threading.Lock()
         self.waiting: list[Req] = []
         self.running: list[Req] = []
-        self.control: list[tuple[dict[str, Any], Any]] = []
+        self.control: list[tuple[tuple, Any]] = []
         self.conns: list[Any] = []
         self.procs: list[Any] = []
         self.stop_event = threading.Event()
@@ -124,9 +124,10 @@ class Scheduler:
             with contextlib.suppress(OSError, BrokenPipeError):
                 c.send(("exit",))
         for p in self.procs:
-            p.join(10)
+            p.join(3)
             if p.is_alive():
                 p.terminate()
+                p.join(3)
 
     def _all(self, msg: tuple) -> list[Any]:
         for c in self.conns:
@@ -141,11 +142,18 @@ class Scheduler:
 
     def profile(self, body: dict[str, Any]) -> Any:
         """Queue a profile request; returns a concurrent future with rank 0's ``ProfileReqOutput``."""
+        return self._control(("profile", body))
+
+    def configure(self, changes: dict[str, Any]) -> Any:
+        """Change rank behaviour (``silent_ranks``, ``write_delay_s``) between batches."""
+        return self._control(("configure", changes))
+
+    def _control(self, msg: tuple) -> Any:
         import concurrent.futures
 
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
-            self.control.append((body, fut))
+            self.control.append((msg, fut))
         return fut
 
     def loads(self) -> dict[str, Any]:
@@ -216,8 +224,8 @@ class Scheduler:
     def _handle_control(self) -> None:
         with self.lock:
             items, self.control = self.control, []
-        for body, fut in items:
-            replies = self._all(("profile", body))
+        for msg, fut in items:
+            replies = self._all(msg)
             fut.set_result(replies[0][1])
 
     def _loop(self) -> None:
@@ -495,6 +503,16 @@ def build_app(cfg: StandinConfig, sched: Scheduler) -> web.Application:
             return _internal_error(result["message"])
         return web.Response(text="Stop profiling. This will take some time.\n")
 
+    async def standin_configure(request: web.Request) -> web.Response:
+        """Test hook (not an SGLang endpoint): ``{"silent_ranks": [1], "forbid_profile": true, ...}``."""
+        body = await request.json()
+        if "forbid_profile" in body:
+            cfg.forbid_profile = bool(body["forbid_profile"])
+        ranks = {k: body[k] for k in ("silent_ranks", "write_delay_s") if k in body}
+        if ranks:
+            await asyncio.wrap_future(sched.configure(ranks))
+        return web.json_response({"ok": True})
+
     async def standin_state(_: web.Request) -> web.Response:
         return web.json_response({"forward_ct": sched.forward_ct, "calls": sched.calls,
                                   "running": len(sched.running), "waiting": len(sched.waiting)})
@@ -514,6 +532,7 @@ def build_app(cfg: StandinConfig, sched: Scheduler) -> web.Application:
         r.add_route("GET", path, h)
         r.add_route("POST", path, h)
     r.add_get("/standin/state", standin_state)
+    r.add_post("/standin/configure", standin_configure)
     return app
 
 
@@ -566,5 +585,9 @@ async def serve(cfg: StandinConfig) -> None:
     try:
         await stop.wait()
     finally:
+        t0 = time.monotonic()
         await runner.cleanup()
+        t1 = time.monotonic()
         await loop.run_in_executor(None, sched.shutdown)
+        print(f"standin stopped: http {t1 - t0:.2f} s, ranks {time.monotonic() - t1:.2f} s", file=sys.stderr,
+              flush=True)

@@ -111,6 +111,10 @@ class ProfilerManager:
         torch = self.torch
         log(self.rank, f"Profiling starts{' for ' + stage if stage else ''}. Traces will be saved to: "
                        f"{self.output_dir} (with profile id: {self.profile_id})")
+        if self.cfg.get("gpu_trace_from"):  # the recorded trace stands in for this one: nothing to record
+            if self.activities:
+                self.profile_in_progress = True
+            return {"success": True, "message": "Succeeded"}
         acts = [torch.profiler.ProfilerActivity.CPU] if "CPU" in (self.activities or []) else []
         # "GPU" maps to CUDA; this CPU build has none, so it is dropped as SGLang's activity map would
         if acts:
@@ -124,8 +128,6 @@ class ProfilerManager:
             except RuntimeError as e:
                 self.torch_profiler = None
                 return {"success": False, "message": str(e)}
-            self.profile_in_progress = True
-        elif self.cfg.get("gpu_trace_from"):
             self.profile_in_progress = True
         return {"success": True, "message": "Succeeded"}
 
@@ -251,14 +253,24 @@ class ProfilerManager:
 
 
 def worker_main(rank: int, cfg: dict[str, Any], conn: Any) -> None:
-    """Serve batches and profile requests from the main process until told to exit."""
-    import torch
+    """Serve batches and profile requests from the main process until told to exit.
 
-    torch.set_num_threads(1)
-    model = TinyDecoder(torch)
+    With ``gpu_trace_from`` the rank writes a recorded trace, so it neither loads torch nor runs the model.
+    """
+    torch: Any = None
+    model: TinyDecoder | None = None
+    if not cfg.get("gpu_trace_from"):
+        import torch
+
+        torch.set_num_threads(1)
+        model = TinyDecoder(torch)
+        model.forward(4)  # warm-up
+        # the first profiler start in a process initialises Kineto (seconds); pay it before serving
+        warm = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        warm.start()
+        warm.stop()
     pm = ProfilerManager(torch, rank, cfg)
     spans = not cfg.get("old")
-    model.forward(4)  # warm-up
     conn.send(("ready", rank))
     while True:
         try:
@@ -272,13 +284,18 @@ def worker_main(rank: int, cfg: dict[str, Any], conn: Any) -> None:
             _, mode, bs, toks = msg
             pm.forward_ct += 1
             pm.predicate(mode, bs)
-            if spans:
+            if model is None:
+                pass
+            elif spans:
                 name = f"step[{mode} bs={bs}" + (f" toks={toks}" if mode == "EXTEND" else "") + "]"
                 with torch.profiler.record_function(name):
                     model.forward(bs, toks)
             else:
                 model.forward(bs, toks)
             conn.send(("ok",))
+        elif kind == "configure":
+            cfg.update(msg[1])
+            conn.send(("configure", {"success": True}))
         elif kind == "profile":
             try:
                 conn.send(("profile", pm.profile(msg[1])))
@@ -290,6 +307,8 @@ def worker_main(rank: int, cfg: dict[str, Any], conn: Any) -> None:
     if pm.torch_profiler is not None:
         with contextlib.suppress(Exception):
             pm.torch_profiler.stop()
+    sys.stderr.flush()
+    os._exit(0)  # nothing left to flush; interpreter teardown with Kineto loaded takes seconds
 
 
 __all__ = ["worker_main", "ProfilerManager", "TinyDecoder"]

@@ -50,14 +50,15 @@ __all__ = [
 
 
 def capture(url: str, out: str | Path, *, steps: int = 5, phase: str = "decode", api_key: str | None = None,
-            load: str | LoadSpec | None = None, analyze: bool = False, prefix: str = DEFAULT_PREFIX,
+            admin_api_key: str | None = None, load: str | LoadSpec | None = None, analyze: bool = False, prefix: str = DEFAULT_PREFIX,
             timeout: float = 300.0, ramp_timeout: float = 120.0, min_batch: int = 1,
             activities: tuple[str, ...] = ("CPU", "GPU"), record_shapes: bool = True, with_stack: bool = False,
             server_out_dir: str | None = None, verbose: bool = False) -> CaptureResult:
     """Profile ``steps`` forward steps of every rank of the SGLang server at ``url`` into ``out``.
 
     Reads ``/server_info`` and ``/model_info`` into ``server_info.json``, makes sure there is traffic
-    (``load="concurrency=N,input=N,output=N"`` drives it), POSTs ``/start_profile`` and waits for
+    (``load="concurrency=N,input=N,output=N"`` drives it; ``admin_api_key`` is for servers that
+    have one, whose profiling endpoints take only that key), POSTs ``/start_profile`` and waits for
     every rank's complete file. ``phase`` is ``decode`` (SGLang's ``profile_by_stage``, ``-DECODE``
     files), ``prefill`` (``-EXTEND``) or ``all`` (the next ``steps`` batches, whatever they are).
     ``analyze=True`` also writes ``analysis.json`` (and ``report.html`` where the HTML renderer exists).
@@ -67,11 +68,12 @@ def capture(url: str, out: str | Path, *, steps: int = 5, phase: str = "decode",
     when the server cannot be used. ``capture.json`` in the capture directory records the outcome.
     """
     spec = LoadSpec.parse(load) if isinstance(load, str) else load
-    opts = CaptureOptions(url=url, out=out, steps=steps, phase=phase, api_key=api_key, load=spec, analyze=analyze,
+    opts = CaptureOptions(url=url, out=out, steps=steps, phase=phase, api_key=api_key,
+                          admin_api_key=admin_api_key, load=spec, analyze=analyze,
                           prefix=prefix, timeout_s=timeout, ramp_timeout_s=ramp_timeout, min_batch=min_batch,
                           activities=tuple(activities), record_shapes=record_shapes, with_stack=with_stack,
                           server_out_dir=server_out_dir, command=None)
-    ui = CaptureUI(quiet=not verbose, secrets=(api_key,) if api_key else ())
+    ui = CaptureUI(quiet=not verbose, secrets=tuple(k for k in (api_key, admin_api_key) if k))
     return run_capture(opts, ui)
 
 

@@ -51,15 +51,20 @@ class SGLangClient:
     """Synchronous client for one server; raises :mod:`traceinspect.capture.errors` on failure."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 30.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, admin_api_key: str | None = None) -> None:
         self.url = normalize_url(url)
         self._has_key = bool(api_key)
+        self._has_admin_key = bool(admin_api_key)
+        # SGLang's profiling endpoints take the admin key when the server has one, else the api key
+        admin = admin_api_key or api_key
+        self._admin_headers = {"Authorization": f"Bearer {admin}"} if admin else {}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                   transport=transport, follow_redirects=False, trust_env=False)
 
     def __repr__(self) -> str:
-        return f"SGLangClient({self.url!r}, api_key={'<set>' if self._has_key else None})"
+        return (f"SGLangClient({self.url!r}, api_key={'<set>' if self._has_key else None}, "
+                f"admin_api_key={'<set>' if self._has_admin_key else None})")
 
     def close(self) -> None:
         self._http.close()
@@ -73,9 +78,14 @@ class SGLangClient:
     # -- plumbing -------------------------------------------------------------------------------
 
     def request(self, method: str, path: str, *, json: Any = None, timeout: float | None = None,
-                auth_hint: str = "") -> httpx.Response:
-        """Send one request; connection problems and 401/403 become capture errors."""
+                auth_hint: str = "", admin: bool = False) -> httpx.Response:
+        """Send one request; connection problems and 401/403 become capture errors.
+
+        ``admin`` marks SGLang's ADMIN_OPTIONAL endpoints (profiling), which take the admin key.
+        """
         kw: dict[str, Any] = {}
+        if admin:
+            kw["headers"] = self._admin_headers
         if json is not None:
             kw["json"] = json
         if timeout is not None:
@@ -92,7 +102,12 @@ class SGLangClient:
         except httpx.HTTPError as e:
             raise ServerUnreachable(f"{method} {path} on {self.url} failed: {_short(e)}") from None
         if r.status_code == 401:
-            if self._has_key:
+            if admin and self._has_admin_key:
+                msg = f"the server rejected the admin API key for {path} (HTTP 401)"
+            elif admin and self._has_key:
+                msg = (f"the server rejected the API key for {path} (HTTP 401); a server started with "
+                       "--admin-api-key takes only that key here: pass --admin-api-key")
+            elif self._has_key:
                 msg = f"the server rejected the API key for {path} (HTTP 401)"
             else:
                 msg = (f"the server requires an API key for {path} (HTTP 401): pass --api-key "
@@ -101,7 +116,7 @@ class SGLangClient:
         if r.status_code == 403:
             raise AuthError(
                 f"the server forbids {path} (HTTP 403): it needs the admin API key "
-                "(the server's --admin-api-key)" + (f"; {auth_hint}" if auth_hint else ""))
+                "(the server's --admin-api-key; pass it with --admin-api-key)" + (f"; {auth_hint}" if auth_hint else ""))
         return r
 
     def _get_json(self, paths: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
@@ -165,8 +180,7 @@ class SGLangClient:
 
     def start_profile(self, body: dict[str, Any]) -> str:
         """POST ``/start_profile``; returns the reply text (``Start profiling.``) once the profiler is armed."""
-        r = self.request("POST", "/start_profile", json=body, timeout=120.0,
-                         auth_hint="profiling endpoints accept only the admin key when the server has one")
+        r = self.request("POST", "/start_profile", json=body, timeout=120.0, admin=True)
         if r.status_code == 200:
             return r.text.strip()
         text = _body(r)
@@ -184,7 +198,7 @@ class SGLangClient:
 
     def stop_profile(self, timeout: float = 120.0) -> tuple[bool, str]:
         """POST ``/stop_profile``; ``(ok, reply)``. A 500 usually means no profile was running."""
-        r = self.request("POST", "/stop_profile", timeout=timeout)
+        r = self.request("POST", "/stop_profile", timeout=timeout, admin=True)
         return r.status_code == 200, _body(r)
 
 

@@ -60,6 +60,7 @@ class CaptureOptions:
     steps: int = 5
     phase: str = "decode"
     api_key: str | None = None
+    admin_api_key: str | None = None
     load: LoadSpec | None = None
     analyze: bool = False
     prefix: str = DEFAULT_PREFIX
@@ -142,7 +143,7 @@ class _Capture:
     def __init__(self, opts: CaptureOptions, ui: CaptureUI) -> None:
         self.o = opts
         self.ui = ui
-        self.secrets = tuple(s for s in (opts.api_key,) if s)
+        self.secrets = tuple(s for s in (opts.api_key, opts.admin_api_key) if s)
         self.warnings: list[str] = []
         self.timings: dict[str, float] = {}
         self.t0 = time.time()
@@ -396,12 +397,12 @@ class _Capture:
         missing = ", ".join(k.label for k in after.missing[:16]) + (" ..." if len(after.missing) > 16 else "")
         head = f"timed out after {o.timeout_s:g} s"
         stopped = (self.meta.get("stop_profile") or {}).get("ok")
-        if not before.files and after.files:
+        if not after.complete and not before.files and after.files:
             return (f"{head}: no rank file appeared while waiting, but the server wrote {len(after.files)} when "
                     f"/stop_profile was sent, so {self.out_dir} is visible to it: the profile did not reach "
                     f"{o.steps} forward steps in time. Is {o.phase} traffic flowing (--load)? Otherwise raise "
                     "--timeout or lower --steps")
-        if not before.files:
+        if not after.complete and not before.files:
             host = urlsplit(o.url).hostname or "?"
             where = (f"the server is on another host ({host}), so it wrote into ITS {self.body.get('output_dir')}: "
                      "use a directory both hosts share, or --server-out-dir"
@@ -495,7 +496,7 @@ class _Capture:
             self.warn(f"the server ({host}) is not on this machine: SGLang writes traces to output_dir on "
                       "ITS filesystem, so --out must be a directory both hosts see at the same path "
                       "(or pass --server-out-dir with the server's path for it)")
-        self.client = SGLangClient(o.url, api_key=o.api_key)
+        self.client = SGLangClient(o.url, api_key=o.api_key, admin_api_key=o.admin_api_key)
         res: WaitResult | None = None
         status, reason = "incomplete", None
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import time
 import zlib
 from collections.abc import Callable
@@ -17,7 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from traceinspect.load.discover import SGLANG_NAME
+# The analyzer's name pattern (traceinspect.load.discover.SGLANG_NAME; a test keeps the two equal),
+# repeated here so that capturing does not import the analyzer's table stack.
+SGLANG_NAME = re.compile(
+    r"^(?P<stem>.*?)-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?(?:-EP-(?P<ep>\d+))?"
+    r"(?:-(?P<stage>EXTEND|DECODE|prefill|decode))?(?:\.pt)?\.trace\.json(?:\.gz)?$"
+)
 
 
 def _int(info: dict[str, Any], key: str, default: int = 1) -> int:

@@ -16,8 +16,10 @@ import click
 @click.option("--phase", type=click.Choice(["decode", "prefill", "all"]), default="decode", show_default=True,
               help="decode: SGLang profile_by_stage, -DECODE files; all: the next N batches of any kind.")
 @click.option("--api-key", envvar="TRACEINSPECT_API_KEY", default=None, metavar="KEY",
-              help="Bearer key (the server's --api-key or --admin-api-key); also TRACEINSPECT_API_KEY. "
-                   "Never written to disk.")
+              help="Bearer key (the server's --api-key); also TRACEINSPECT_API_KEY. Never written to disk.")
+@click.option("--admin-api-key", envvar="TRACEINSPECT_ADMIN_API_KEY", default=None, metavar="KEY",
+              help="The server's --admin-api-key, for /start_profile and /stop_profile when it has one; "
+                   "also TRACEINSPECT_ADMIN_API_KEY. Never written to disk.")
 @click.option("--load", "load", default=None, metavar="SPEC",
               help="Drive traffic: concurrency=N,input=N,output=N[,prompts=N][,driver=builtin|bench_serving].")
 @click.option("--analyze", is_flag=True, help="Analyze the capture right away (analysis.json, report.html).")
@@ -35,7 +37,8 @@ import click
 @click.option("--server-out-dir", default=None, metavar="PATH",
               help="The capture directory as the server sees it, when it is mounted at another path there.")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors.")
-def capture_cmd(url: str, out: str, steps: int, phase: str, api_key: str | None, load: str | None, analyze: bool,
+def capture_cmd(url: str, out: str, steps: int, phase: str, api_key: str | None, admin_api_key: str | None,
+                load: str | None, analyze: bool,
                 prefix: str, timeout: float, ramp_timeout: float, min_batch: int, record_shapes: bool,
                 with_stack: bool, activities: str, server_out_dir: str | None, quiet: bool) -> None:
     """Profile STEPS forward steps of every rank of a running SGLang server.
@@ -49,10 +52,11 @@ def capture_cmd(url: str, out: str, steps: int, phase: str, api_key: str | None,
     from traceinspect.capture.session import CaptureOptions, run_capture
     from traceinspect.capture.ui import CaptureUI
 
-    secrets = (api_key,) if api_key else ()
+    secrets = tuple(k for k in (api_key, admin_api_key) if k)
     spec = LoadSpec.parse(load) if load else None
     opts = CaptureOptions(
-        url=url, out=out, steps=steps, phase=phase, api_key=api_key, load=spec, analyze=analyze, prefix=prefix,
+        url=url, out=out, steps=steps, phase=phase, api_key=api_key, admin_api_key=admin_api_key, load=spec,
+        analyze=analyze, prefix=prefix,
         timeout_s=timeout, ramp_timeout_s=ramp_timeout, min_batch=min_batch,
         activities=tuple(a.strip().upper() for a in activities.split(",") if a.strip()),
         record_shapes=record_shapes, with_stack=with_stack, server_out_dir=server_out_dir,
