@@ -218,6 +218,10 @@ def _error(tmp_path: Path, text: str) -> RuleError:
     (("params: {min_share: 0.1}", "params: {min_share: '0.1'}"), 8, "must be a number"),
     (("params: {min_share: 0.1}", "params: {share: 0.1}"), 8, "has the name of a metric"),
     (("    references: []\n", "    references: []\n    colour: red\n"), 16, "unknown key 'colour'"),
+    (("    references: []\n", "    references: []\n    tests: {fires: [/etc/passwd], silent: [x]}\n"), 16,
+     "must be a relative path"),
+    (("    references: []\n", "    references: []\n    tests: {fires: [../../x], silent: [x]}\n"), 16,
+     "must be a relative path"),
 ])
 def test_malformed_rule_names_file_line_reason(tmp_path: Path, edit, line, reason) -> None:
     old, new = edit
@@ -225,6 +229,14 @@ def test_malformed_rule_names_file_line_reason(tmp_path: Path, edit, line, reaso
     e = _error(tmp_path, GOOD.replace(old, new))
     assert e.path is not None and e.path.endswith(f"r.yaml:{line}"), e.path
     assert re.search(reason, e.reason), e.reason
+
+
+def test_rule_files_must_be_regular_and_small(tmp_path: Path) -> None:
+    with pytest.raises(RuleError, match="not a regular file"):
+        load_rule_file(Path("/dev/zero"))
+    big = write(tmp_path, "rules: []\n" + "#" * (2 << 20))
+    with pytest.raises(RuleError, match="larger than"):
+        load_rule_file(big)
 
 
 def test_yaml_syntax_error_has_line(tmp_path: Path) -> None:

@@ -172,7 +172,7 @@ rules:
       fires: [FIRES]
       silent: [SILENT]
 """
-    text = text.replace("FIRES", str(FIX / "kv-full-cast-eager")).replace("SILENT", str(FIX / "kv-gather-cast-eager"))
+    text = text.replace("FIRES", "fixtures/kv-full-cast-eager").replace("SILENT", "fixtures/kv-gather-cast-eager")
     (tmp_path / "mine.yaml").write_text(text)
     r = subprocess.run([sys.executable, "-m", "traceinspect", "rules", "test", "--rules", str(tmp_path),
                         "--no-shipped"], capture_output=True, text=True, cwd=ROOT, timeout=600)

@@ -395,6 +395,11 @@ def _tests(ctx: _Ctx, rule: LDict, rid: str) -> dict[str, list[str]]:
     out = {}
     for k in ("fires", "silent"):
         out[k] = _str_list(ctx, raw, k, rid, f"tests.{k}")
+        for p in out[k]:
+            # fixtures are trace sets beside the rules: relative paths that stay inside their roots
+            if Path(p).is_absolute() or ".." in Path(p).parts or not p.strip():
+                raise ctx.err(line_of(raw, k), f"rule {rid!r}: tests.{k}: {p!r} must be a relative path without "
+                              "'..' (resolved against the rule file's directory, its parent, or the working directory)")
     return out
 
 

@@ -40,12 +40,15 @@ class LStr(str):
 def read_yaml(path: Path) -> Any:
     """Parse one YAML file into LDict / LList / LStr / scalars. Raises RuleError(path:line) on
     unreadable files, syntax errors, anchors/aliases and non-string keys."""
+    if not path.is_file():  # regular files only: no devices, FIFOs or directories
+        raise RuleError("rule file not found (or not a regular file)", path)
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
         raise RuleError(f"cannot read rule file: {e.strerror or e}", path) from None
     if len(data) > MAX_FILE_BYTES:
-        raise RuleError(f"rule file is {len(data)} bytes (limit {MAX_FILE_BYTES})", path)
+        raise RuleError(f"rule file is larger than {MAX_FILE_BYTES} bytes", path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
