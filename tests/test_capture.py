@@ -194,7 +194,8 @@ def test_full_capture_writes_every_rank_and_metadata(full_capture: tuple[Path, P
 
 
 @pytest.mark.timeout(60)
-def test_cpu_traces_are_refused_by_the_analyzer(full_capture: tuple[Path, Path]) -> None:
+def test_cpu_traces_are_refused_by_the_analyzer(full_capture: tuple[Path, Path], servers: dict[str, Standin],
+                                                tmp_path: Path) -> None:
     """CPU-only traces carry no kernels; the analyzer must say so rather than invent a GPU."""
     out, _ = full_capture
     p = run_cli("analyze", str(out))
@@ -203,6 +204,14 @@ def test_cpu_traces_are_refused_by_the_analyzer(full_capture: tuple[Path, Path])
     assert p.returncode == 2
     assert "no GPU kernel" in p.stderr or "CUPTI" in p.stderr, p.stderr
     no_traceback(p)
+
+    # capture --analyze: the capture itself is complete, the analysis failure is recorded and exits 2
+    out2 = tmp_path / "cap"
+    p = run_cli(*capture_args(servers["main"].url, out2, "--analyze", "--timeout", "30"))
+    assert p.returncode == 2 and ("no GPU kernel" in p.stderr or "CUPTI" in p.stderr), p.stderr
+    cap = json.loads((out2 / "capture.json").read_text())
+    assert cap["status"] == "complete" and cap["analysis"]["status"] == "failed"
+    assert not (out2 / "analysis.json").exists() and not (out2 / "report.html").exists()
 
 
 @pytest.mark.timeout(90)
@@ -443,6 +452,15 @@ def test_earlier_capture_in_out_is_not_mixed(servers: dict[str, Standin], tmp_pa
 
 
 # -- units -----------------------------------------------------------------------------------------------
+
+def test_local_host_detection() -> None:
+    from traceinspect.capture.session import is_local_host
+
+    for h in ("127.0.0.1", "127.3.0.1", "::1", "[::1]", "localhost", socket.gethostname()):
+        assert is_local_host(h), h
+    for h in ("10.1.2.3", "192.168.0.7", "gpu-node-17.cluster.invalid"):
+        assert not is_local_host(h), h
+
 
 def test_load_spec_parsing() -> None:
     spec = LoadSpec.parse("concurrency=256,input=1024,output=2048")

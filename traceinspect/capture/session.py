@@ -107,7 +107,8 @@ def is_local_host(host: str) -> bool:
     except ValueError:
         pass
     with contextlib.suppress(OSError):
-        if h in (socket.gethostname().lower(), socket.getfqdn().lower()):
+        name = socket.gethostname().lower()
+        if h == name or h.split(".")[0] == name:
             return True
     return False
 
@@ -152,7 +153,6 @@ class _Capture:
         self.driver: LoadDriver | None = None
         self.profile_started = False
         self.armed = False  # a profile_by_stage request left state on the server
-        self.stop_reply: str | None = None
         self.server_info: dict[str, Any] = {}
         self.meta: dict[str, Any] = {}
         self.expected: list[RankKey] = []
@@ -367,7 +367,6 @@ class _Capture:
             self.watcher.accept_stageless = False
         try:
             ok, reply = self.client.stop_profile(timeout=60.0)
-            self.stop_reply = reply
             self.meta["stop_profile"] = {"ok": ok, "reply": reply}
         except CaptureError as e:
             self.meta["stop_profile"] = {"ok": False, "reply": e.one_line()}
