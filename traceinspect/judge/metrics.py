@@ -153,6 +153,8 @@ _m("kernels", "calls_per_layer", "count", "calls_per_step / layers.")
 _m("kernels", "us_per_step", "us", "GPU time per rank per step.")
 _m("kernels", "share", "ratio", "Share of all GPU time of the analysed steps.")
 _m("kernels", "step_share", "ratio", "us_per_step / step_us.")
+_m("kernels", "compute_share", "ratio", "us_per_step / compute_us_per_step: share of the GPU work that is not "
+   "collectives (collective kernels of host-bound or imbalanced ranks mostly spin waiting).")
 _m("kernels", "mean_us", "us", "Mean duration of one call.")
 _m("kernels", "dur_cv", "ratio", "Coefficient of variation (std / mean) of the call durations: low means every "
    "call does the same amount of work.")
@@ -187,6 +189,7 @@ _m("gemm", "per_expert_m", "rows", "Rows per expert of the subject's expert GEMM
 _m("gemm", "calls_per_step", "count", "GEMM calls per rank per step (calls with known shapes).")
 _m("gemm", "us_per_step", "us", "GPU time of those calls per rank per step.")
 _m("gemm", "share", "ratio", "Share of all GPU time of the analysed steps.")
+_m("gemm", "compute_share", "ratio", "us_per_step / compute_us_per_step (share of the non-collective GPU time).")
 _m("gemm", "tflops", "TFLOP/s", "Achieved TFLOP/s: FLOPs (2*M*N*K per GEMM) summed over calls / kernel time.")
 _m("gemm", "pct_peak", "ratio", "tflops / dense peak of the GPU for the dtype (rules/gpus.yaml), as a "
    "fraction (0.01 = 1%); None if the GPU or dtype has no peak in the table.")
@@ -634,6 +637,8 @@ class MetricContext:
         v["share"] = us / self.total_us if self.total_us else None
         step_us = self.run.get("step_us")
         v["step_share"] = v["us_per_step"] / step_us if step_us else None
+        comp = self.run.get("compute_us_per_step")
+        v["compute_share"] = v["us_per_step"] / comp if comp else None
         v["mean_us"] = float(g["dur"].mean())
         v["dur_cv"] = float(g["dur"].std(ddof=0) / g["dur"].mean()) if g["dur"].mean() > 0 else None
         rows, nbytes, source = self._shapes(g)
@@ -881,6 +886,8 @@ class MetricContext:
         v["calls_per_step"] = float(g["calls"].sum()) / n
         v["us_per_step"] = float(us.sum()) / n
         v["share"] = float(us.sum()) / self.total_us if self.total_us else None
+        comp = self.run.get("compute_us_per_step")
+        v["compute_share"] = v["us_per_step"] / comp if comp else None
         flops = float(np.nansum(g["flops"].astype(float)))
         v["tflops"] = flops / float(us.sum()) / 1e6 if us.sum() > 0 and flops > 0 else None
         pk_us = float(g["peak_known_us"].sum())
