@@ -188,6 +188,7 @@ def test_gzip_and_plain_json_agree(tmp_path: Path) -> None:
     for r in (0, 1):
         with gzip.open(src / f"fixture-TP-{r}.trace.json.gz", "rb") as f:
             (tmp_path / f"fixture-TP-{r}.trace.json").write_bytes(f.read())
+    (tmp_path / "server_info.json").write_bytes((src / "server_info.json").read_bytes())
     a = analyze(src).to_json()
     b = analyze(tmp_path).to_json()
     assert a["classes"] == b["classes"] and a["steps"]["median_us"] == b["steps"]["median_us"]

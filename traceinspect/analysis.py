@@ -142,10 +142,10 @@ def _measure_and_judge(result: Analysis) -> None:
     result.findings = evaluate(result, rule_set)
 
 
-def _num(x: Any) -> Any:
-    """JSON-safe number: NaN -> None, numpy scalars -> Python."""
+def _num(x: Any, nd: int = 3) -> Any:
+    """JSON-safe number: NaN -> None, numpy scalars -> Python, rounded to ``nd`` decimals."""
     if isinstance(x, (np.floating, float)):
-        return None if not np.isfinite(x) else round(float(x), 3)
+        return None if not np.isfinite(x) else round(float(x), nd)
     if isinstance(x, np.integer):
         return int(x)
     return x
@@ -159,7 +159,7 @@ def _coverage(a: Analysis) -> dict[str, Any]:
                    .sort_values("us", ascending=False).head(10).reset_index())
     all_k = a.trace.kernels
     return {
-        "unknown_share": _num(unknown["dur"].sum() / total),
+        "unknown_share": _num(unknown["dur"].sum() / total, 6),
         "top_unknown": [{"name": r.name, "us": _num(r.us), "calls": int(r.calls)}
                         for r in top_unknown.itertuples()],
         "graph_replay_share": _num(k.loc[k["graph_replay"], "dur"].sum() / total),
@@ -217,14 +217,14 @@ def to_json(a: Analysis) -> dict[str, Any]:
             "idle_us": _num(percentile(sel["idle_us"], 50)),
             "kernel_us": _num(float(sel["kernel_us"].sum())),
             "kernel_us_total": _num(float(rk["dur"].sum())),
-            "classes": {r.cls: {"us": _num(r.us), "us_per_step": _num(r.us / ns), "share": _num(r.share),
+            "classes": {r.cls: {"us": _num(r.us), "us_per_step": _num(r.us / ns), "share": _num(r.share, 6),
                                 "calls": int(r.calls)} for r in ct.itertuples()},
         })
     total = float(a.kernels["dur"].sum()) or 1.0
     per_cls = a.kernels.groupby("cls", observed=True)["dur"].agg(["sum", "count"])
     denom = max(n_steps, 1) * a.n_ranks
     classes = {
-        c: {"us_per_step": _num(per_cls.loc[c, "sum"] / denom), "share": _num(per_cls.loc[c, "sum"] / total),
+        c: {"us_per_step": _num(per_cls.loc[c, "sum"] / denom), "share": _num(per_cls.loc[c, "sum"] / total, 6),
             "calls_per_step": _num(per_cls.loc[c, "count"] / denom)}
         for c in CLASSES if c in per_cls.index
     }
@@ -256,7 +256,7 @@ def to_json(a: Analysis) -> dict[str, Any]:
         },
         "classes": classes,
         "top_kernels": [{"name": r.name, "cls": r.cls, "calls": int(r.calls), "us": _num(r.us),
-                         "mean_us": _num(r.mean_us), "share": _num(r.share)}
+                         "mean_us": _num(r.mean_us), "share": _num(r.share, 6)}
                         for r in top_kernels(a.kernels).itertuples()],
         "findings": [f.to_json() for f in a.findings],
         "coverage": _coverage(a),
