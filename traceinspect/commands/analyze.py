@@ -2,37 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import click
 
+from traceinspect.fileio import write_json_atomic, write_text_atomic
+
+write_atomic = write_text_atomic  # noqa: F401 - used by the rules command
+
 PHASES = click.Choice(["decode", "prefill", "all"])
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write text to ``path`` through a temporary file in the same directory, so a reader never
-    sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: str | Path, doc: dict[str, Any]) -> None:
-    """Write a JSON document atomically."""
-    write_atomic(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
 
 def analysis_options(f: Any) -> Any:
@@ -81,7 +61,7 @@ def analyze_cmd(paths: tuple[str, ...], json_out: str | None, html_out: str | No
     a = analyze(list(paths), build_options(**kw))
     doc = a.to_json()
     if json_out:
-        write_json(json_out, doc)
+        write_json_atomic(json_out, doc)
     if html_out:
         from traceinspect.render.html import write_html
 

@@ -6,7 +6,8 @@ from typing import Any
 
 import click
 
-from traceinspect.commands.analyze import PHASES, write_atomic
+from traceinspect.commands.analyze import PHASES
+from traceinspect.fileio import write_text_atomic
 
 
 @click.command("classify")
@@ -31,7 +32,7 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     from traceinspect.classify import class_table_rows, classify_kernels, load_class_table
     from traceinspect.link import link
     from traceinspect.load import load_trace_set
-    from traceinspect.render.terminal import short_name
+    from traceinspect.render import short_name
     from traceinspect.steps import build_steps, select_steps
 
     ts = load_trace_set(list(paths), phase=phase, server_info=server_info)
@@ -44,7 +45,7 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     if unknown:
         rows = rows[rows["cls"] == "other"]
     if csv_out:
-        write_atomic(csv_out, rows.to_csv(index=False))
+        write_text_atomic(csv_out, rows.to_csv(index=False))
     con = Console(highlight=False, width=max(Console().width, 160))
     t = Table(title=f"Kernel classes ({'all kernels' if all_steps else phase + ' steps'})", title_justify="left")
     for col in ("kernel", "class", "2nd", "evidence", "calls", "us", "share"):

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from traceinspect.commands.analyze import analysis_options, build_options
+from traceinspect.fileio import write_text_atomic
 from traceinspect.gate.core import FAIL_ON
 
 THRESHOLD_HELP = (
@@ -29,12 +30,12 @@ def _write_outputs(result: Any, junit: str | None, github: bool, markdown: str |
     from traceinspect.gate import outputs
 
     if json_out:
-        outputs.write_atomic(json_out, outputs.gate_json(result))
+        write_text_atomic(json_out, outputs.gate_json(result))
     if junit:
-        outputs.write_atomic(junit, outputs.junit_xml(result))
+        write_text_atomic(junit, outputs.junit_xml(result))
     md = outputs.gate_markdown(result) if (markdown or github) else None
     if markdown:
-        outputs.write_atomic(markdown, md)
+        write_text_atomic(markdown, md)
     if github:
         for line in outputs.github_annotations(result):
             click.echo(line)
@@ -58,9 +59,9 @@ def diff_cmd(base: str, cand: str, json_out: str | None, md_out: str | None, sho
     b, c = _load_pair(base, cand, kw)
     d = diff_documents(b, c, set(kw.get("disable") or ()))
     if json_out:
-        outputs.write_atomic(json_out, outputs.diff_json(d))
+        write_text_atomic(json_out, outputs.diff_json(d))
     if md_out:
-        outputs.write_atomic(md_out, outputs.diff_markdown(d))
+        write_text_atomic(md_out, outputs.diff_markdown(d))
     click.echo(outputs.diff_text(d, show_all=show_all), nl=False)
 
 

@@ -44,9 +44,9 @@ def report_cmd(paths: tuple[str, ...], html_out: str, md_out: str | None, json_o
 
         written.append(write_markdown(a, md_out, doc))
     if json_out:
-        from traceinspect.commands.analyze import write_json
+        from traceinspect.fileio import write_json_atomic
 
-        write_json(json_out, doc)
+        write_json_atomic(json_out, doc)
         written.append(Path(json_out))
     if perfetto_out:
         from traceinspect.render.perfetto import write_perfetto

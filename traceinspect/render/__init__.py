@@ -3,38 +3,8 @@ merged Chrome trace. Each format lives in its own module and is imported only wh
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
-from pathlib import Path
 from typing import Any
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory, so a reader never
-    sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is made to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write UTF-8 text atomically (see :func:`write_bytes_atomic`)."""
-    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def fmt_us(v: float | None) -> str:

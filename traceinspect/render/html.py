@@ -24,7 +24,8 @@ import pandas as pd
 from markupsafe import Markup, escape
 
 from traceinspect import __version__
-from traceinspect.render import fmt_pct, fmt_us, kernel_label, launching_ops, short_name, write_text_atomic
+from traceinspect.fileio import write_text_atomic
+from traceinspect.render import fmt_pct, fmt_us, kernel_label, launching_ops, short_name
 from traceinspect.render.palette import (
     IDLE_STROKE,
     PATH_COLORS,

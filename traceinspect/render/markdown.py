@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traceinspect import __version__
-from traceinspect.render import fmt_pct, fmt_us, kernel_label, launching_ops, short_name, write_text_atomic
+from traceinspect.fileio import write_text_atomic
+from traceinspect.render import fmt_pct, fmt_us, kernel_label, launching_ops, short_name
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis

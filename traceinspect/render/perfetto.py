@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect import __version__
-from traceinspect.render import write_bytes_atomic
+from traceinspect.fileio import write_bytes_atomic
 from traceinspect.render.palette import CHROME_CNAME
 
 if TYPE_CHECKING:

@@ -8,31 +8,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from traceinspect.render import fmt_pct as _pct
+from traceinspect.render import fmt_us as _us
+from traceinspect.render import short_name
+
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
-
-
-def _us(v: float | None) -> str:
-    if v is None:
-        return "n/a"
-    if v >= 10_000:
-        return f"{v / 1000:,.1f} ms"
-    return f"{v:,.1f} us"
-
-
-def _pct(v: float | None) -> str:
-    return "n/a" if v is None else f"{100 * v:.1f}%"
-
-
-def short_name(name: str, width: int = 80) -> str:
-    """A kernel name cut to ``width`` characters, keeping its head (the family) and its tail."""
-    name = " ".join(name.split())
-    if len(name) <= width:
-        return name
-    head = width * 2 // 3
-    return name[:head] + "…" + name[-(width - head - 1):]
 
 
 def render(a: Analysis, doc: dict[str, Any] | None = None, console: Console | None = None) -> None:
