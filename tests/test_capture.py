@@ -194,6 +194,53 @@ def test_full_capture_writes_every_rank_and_metadata(full_capture: tuple[Path, P
 
 
 @pytest.mark.timeout(60)
+def test_later_traffic_does_not_rewrite_a_finished_capture(full_capture: tuple[Path, Path],
+                                                          servers: dict[str, Standin], tmp_path: Path) -> None:
+    """SGLang keeps its by-stage counters armed after a capture: a new prefill restarts the profile and
+    the next decode batch writes it over the -DECODE files. The capture resets that state."""
+    out, _ = full_capture
+    cap = json.loads((out / "capture.json").read_text())
+    url = servers["main"].url
+    httpx.post(url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}},
+               timeout=30).raise_for_status()
+    time.sleep(0.3)
+    import hashlib
+
+    for f in cap["files"]:
+        assert hashlib.sha256((out / f["name"]).read_bytes()).hexdigest() == f["sha256"]
+    assert {p.name for p in traces(out)} == {f["name"] for f in cap["files"]}
+
+    # without the reset: a by-stage profile armed by hand during steady decode (no prefill in its window)
+    import threading
+
+    other = tmp_path / "by-hand"
+    long_req = threading.Thread(target=lambda: httpx.post(url + "/generate", timeout=60, json={
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 150}}))
+    long_req.start()
+    try:
+        while servers["main"].state()["running"] < 1:
+            time.sleep(0.02)
+        r = httpx.post(url + "/start_profile", json={"output_dir": str(other), "num_steps": 2,
+                                                     "profile_by_stage": True, "profile_id": "byhand"})
+        assert r.status_code == 200
+        decode = other / "byhand-TP-0-DECODE.trace.json.gz"
+        deadline = time.monotonic() + 10
+        while not (decode.exists() and check_complete(decode) is None) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert step_spans(decode) == ["step[DECODE bs=1]"] * 2
+        # a new request: its prefill restarts the profile, the next decode batch writes it as -DECODE
+        httpx.post(url + "/generate", json={"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 3}},
+                   timeout=30).raise_for_status()
+        time.sleep(0.3)
+        assert step_spans(decode)[0] == "step[EXTEND bs=1 toks=2]"  # the capture was overwritten
+    finally:
+        long_req.join(30)
+        r = httpx.post(url + "/start_profile", json={"output_dir": str(other), "activities": [],
+                                                     "profile_id": "reset"})  # what capture does after
+    assert r.status_code == 200
+
+
+@pytest.mark.timeout(60)
 def test_cpu_traces_are_refused_by_the_analyzer(full_capture: tuple[Path, Path], servers: dict[str, Standin],
                                                 tmp_path: Path) -> None:
     """CPU-only traces carry no kernels; the analyzer must say so rather than invent a GPU."""

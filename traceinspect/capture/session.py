@@ -548,9 +548,11 @@ class _Capture:
                 if stage is not None and any(tf.stage is None for tf in res.complete.values()):
                     self.warn(f"the server ignored profile_by_stage (an older release): the files hold the next "
                               f"{o.steps} batches of any kind, not only {o.phase} steps")
-                self.watcher.poll(verify=False)
-                res = self._set_aside_extras(self.watcher.result(False, res.elapsed_s))
                 reason = self._check_unchanged(res)
+                self.watcher.poll(verify=False)  # files a reset had to stop
+                res = self._set_aside_extras(self.watcher.result(False, res.elapsed_s))
+                if reason is None and res.missing:
+                    reason = "a rank file changed after it was verified; capture again"
                 status = "complete" if reason is None else "incomplete"
         except CaptureInterrupted:
             raise
