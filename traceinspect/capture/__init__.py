@@ -60,7 +60,7 @@ def capture(url: str, out: str | Path, *, steps: int = 5, phase: str = "decode",
     (``load="concurrency=N,input=N,output=N"`` drives it; ``admin_api_key`` is for servers that
     have one, whose profiling endpoints take only that key), POSTs ``/start_profile`` and waits for
     every rank's complete file. ``phase`` is ``decode`` (SGLang's ``profile_by_stage``, ``-DECODE``
-    files), ``prefill`` (``-EXTEND``) or ``all`` (the next ``steps`` batches, whatever they are).
+    files) or ``all`` (the next ``steps`` batches, whatever they are).
     ``analyze=True`` also writes ``analysis.json`` (and ``report.html`` where the HTML renderer exists).
 
     Returns a :class:`CaptureResult`; raises :class:`CaptureIncomplete` (whose ``.result`` holds

@@ -41,7 +41,9 @@ from traceinspect.capture.load import LoadDriver, LoadSpec, make_driver, wait_fo
 from traceinspect.capture.ui import CaptureUI
 from traceinspect.capture.wait import RankKey, RankWatcher, WaitResult, expected_ranks, wait_for_ranks
 
-PHASES = {"decode": (True, "DECODE"), "prefill": (True, "EXTEND"), "all": (False, None)}
+# SGLang's by-stage prefill capture ends at the first decode batch, so under mixed traffic it holds
+# whatever prefills came first, or nothing; prefill steps are better taken from an "all" capture.
+PHASES = {"decode": (True, "DECODE"), "all": (False, None)}
 ACTIVITIES = ("CPU", "GPU")
 
 WHY_MISSING = (
@@ -413,8 +415,13 @@ class _Capture:
                     f"be visible from the server: {where}. Also check that {o.phase} traffic was flowing and "
                     "that no other profile was in progress")
         note = self.watcher.pending_note() if self.watcher else ""
+        stage_note = ""
+        if PHASES[o.phase][0]:
+            stage_note = (". With profile_by_stage, SGLang also drops or cuts a DECODE capture when a new "
+                          "request's prefill lands in its window: use long outputs (--load ...,output=N) or "
+                          "--phase all")
         return (f"{head}: {got} of {n} rank files complete; missing {missing}"
-                + (f" ({note})" if note else "") + f". {WHY_MISSING}")
+                + (f" ({note})" if note else "") + f". {WHY_MISSING}{stage_note}")
 
     # -- the whole -----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import click
               help="Capture directory; must be on a filesystem the server writes to.")
 @click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True,
               help="Forward steps to record on each rank (SGLang num_steps).")
-@click.option("--phase", type=click.Choice(["decode", "prefill", "all"]), default="decode", show_default=True,
+@click.option("--phase", type=click.Choice(["decode", "all"]), default="decode", show_default=True,
               help="decode: SGLang profile_by_stage, -DECODE files; all: the next N batches of any kind.")
 @click.option("--api-key", envvar="TRACEINSPECT_API_KEY", default=None, metavar="KEY",
               help="Bearer key (the server's --api-key); also TRACEINSPECT_API_KEY. Never written to disk.")
