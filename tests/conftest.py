@@ -98,15 +98,20 @@ def make_cpu_traces(out_dir: Path, world: int = 2, steps: int = 5, names: list[s
     import socket
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = out_dir / "_worker.py"
     script.write_text(CPU_WORKER)
     paths = [out_dir / (names[r] if names else f"cpu-TP-{r}.trace.json") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(paths[r]), str(port), str(steps)])
-             for r in range(world)]
-    for p in procs:
-        assert p.wait(timeout=180) == 0
+    for attempt in range(3):  # the free port picked below can be taken by another process before gloo binds it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), str(paths[r]), str(port),
+                                   str(steps)], stderr=subprocess.PIPE) for r in range(world)]
+        codes = [p.wait(timeout=180) for p in procs]
+        if all(c == 0 for c in codes):
+            break
+        errors = [p.stderr.read().decode(errors="replace")[-400:] for p in procs]
+        if attempt == 2:
+            raise AssertionError(f"CPU trace workers failed: {codes} {errors}")
     script.unlink()
     return paths

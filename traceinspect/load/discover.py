@@ -20,7 +20,8 @@ SGLANG_NAME = re.compile(
 CAPTURE_NAME = re.compile(r"(?:-TP-(?P<tp>\d+)|_rank(?P<rank>\d+))(?:\.trace)?\.json(?:\.gz)?$")
 CAPTURE_DIR = "graph_capture_profile"
 TRACE_SUFFIXES = (".trace.json.gz", ".trace.json", ".json.gz", ".json")
-NOT_TRACES = {"server_info.json", "model_info.json", "manifest.json", "server_args.json"}
+NOT_TRACES = {"server_info.json", "model_info.json", "manifest.json", "server_args.json", "capture.json",
+              "analysis.json"}
 
 
 @dataclass
@@ -146,10 +147,10 @@ def discover(paths: list[str | Path], phase: str = "decode") -> Discovery:
 def read_server_info(path: Path) -> dict[str, Any]:
     """Read a server_info.json (what ``capture`` saves from ``/server_info``)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(), parse_constant=lambda c: None)  # NaN/Infinity: unknown
     except FileNotFoundError:
         raise TraceInputError("no such file", path) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON, UTF-8 or a 5000-digit int
         raise TraceInputError(f"not a readable server_info JSON file: {e}", path) from None
     if not isinstance(data, dict):
         raise TraceInputError("server_info must be a JSON object", path)
