@@ -485,7 +485,7 @@ def parse_rule(ctx: _Ctx, rule: Any, index: int, line: int) -> Rule:
 
 
 # ============================================================================= files
-TABLE_KEYS = {"macros", "promote", "gpus", "classes"}
+TABLE_KEYS = {"macros", "promote", "gpus", "classes", "collectives"}
 
 
 def is_rule_file(path: Path) -> bool:

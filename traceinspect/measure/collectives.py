@@ -29,28 +29,20 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 import numpy as np
 import pandas as pd
+import yaml
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
 SCHEMA_NOTE = "docs/collectives.md"
 
-# Collective kind from a kernel name, an ``nccl:*`` record_function span or Kineto's
-# "Collective name"; first match wins (reduce_scatter before the bare 'reduce').
-KIND_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("reducescatter", re.compile(r"reduce_?scatter", re.IGNORECASE)),
-    ("allgather", re.compile(r"all_?gather", re.IGNORECASE)),
-    ("alltoall", re.compile(r"all_?to_?all", re.IGNORECASE)),
-    ("allreduce", re.compile(r"all_?reduce|cross_device_reduce|custom_ar|one_?shot|two_?shot", re.IGNORECASE)),
-    ("broadcast", re.compile(r"broadcast|bcast", re.IGNORECASE)),
-    ("reduce", re.compile(r"reduce", re.IGNORECASE)),
-    ("sendrecv", re.compile(r"send|recv|p2p", re.IGNORECASE)),
-)
 # Bus-bandwidth factor per kind for n ranks (nccl-tests' PERFORMANCE.md convention).
 BUSBW_FACTOR = {
     "allreduce": lambda n: 2.0 * (n - 1) / n,
@@ -72,14 +64,7 @@ DTYPE_BYTES = {
 COMM_OP = re.compile(r"record_param_comms|c10d|nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
                      r"broadcast|custom_ar|sgl_kernel|vllm::", re.IGNORECASE)
 
-# A clock offset is applied only when it stands out of the end-time noise: |offset| above this many
-# standard errors of the median and above OFFSET_MIN_US (ranks of one host share a clock).
-OFFSET_SIGMAS = 3.0
-OFFSET_MIN_US = 1.0
-# Straggler naming (the rank-straggler rule judges materiality again with its own thresholds).
-STRAGGLER_MIN_LATE_SHARE = 0.5  # and at least 1.5/n, so with 2 ranks chance (0.5) is not enough
-STRAGGLER_MIN_WAIT_SHARE = 0.5  # of all wait, caused by this rank's late arrivals
-STRAGGLER_MIN_STEP_FRACTION = 0.05  # caused wait per step vs the median TP step time
+SETTINGS_FILE = "collectives.yaml"  # kind patterns, clock-offset and straggler thresholds (data)
 # "Ended before" tolerance when ordering GPU activities of one rank (Kineto rounds to ns).
 ORDER_TOL_US = 0.5
 # Idle gaps (GPU idle although the launch came in time) shorter than this are rounding, not time.
@@ -123,9 +108,42 @@ def _median(v: Any) -> float:
     return float(np.median(arr)) if len(arr) else float("nan")
 
 
+@dataclass(frozen=True)
+class Settings:
+    """The data-driven part of the collectives analysis (``rules/collectives.yaml``)."""
+
+    kinds: tuple[tuple[str, re.Pattern[str]], ...]
+    offset_sigmas: float
+    offset_min_us: float
+    straggler_min_late_share: float
+    straggler_min_wait_share: float
+    straggler_min_step_fraction: float
+
+
+@lru_cache(maxsize=4)
+def load_settings(path: str | None = None) -> Settings:
+    """Read the collectives settings (default: the shipped ``rules/collectives.yaml``)."""
+    from traceinspect.errors import RuleError
+    from traceinspect.resources import rules_dir
+
+    file = Path(path) if path else rules_dir() / SETTINGS_FILE
+    try:
+        doc = yaml.safe_load(file.read_text(encoding="utf-8"))["collectives"]
+        kinds = tuple((str(k["kind"]), re.compile(str(k["pattern"]), re.IGNORECASE)) for k in doc["kinds"])
+        off, strag = doc["clock_offset"], doc["straggler"]
+        return Settings(
+            kinds=kinds, offset_sigmas=float(off["sigmas"]), offset_min_us=float(off["min_us"]),
+            straggler_min_late_share=float(strag["min_late_share"]),
+            straggler_min_wait_share=float(strag["min_wait_share"]),
+            straggler_min_step_fraction=float(strag["min_step_fraction"]),
+        )
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, re.error) as e:
+        raise RuleError(f"unusable collectives settings: {type(e).__name__}: {e}", file) from None
+
+
 def collective_kind(text: str) -> str | None:
     """Collective kind named by a kernel name, span name or Kineto collective name, or None."""
-    for kind, pat in KIND_PATTERNS:
+    for kind, pat in load_settings().kinds:
         if pat.search(text):
             return kind
     return None
@@ -395,7 +413,8 @@ def _offsets(inst: pd.DataFrame, groups: list[list[int]]) -> tuple[dict[int, flo
             mad = float(np.median(np.abs(d - med))) * 1.4826
             se = mad / math.sqrt(len(d))
             est[r], noise[r] = med, mad
-            applied[r] = med if abs(med) > max(OFFSET_SIGMAS * se, OFFSET_MIN_US) else 0.0
+            cfg = load_settings()
+            applied[r] = med if abs(med) > max(cfg.offset_sigmas * se, cfg.offset_min_us) else 0.0
     return est, noise, applied, ref_of
 
 
@@ -561,14 +580,15 @@ def _straggler(res: Collectives) -> dict[str, Any]:
     total_wait = float(pr["wait_us"].sum())
     cand = pr.sort_values(["wait_caused_us", "late_arrivals"], ascending=False).iloc[0]
     n_group = max((len(g) for g in res.groups), default=1)
-    min_late = max(STRAGGLER_MIN_LATE_SHARE, 1.5 / n_group)
+    cfg = load_settings()
+    min_late = max(cfg.straggler_min_late_share, 1.5 / n_group)
     step_med = _median(res.per_step.groupby("pos")["step_us"].max()) if len(res.per_step) else float("nan")
     caused_share = float(cand["wait_caused_us"]) / total_wait if total_wait > 0 else 0.0
     step_frac = float(cand["wait_caused_us_per_step"]) / step_med if step_med > 0 else float("nan")
     checks = {
         "late_share": (float(cand["late_share"]), min_late),
-        "wait_caused_share": (caused_share, STRAGGLER_MIN_WAIT_SHARE),
-        "wait_caused_step_fraction": (step_frac, STRAGGLER_MIN_STEP_FRACTION),
+        "wait_caused_share": (caused_share, cfg.straggler_min_wait_share),
+        "wait_caused_step_fraction": (step_frac, cfg.straggler_min_step_fraction),
     }
     failed = [f"{name} {v:.3g} < {lim:.3g}" for name, (v, lim) in checks.items() if not (v >= lim)]
     others = pr[pr["rank"] != cand["rank"]]
