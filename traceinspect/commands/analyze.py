@@ -8,9 +8,7 @@ from typing import Any
 
 import click
 
-from traceinspect.fileio import write_json_atomic, write_text_atomic
-
-write_atomic = write_text_atomic  # noqa: F401 - used by the rules command
+from traceinspect.fileio import write_json_atomic
 
 PHASES = click.Choice(["decode", "prefill", "all"])
 

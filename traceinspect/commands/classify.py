@@ -25,7 +25,6 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     """Print each kernel name with its class, evidence, time and calls."""
     from pathlib import Path
 
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
@@ -33,6 +32,7 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     from traceinspect.link import link
     from traceinspect.load import load_trace_set
     from traceinspect.render import short_name
+    from traceinspect.render.terminal import make_console
     from traceinspect.steps import build_steps, select_steps
 
     ts = load_trace_set(list(paths), phase=phase, server_info=server_info)
@@ -46,7 +46,7 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
         rows = rows[rows["cls"] == "other"]
     if csv_out:
         write_text_atomic(csv_out, rows.to_csv(index=False))
-    con = Console(highlight=False, width=max(Console().width, 160))
+    con = make_console()
     t = Table(title=f"Kernel classes ({'all kernels' if all_steps else phase + ' steps'})", title_justify="left")
     for col in ("kernel", "class", "2nd", "evidence", "calls", "us", "share"):
         t.add_column(col, justify="right" if col in ("calls", "us", "share") else "left", overflow="fold")

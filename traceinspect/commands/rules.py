@@ -21,9 +21,9 @@ def _load(rules: tuple[str, ...], only: tuple[str, ...] = (), shipped: bool = Tr
 
 
 def _console() -> Any:
-    from rich.console import Console
+    from traceinspect.render.terminal import make_console
 
-    return Console(highlight=False, soft_wrap=True)
+    return make_console()
 
 
 @click.group("rules")
@@ -82,7 +82,7 @@ def metrics_cmd(scope: str | None) -> None:
 @RULES_OPT
 def docs_cmd(out_dir: str, rules: tuple[str, ...]) -> None:
     """Write the rule documentation pages (one per rule, an index and the metric list)."""
-    from traceinspect.commands.analyze import write_atomic
+    from traceinspect.fileio import write_text_atomic as write_atomic
     from traceinspect.judge.docs import index_markdown, metrics_markdown, rule_markdown
 
     rs = _load(rules)

@@ -18,11 +18,16 @@ if TYPE_CHECKING:
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
 
+def make_console() -> Console:
+    """A console for CLI output: the terminal's width on a TTY, a wide fixed width when piped (logs,
+    CI) so tables are not folded into unreadable columns."""
+    return Console(highlight=False, soft_wrap=False, width=None if Console().is_terminal else 140)
+
+
 def render(a: Analysis, doc: dict[str, Any] | None = None, console: Console | None = None) -> None:
     """Print the summary: run, steps, time per class, top kernels, findings, warnings."""
     doc = doc if doc is not None else a.to_json()
-    con = console or Console(highlight=False, soft_wrap=False,
-                             width=None if Console().is_terminal else 140)
+    con = console or make_console()
     run, steps = doc["run"], doc["steps"]
     con.print(f"[bold]traceinspect[/bold] {escape(', '.join(doc['source']['paths']))}")
     con.print(
