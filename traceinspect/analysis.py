@@ -16,6 +16,7 @@ import pandas as pd
 from traceinspect import __version__
 from traceinspect.classify import CLASSES, classify_kernels
 from traceinspect.errors import TraceInputError
+from traceinspect.graphs import GraphOps, recover_graph_ops
 from traceinspect.link import link
 from traceinspect.load import load_trace_set
 from traceinspect.measure.time import class_step_time, class_totals, percentile, top_kernels
@@ -60,6 +61,7 @@ class Analysis:
     efficiency: Efficiency | None = None
     collectives: Collectives | None = None
     findings: list[Finding] = field(default_factory=list)
+    graph_ops: GraphOps | None = None  # CPU ops of CUDA-graph replays, from the capture traces
 
     @property
     def phase(self) -> str:
@@ -114,7 +116,8 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
                         executor=opts.executor, use_cache=opts.use_cache)
     link(ts)
     steps = build_steps(ts)
-    classify_kernels(ts, steps)
+    recovered = recover_graph_ops(ts)
+    classify_kernels(ts, steps, graph_ops=recovered)
     selected = select_steps(steps, opts.phase)
     if not len(selected):
         found = steps.groupby("phase").size().to_dict()
@@ -124,7 +127,7 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
     kernels = ts.kernels[ts.kernels["step"].isin(selected.index)]
     result = Analysis(
         trace=ts, options=opts, steps=steps, selected=selected, kernels=kernels,
-        class_steps=class_step_time(kernels), class_totals=class_totals(kernels),
+        class_steps=class_step_time(kernels), class_totals=class_totals(kernels), graph_ops=recovered,
     )
     _measure_and_judge(result)
     return result

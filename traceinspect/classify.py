@@ -11,6 +11,9 @@ the kernel name, the enclosing CPU op path and the event kind. Classification ru
 - casts to 8/4-bit floats right before a quantized GEMM become ``quantize``, right before a KV
   write ``kv_write``.
 
+CUDA-graph-replayed kernels have no CPU op; where :mod:`traceinspect.graphs` recovered the op from a
+graph-capture trace, its op path stands in for theirs (the evidence says so).
+
 Every label carries its evidence (rule id and what matched, or the promotion's reason).
 """
 
@@ -23,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -32,6 +35,9 @@ import yaml
 from traceinspect.errors import RuleError
 from traceinspect.model import TraceSet
 from traceinspect.resources import rules_dir
+
+if TYPE_CHECKING:
+    from traceinspect.graphs import GraphOps
 
 CLASSES: tuple[str, ...] = (
     "fp4_gemm", "fp8_gemm", "bf16_gemm", "moe_gemm", "moe_dispatch", "attention", "kv_write", "kv_cast",
@@ -377,10 +383,13 @@ def classify_name(name: str, op_path: str = "", kind: str = "kernel", table: Cla
 # ----------------------------------------------------------------------------- whole traces
 
 
-def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None) -> None:
+def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None,
+                     graph_ops: GraphOps | None = None) -> None:
     """Add ``cls``, ``cls2`` and ``cls_evidence`` to ``ts.kernels`` in place, then apply the
     trace-evidence checks (:func:`verify_experts`, :func:`promote_kv`). ``steps`` is the steps table
-    (rank, idx, included); ``ts.kernels.step`` indexes its rows."""
+    (rank, idx, included); ``ts.kernels.step`` indexes its rows. ``graph_ops`` (from
+    :func:`traceinspect.graphs.recover_graph_ops`) gives graph-replayed kernels the op path of their
+    captured op."""
     table = table or _default_table()
     k = ts.kernels
     n = len(k)
@@ -391,15 +400,52 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
     names = k["name"].astype(str)
     ops = k["op_path"].fillna("").astype(str) if "op_path" in k else pd.Series("", index=k.index)
     kinds = k["kind"].fillna("kernel").astype(str) if "kind" in k else pd.Series("kernel", index=k.index)
-    key = pd.DataFrame({"name": names.to_numpy(), "op": ops.to_numpy(), "kind": kinds.to_numpy()})
+    ops_arr = ops.to_numpy(dtype=object).copy()
+    captured = _captured_rows(k, graph_ops)
+    if captured is not None:
+        ops_arr[captured[0]] = captured[1]
+    key = pd.DataFrame({"name": names.to_numpy(), "op": ops_arr, "kind": kinds.to_numpy()})
     codes = key.groupby(["name", "op", "kind"], sort=False, dropna=False).ngroup().to_numpy()
     first = pd.Series(np.arange(n)).groupby(codes).first().to_numpy()
     labels = [table.classify(key.at[i, "name"], key.at[i, "op"], key.at[i, "kind"]) for i in first]
+    evidence = np.array([lb.evidence for lb in labels], dtype=object)[codes]
+    if captured is not None:
+        _note_captured(table, key, captured[0], labels, codes, evidence)
     k["cls"] = np.array([lb.cls for lb in labels], dtype=object)[codes]
     k["cls2"] = np.array([lb.cls2 for lb in labels], dtype=object)[codes]
-    k["cls_evidence"] = np.array([lb.evidence for lb in labels], dtype=object)[codes]
+    k["cls_evidence"] = evidence
     verify_experts(ts, table)
-    promote_kv(ts, steps, table)
+    promote_kv(ts, steps, table, graph_ops=graph_ops)
+
+
+CAPTURED_NOTE = "op from graph capture trace"
+
+
+def _captured_rows(k: pd.DataFrame, graph_ops: GraphOps | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Positions in ``k`` of graph-replayed kernels with a recovered op path, and those paths."""
+    if graph_ops is None or not len(graph_ops.kernels) or "graph_replay" not in k:
+        return None
+    paths = graph_ops.op_paths()
+    if not len(paths):
+        return None
+    pos = k.index.get_indexer(paths.index)
+    ok = pos >= 0
+    pos, vals = pos[ok], paths.to_numpy(dtype=object)[ok]
+    keep = k["graph_replay"].to_numpy(dtype=bool)[pos]
+    return (pos[keep], vals[keep]) if keep.any() else None
+
+
+def _note_captured(table: ClassTable, key: pd.DataFrame, rows: np.ndarray, labels: list[Label],
+                   codes: np.ndarray, evidence: np.ndarray) -> None:
+    """Say so in the evidence where a recovered op path changed the label (the rule used the op)."""
+    memo: dict[int, bool] = {}
+    for r in rows:
+        c = int(codes[r])
+        if c not in memo:
+            lb = labels[c]
+            memo[c] = lb != table.classify(key.at[r, "name"], "", key.at[r, "kind"])
+        if memo[c]:
+            evidence[r] = f"{evidence[r]}; {CAPTURED_NOTE}"
 
 
 # --- routing labels that must work on the expert dimension ---------------------------------------
@@ -687,15 +733,21 @@ def _interleaved(mine: pd.DataFrame, pos: pd.Series) -> bool:
     return True
 
 
-def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None) -> None:
+def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None,
+               graph_ops: GraphOps | None = None) -> None:
     """Promote dtype casts that read KV-cache data to ``kv_cast``, scatters into the KV pool to
     ``kv_write``, and casts to 8/4-bit floats to their consumer's class (needs the ``cls`` columns;
-    the reason goes to ``cls_evidence``)."""
+    the reason goes to ``cls_evidence``). Graph-replayed kernels are judged by their recurrence; with
+    ``graph_ops`` the evidence says whether their op was recovered from the capture trace."""
     table = table or _default_table()
     k = ts.kernels
     if not len(k) or "cls" not in k or not table.promote:
         return
     ctx = _context(ts, steps)
+    captured = np.zeros(len(k), dtype=bool)
+    rows_paths = _captured_rows(k, graph_ops)
+    if rows_paths is not None:
+        captured[rows_paths[0]] = True
     op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
     inputs = _OpInputs(ts.cpu_ops) if len(ts.cpu_ops) else None
     cls = k["cls"].to_numpy(dtype=object).copy()
@@ -718,7 +770,7 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
             continue
         recur = _recurrence(k, rows, ctx)
         attn_cache: dict[int, bool] = {}
-        memo: dict[tuple[Any, str, bool], str | None] = {}
+        memo: dict[tuple[Any, str, bool, bool], str | None] = {}
         for r in rows:
             o = int(op_idx[r])
             rec = recur.get((ranks[r], names[r]))
@@ -734,9 +786,9 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
                             pool_shapes = _pool_row_shapes(ts.cpu_ops, ctx)
                         reason = _kv_rows_evidence(inputs, o, ctx, pool_shapes, rec)
             else:
-                key = (ranks[r], names[r], o < 0)
+                key = (ranks[r], names[r], o < 0, bool(captured[r]))
                 if key not in memo:
-                    memo[key] = _recurrence_evidence(names[r], rec, o < 0, target, ctx)
+                    memo[key] = _recurrence_evidence(names[r], rec, o < 0, target, ctx, captured=key[3])
                 reason = memo[key]
             if reason is not None:
                 ev[r] = f"{target}: {reason}; was {cls[r]} by {ev[r]}"
@@ -804,16 +856,19 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
             break
 
 
-def _recurrence_evidence(name: str, rec: str | None, graph: bool, target: str, ctx: _KvContext) -> str | None:
+def _recurrence_evidence(name: str, rec: str | None, graph: bool, target: str, ctx: _KvContext,
+                         captured: bool = False) -> str | None:
     """Evidence for a kernel without recorded shapes: once per layer per step, and (for casts) not
-    a cast into the KV dtype (that is the write side)."""
+    a cast into the KV dtype (that is the write side). ``captured``: a graph replay whose op was
+    recovered from the capture trace (its recorded shapes are not used here)."""
     if rec is None:
         return None
     if target == "kv_cast":
         dst = _cast_destination(name)
         if dst is not None and ctx.kv_dtype is not None and ctx.kv_dtype.startswith(dst):
             return None
-    how = "graph replay, no CPU op" if graph else "no recorded shapes"
+    how = (f"graph replay ({CAPTURED_NOTE}, shapes not used)" if captured else
+           "graph replay, no CPU op" if graph else "no recorded shapes")
     return f"{how}: same kernel {rec}"
 
 

@@ -3,9 +3,8 @@ share of the device's peak, per kernel call and per (class, shape); per-expert M
 
 Shapes come from the ``Input Dims`` / ``Input type`` / ``Concrete Inputs`` of the CPU op that
 launched a kernel (``record_shapes=True``). CUDA-graph replays have no CPU op: their shapes are
-recovered from a graph-capture trace when one is given (the replayed kernel sequence is aligned
-with the captured one by kernel name, grid and block), else reported as unknown. Formulas are in
-``docs/metrics.md``.
+taken from the ops that :mod:`traceinspect.graphs` recovered from a graph-capture trace when one is
+given, else reported as unknown. Formulas are in ``docs/metrics.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -406,177 +404,6 @@ def short_name(name: str) -> str:
     return f"{head}<{','.join(inner)}>" if inner else head
 
 
-# ----------------------------------------------------------------------------- capture traces
-#
-# A graph-capture trace holds no kernel events for the captured work: nothing runs while a stream
-# is captured, so CUPTI reports only the launch API calls (cudaLaunchKernel, cuLaunchKernelEx,
-# cudaMemcpyAsync, cudaMemsetAsync, ...), each linked to the CPU op (with its shapes) that issued it.
-# A replay runs one node per captured call, in capture order on each stream. So the replay's GPU
-# events are matched to the captured calls by position, and every pair is checked: same kind
-# (kernel / memcpy / memset), a GEMM-class kernel only where a GEMM or MoE op launched, a
-# communication kernel only where a collective launched (and the reverse).
-
-_BEGIN_CAPTURE = re.compile(r"^(?:cuda|cu|hip)StreamBeginCapture")
-_END_CAPTURE = re.compile(r"^(?:cuda|cu|hip)StreamEndCapture")
-_LAUNCH_API = re.compile(r"LaunchKernel|LaunchCooperativeKernel|^cuLaunch|^hipExtLaunch|^hipModuleLaunch")
-_MEMCPY_API = re.compile(r"^(?:cuda|cu|hip)Memcpy\w*Async")
-_MEMSET_API = re.compile(r"^(?:cuda|cu|hip)Memset\w*Async")
-COMM_PATH = re.compile(r"nccl|rccl|c10d::|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|broadcast|"
-                       r"custom_ar|cross_device_reduce", re.IGNORECASE)
-_KIND_CODE = {"kernel": 0, "memcpy": 1, "memset": 2}
-_CAT_OTHER, _CAT_GEMM, _CAT_COMM, _CAT_MOE = 0, 1, 2, 3
-_CAT_NAME = {_CAT_OTHER: "other work", _CAT_GEMM: "a GEMM", _CAT_COMM: "a collective", _CAT_MOE: "a fused MoE op"}
-
-
-@dataclass
-class _Capture:
-    """One rank's graph-capture trace: the captured GPU work calls in order and their ops."""
-
-    kind: np.ndarray  # _KIND_CODE per captured call
-    cat: np.ndarray  # _CAT_* of the op that issued it
-    window: np.ndarray  # capture (Begin..EndCapture) number per call
-    op_idx: np.ndarray  # the op's row in the capture trace's cpu_ops, or -1
-    op_path: np.ndarray
-    ops: pd.DataFrame
-    reason: str = ""
-    alignments: dict[tuple, tuple[int, str]] = field(default_factory=dict)  # replay signature -> (offset, why)
-
-    def __post_init__(self) -> None:
-        ops = self.ops
-        self.n_ops = len(ops) + 1
-        empty = np.array([], dtype=object)
-        self.names = ops["name"].to_numpy(dtype=object) if len(ops) else empty
-        self.dims = ops["input_dims"].to_numpy(dtype=object) if len(ops) else empty
-        self.types = ops["input_types"].to_numpy(dtype=object) if len(ops) else empty
-        self.conc = ops["concrete"].to_numpy(dtype=object) if len(ops) else empty
-
-
-def _op_cat(op_name: str, op_path: str) -> int:
-    h = op_handler(op_name) if op_name else None
-    if h is not None and h[0] == "gemm":
-        return _CAT_GEMM
-    if h is not None and h[0] == "moe":
-        return _CAT_MOE
-    if COMM_PATH.search(op_path):
-        return _CAT_COMM
-    return _CAT_OTHER
-
-
-def _load_capture(path: Path, rank: int) -> _Capture:
-    """Read and link a graph-capture trace: one synthetic GPU event per captured work call (named by
-    its API), linked to its CPU op with the same code as the profiled trace."""
-    from traceinspect.errors import TraceInputError
-    from traceinspect.link import link
-    from traceinspect.load.parse import parse_file
-    from traceinspect.model import KERNEL_COLUMNS, RankInfo, TraceSet
-
-    empty = np.array([], dtype=np.int64)
-    try:
-        pr = parse_file(path)
-    except TraceInputError as e:
-        return _Capture(empty, empty, empty, empty, empty, pd.DataFrame(), f"capture trace unusable: {e.reason}")
-    rt = pr.runtime.sort_values("ts", kind="stable").reset_index(drop=True)
-    names = rt["name"]
-    kind = np.where(names.str.contains(_LAUNCH_API), "kernel",
-                    np.where(names.str.contains(_MEMCPY_API), "memcpy",
-                             np.where(names.str.contains(_MEMSET_API), "memset", "")))
-    # capture windows: work calls between a BeginCapture and the next EndCapture
-    ts = rt["ts"].to_numpy()
-    begins = ts[names.str.contains(_BEGIN_CAPTURE).to_numpy()]
-    ends = ts[names.str.contains(_END_CAPTURE).to_numpy()]
-    window = np.full(len(rt), -1, dtype=np.int64)
-    if len(begins):
-        for w, b in enumerate(begins):
-            later = ends[ends > b]
-            e = later[0] if len(later) else np.inf
-            window[(ts > b) & (ts < e)] = w
-    else:
-        window[:] = 0  # no capture markers: the whole trace is one candidate
-    work = rt[(kind != "") & (window >= 0)]
-    wkind = kind[work.index.to_numpy()]
-    if not len(work):
-        return _Capture(empty, empty, empty, empty, empty, pr.cpu_ops,
-                        f"capture trace {path.name} records no captured kernel launches")
-    syn = pd.DataFrame({
-        "rank": rank, "kind": pd.Categorical(wkind, categories=["kernel", "memcpy", "memset"]),
-        "name": work["name"].to_numpy(), "ts": work["ts"].to_numpy(), "dur": 0.0, "end": work["ts"].to_numpy(),
-        "device": -1, "stream": -1, "correlation": work["correlation"].to_numpy(),
-        "external_id": work["external_id"].to_numpy(), "grid": "", "block": "", "bytes": -1.0,
-    })[KERNEL_COLUMNS]
-    tabs = {"kernels": syn}
-    for key in ("runtime", "cpu_ops", "annotations", "gpu_annotations"):
-        df = (rt if key == "runtime" else getattr(pr, key)).copy()
-        df.insert(0, "rank", rank)
-        tabs[key] = df
-    info = RankInfo(rank=rank, label=f"capture-TP{rank}", path=path, rank_source="capture")
-    tset = TraceSet(ranks=[info], **tabs)
-    link(tset)
-    k = tset.kernels
-    paths = k["op_path"].to_numpy(dtype=object)
-    cats = np.array([_op_cat(n, p) for n, p in zip(k["op_name"].to_numpy(dtype=object), paths, strict=True)],
-                    dtype=np.int64)
-    return _Capture(np.array([_KIND_CODE[x] for x in wkind], dtype=np.int64), cats,
-                    window[work.index.to_numpy()], k["op_idx"].to_numpy(), paths, tset.cpu_ops)
-
-
-def _replay_codes(sk: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    kind = np.array([_KIND_CODE.get(str(x), 0) for x in sk["kind"]], dtype=np.int64)
-    cls = sk["cls"].astype(str)
-    cat = np.where(cls.isin(GEMM_CLASSES), _CAT_GEMM, np.where(cls == "comm", _CAT_COMM, _CAT_OTHER))
-    return kind, cat.astype(np.int64)
-
-
-def _compatible(ck: np.ndarray, cc: np.ndarray, rk: np.ndarray, rc: np.ndarray) -> np.ndarray:
-    """Pairwise: the replayed event can be the node of the captured call."""
-    gemm_ok = (rc != _CAT_GEMM) | (cc == _CAT_GEMM) | (cc == _CAT_MOE)
-    gemm_rev = (cc != _CAT_GEMM) | (rc == _CAT_GEMM) | (rk != 0)
-    comm_ok = (rc == _CAT_COMM) == (cc == _CAT_COMM)
-    return (ck == rk) & gemm_ok & gemm_rev & comm_ok
-
-
-def align(cap: _Capture, rkind: np.ndarray, rcat: np.ndarray) -> tuple[list[int], str]:
-    """Offsets o where the captured calls ``o .. o+len(replay)`` match the replayed events pairwise
-    (a whole capture window first; any window of the right length inside one otherwise), or none and
-    why."""
-    m, n = len(rkind), len(cap.kind)
-    if m == 0:
-        return [], "no replayed events"
-    if m > n:
-        return [], f"one replay has {m} GPU events, the capture trace only {n} captured calls"
-    starts = [int(i) for i in np.nonzero(np.r_[True, cap.window[1:] != cap.window[:-1]])[0]]
-    sizes = np.diff(np.r_[starts, n])
-    exact = [o for o, sz in zip(starts, sizes, strict=True) if sz == m]
-    # other windows inside one capture; cheap pre-filter on the first and last pair before the full check
-    o = np.arange(n - m + 1)
-    ok_ends = ((cap.window[o] == cap.window[o + m - 1])
-               & _compatible(cap.kind[o], cap.cat[o], rkind[0], rcat[0])
-               & _compatible(cap.kind[o + m - 1], cap.cat[o + m - 1], rkind[-1], rcat[-1]))
-    ok_ends[exact] = False
-    others = [int(x) for x in np.nonzero(ok_ends)[0]]
-    best = (-1, -1, "")
-    for group in (exact, others):
-        hits = []
-        for o in group:
-            ok = _compatible(cap.kind[o:o + m], cap.cat[o:o + m], rkind, rcat)
-            if ok.all():
-                hits.append(o)
-            else:
-                j = int(np.argmin(ok))
-                if j > best[0]:
-                    why = (f"replayed event {j} is a {('kernel', 'memcpy', 'memset')[rkind[j]]} of "
-                           f"{_CAT_NAME[int(rcat[j])]}, the captured call there one of "
-                           f"{_CAT_NAME[int(cap.cat[o + j])]}")
-                    best = (j, o, why)
-        if hits:
-            return hits, ""
-    if best[0] < 0:
-        sizes_s = ", ".join(str(int(x)) for x in sizes[:5])
-        return [], (f"one replay has {m} GPU events; the capture windows have {sizes_s}"
-                    + (" ..." if len(sizes) > 5 else "") + " captured calls")
-    return [], (f"replay and capture disagree after {best[0]} matching events (capture position "
-                f"{best[1]}): {best[2]}")
-
-
 # ----------------------------------------------------------------------------- result
 
 def _r(x: Any, nd: int = 3) -> Any:
@@ -734,60 +561,39 @@ def _model_ops(ops: pd.DataFrame, idx: np.ndarray, levels: int = 2) -> np.ndarra
 def _replay_sources(a: Analysis, kk: pd.DataFrame, replay: np.ndarray, inst: np.ndarray, source: np.ndarray,
                     why: np.ndarray, op_name: np.ndarray, op_path: np.ndarray, dims: np.ndarray,
                     types: np.ndarray, conc: np.ndarray) -> None:
-    """Fill the op columns of graph-replayed kernels from the capture trace, step by step."""
-    k_all = a.kernels
-    rep_all = k_all[k_all["graph_replay"].to_numpy()]  # kernels, memcpy and memset nodes
-    pos_of = pd.Series(np.arange(len(kk)), index=kk.index)
-    caps: dict[int, _Capture | None] = {}
-    base = 1 << 40
-    for (rank, step), sk in rep_all.groupby(["rank", "step"], sort=True):
-        rank = int(rank)
-        if rank not in caps:
-            path = a.trace.capture_traces.get(rank)
-            caps[rank] = _load_capture(Path(path), rank) if path else None
-        cap = caps[rank]
-        sk = sk.sort_values("ts", kind="stable")
-        is_k = sk["kind"].eq("kernel").to_numpy()
-        pos = pos_of.reindex(sk.index[is_k]).to_numpy()
-        if cap is None:
-            why[pos] = ("CUDA-graph replay: kernels have no CPU op and no graph-capture trace was found "
-                        "(graph_capture_profile/cuda_graph_capture-*-TP-<r>.json.gz)")
-            continue
-        if cap.reason:
-            why[pos] = cap.reason
-            continue
-        rkind, rcat = _replay_codes(sk)
-        key = (rkind.tobytes(), rcat.tobytes())
-        if key not in cap.alignments:
-            hits, reason = align(cap, rkind, rcat)
-            if len(hits) > 1 and not _same_shapes(cap, hits, len(sk)):
-                hits, reason = [], (f"it matches {len(hits)} places of the capture trace that record different "
-                                    "shapes (several graphs captured with the same launches): ambiguous")
-            cap.alignments[key] = (hits[-1] if hits else -1, reason)
-        o, reason = cap.alignments[key]
-        if o < 0:
-            why[pos] = f"CUDA-graph replay not matched to the capture trace: {reason}"
-            continue
-        co = _model_ops(cap.ops, cap.op_idx[o:o + len(sk)][is_k])
-        has = co >= 0
-        why[pos[~has]] = "CUDA-graph replay: the captured launch has no CPU op"
-        p, c = pos[has], co[has]
-        inst[p] = base + int(step) * cap.n_ops + c
+    """Fill the op columns of graph-replayed kernels from the ops the graphs stage recovered from the
+    capture trace (one op instance per captured op and replay)."""
+    from traceinspect.graphs import recover_graph_ops
+
+    g = a.graph_ops if getattr(a, "graph_ops", None) is not None else recover_graph_ops(a.trace)
+    pos = np.nonzero(replay)[0]
+    rec = g.kernels.reindex(kk.index[pos])
+    known = rec["rank"].notna().to_numpy()
+    why[pos[~known]] = "CUDA-graph replay: not covered by the graph-capture recovery"
+    pos, rec = pos[known], rec[known]
+    cop = rec["cap_op"].to_numpy().astype(np.int64)
+    why[pos[cop < 0]] = rec["reason"].to_numpy(dtype=object)[cop < 0]
+    has = cop >= 0
+    if not has.any():
+        return
+    pos, rec, cop = pos[has], rec[has], cop[has]
+    ranks = rec["rank"].to_numpy().astype(np.int64)
+    width = max(c.n_ops for c in g.captures.values())
+    replays = rec["replay"].to_numpy().astype(np.int64)
+    paths = rec["cap_op_path"].to_numpy(dtype=object)
+    for rank in np.unique(ranks):
+        cap = g.captures[int(rank)]
+        sel = ranks == rank
+        p = pos[sel]
+        c = _model_ops(cap.ops, cop[sel])
+        # live op instances are rows of cpu_ops; these sit above them, one per (replay, captured op)
+        inst[p] = (1 << 40) + replays[sel] * width + c
         source[p] = "graph_capture"
         op_name[p] = cap.names[c]
-        op_path[p] = cap.op_path[o:o + len(sk)][is_k][has]
+        op_path[p] = paths[sel]
         dims[p] = cap.dims[c]
         types[p] = cap.types[c]
         conc[p] = cap.conc[c]
-
-
-def _same_shapes(cap: _Capture, hits: list[int], m: int) -> bool:
-    """Whether every matching capture window records the same ops with the same shapes."""
-    def sig(o: int) -> list[tuple]:
-        c = cap.op_idx[o:o + m]
-        return [(cap.names[i], cap.dims[i], cap.types[i], cap.conc[i]) if i >= 0 else None for i in c]
-    ref = sig(hits[-1])
-    return all(sig(o) == ref for o in hits[:-1])
 
 
 def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
