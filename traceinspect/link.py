@@ -3,9 +3,14 @@
 Kernels replayed from a CUDA graph share the correlation id of their ``cudaGraphLaunch``; they
 are kept, marked ``graph_replay`` and get no CPU op (the op that was running at capture time is
 not the one running now).
+
+Everything here is vectorised: the enclosing-op searches run as a few rounds of pointer jumping
+over whole columns instead of a Python loop per event, so linking costs O(n log n) in numpy.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -13,122 +18,245 @@ import pandas as pd
 from traceinspect.model import TraceSet
 
 GRAPH_LAUNCH = {"cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch", "hipGraphLaunch"}
+_MAX_PATH = 64  # names kept in an op_path (innermost ones)
+
+
+def _thread_key(df: pd.DataFrame) -> np.ndarray:
+    return (df["rank"].to_numpy().astype(np.int64) << 32) ^ df["tid"].to_numpy().astype(np.int64)
+
+
+def _sort_ops(key: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """Row order by (thread key, ts, -dur), ties kept in row order: two stable sorts, which are nearly
+    linear on the time-ordered rows of a trace, then longest-first within the rare equal starts."""
+    order = np.argsort(ts, kind="stable")
+    order = order[np.argsort(key[order], kind="stable")]
+    s, k = ts[order], key[order]
+    tie = (s[1:] == s[:-1]) & (k[1:] == k[:-1])
+    if tie.any():
+        run = np.cumsum(np.concatenate([[True], ~tie])) - 1
+        idx = np.nonzero(np.concatenate([tie, [False]]) | np.concatenate([[False], tie]))[0]
+        sub = np.lexsort((-dur[order[idx]], run[idx]))
+        order[idx] = order[idx][sub]
+    return order
+
+
+class _OpTree:
+    """CPU ops sorted per thread by (ts, -dur), with each op's innermost enclosing op.
+
+    In that order, the op enclosing op ``i`` is the nearest earlier op of the same thread whose end
+    is not before ``i``'s start (what a stack walk over the sorted ops finds). If a candidate ``c``
+    ends too early, every op between ``c``'s own parent and ``c`` ended even earlier, so the search
+    may jump straight to that parent (or to ``c``'s current candidate while ``c`` is unresolved).
+    """
+
+    def __init__(self, ops: pd.DataFrame) -> None:
+        n = len(ops)
+        key = _thread_key(ops)
+        ts = ops["ts"].to_numpy()
+        self.order = _sort_ops(key, ts, ops["dur"].to_numpy())
+        self.key = key[self.order]
+        self.ts = ts[self.order]
+        self.end = ops["end"].to_numpy()[self.order]
+        cand = np.arange(-1, n - 1, dtype=np.int64)
+        if n:
+            cand[1:][self.key[1:] != self.key[:-1]] = -1
+        par = np.full(n, -2, dtype=np.int64)  # -2: not yet known
+        active = np.arange(n, dtype=np.int64)
+        while active.size:
+            c = cand[active]
+            root = c < 0
+            par[active[root]] = -1
+            active, c = active[~root], c[~root]
+            hit = self.end[c] >= self.ts[active]
+            par[active[hit]] = c[hit]
+            active, c = active[~hit], c[~hit]
+            pc = par[c]
+            cand[active] = np.where(pc != -2, pc, cand[c])
+        self.parent_sorted = par
+
+    def parents(self) -> np.ndarray:
+        """Row of the innermost enclosing op on the same thread, or -1, in the table's row order."""
+        out = np.full(len(self.order), -1, dtype=np.int64)
+        p = self.parent_sorted
+        out[self.order] = np.where(p >= 0, self.order[np.maximum(p, 0)], -1)
+        return out
+
+    def enclosing(self, key: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        """For events (thread key, ts): the row of the innermost op containing ``ts``, or -1."""
+        m, n = len(ts), len(self.order)
+        out = np.full(m, -1, dtype=np.int64)
+        if not m or not n:
+            return out
+        # merge ops and events; at equal (thread, ts) ops come first (an op starting at ts counts)
+        k = np.concatenate([self.key, key])
+        t = np.concatenate([self.ts, ts])
+        is_ev = np.concatenate([np.zeros(n, dtype=np.int8), np.ones(m, dtype=np.int8)])
+        pos = np.concatenate([np.arange(n, dtype=np.int64), np.full(m, -1, dtype=np.int64)])
+        merged = np.lexsort((np.arange(n + m), is_ev, t, k))
+        last_op = np.maximum.accumulate(pos[merged])
+        ev_rows = merged >= n
+        cand = np.empty(m, dtype=np.int64)
+        cand[merged[ev_rows] - n] = last_op[ev_rows]
+        ok = cand >= 0
+        ok[ok] = self.key[cand[ok]] == key[ok]
+        cand[~ok] = -1
+        active = np.nonzero(cand >= 0)[0]
+        while active.size:
+            c = cand[active]
+            miss = self.end[c] < ts[active]
+            active, c = active[miss], c[miss]
+            cand[active] = self.parent_sorted[c]
+            active = active[cand[active] >= 0]
+        out = np.where(cand >= 0, self.order[np.maximum(cand, 0)], -1)
+        return out
 
 
 def _op_parents(cpu_ops: pd.DataFrame) -> np.ndarray:
     """Row of the innermost enclosing op on the same thread, or -1 (ops nest per thread)."""
-    parent = np.full(len(cpu_ops), -1, dtype=np.int64)
-    if not len(cpu_ops):
-        return parent
-    order = np.lexsort((-cpu_ops["dur"].to_numpy(), cpu_ops["ts"].to_numpy(),
-                        cpu_ops["tid"].to_numpy(), cpu_ops["rank"].to_numpy()))
-    ts = cpu_ops["ts"].to_numpy()
-    end = cpu_ops["end"].to_numpy()
-    key = (cpu_ops["rank"].to_numpy() << 32) ^ cpu_ops["tid"].to_numpy()
-    stack: list[int] = []
-    cur = None
-    for i in order:
-        if key[i] != cur:
-            stack.clear()
-            cur = key[i]
-        while stack and end[stack[-1]] < ts[i]:
-            stack.pop()
-        if stack:
-            parent[i] = stack[-1]
-        stack.append(i)
-    return parent
+    return _OpTree(cpu_ops).parents()
 
 
-def _enclosing(outer: pd.DataFrame, inner: pd.DataFrame) -> np.ndarray:
-    """For each row of ``inner`` (rank, tid, ts), the innermost ``outer`` row containing it, or -1."""
-    out = np.full(len(inner), -1, dtype=np.int64)
-    if not len(outer) or not len(inner):
-        return out
-    for (rank, tid), grp in inner.groupby(["rank", "tid"], sort=False):
-        o = outer[(outer["rank"] == rank) & (outer["tid"] == tid)]
-        if not len(o):
-            continue
-        o = o.sort_values(["ts", "dur"], ascending=[True, False])
-        ots, oend, oidx = o["ts"].to_numpy(), o["end"].to_numpy(), o.index.to_numpy()
-        # candidates start at or before the event; walk back to the latest that still contains it
-        pos = np.searchsorted(ots, grp["ts"].to_numpy(), side="right") - 1
-        for row, p, t in zip(grp.index.to_numpy(), pos, grp["ts"].to_numpy(), strict=True):
-            j = p
-            while j >= 0 and oend[j] < t:
-                j -= 1
-            if j >= 0:
-                out[inner.index.get_loc(row)] = oidx[j]
-    return out
+def _lookup(table: pd.DataFrame, id_col: str, queries: pd.DataFrame, query_col: str,
+            keep: str = "first") -> tuple[np.ndarray, int]:
+    """Row of ``table`` with the same (rank, id) as each query row, or -1; and the number of
+    duplicated (rank, id) pairs in ``table`` (``keep`` says which one is used)."""
+    ids = table[id_col].to_numpy()
+    sel = np.nonzero(ids >= 0)[0]
+    ranks, ids = table["rank"].to_numpy()[sel], ids[sel]
+    qr, qi = queries["rank"].to_numpy(), queries[query_col].to_numpy()
+    if len(sel) and ids.max() < (1 << 43) and ranks.max() < (1 << 19) and ranks.min() >= 0:
+        keys = (ranks.astype(np.int64) << 43) | ids
+        qkeys = np.where((qi >= 0) & (qi < (1 << 43)), (qr.astype(np.int64) << 43) | np.maximum(qi, 0), -1)
+        index = pd.Index(keys)
+    else:
+        index = pd.MultiIndex.from_arrays([ranks, ids])
+        qkeys = pd.MultiIndex.from_arrays([qr, qi])
+    dup = index.duplicated(keep=keep)
+    n_dup = int(dup.sum())
+    if n_dup:
+        index, sel = index[~dup], sel[~dup]
+    pos = index.get_indexer(qkeys)
+    return np.where(pos >= 0, sel[np.maximum(pos, 0)] if len(sel) else -1, -1).astype(np.int64), n_dup
 
 
 def link(ts: TraceSet) -> TraceSet:
     """Add link columns to ``kernels`` (rt_idx, rt_name, graph_replay, op_idx, op_name, op_path)
     and ``parent`` to ``cpu_ops``."""
     k, rt, ops = ts.kernels, ts.runtime, ts.cpu_ops
-    ops["parent"] = _op_parents(ops)
+    tree = _OpTree(ops)
+    ops["parent"] = tree.parents()
 
     # runtime row per (rank, correlation); duplicated ids keep the first and are reported
-    rtc = rt[rt["correlation"] >= 0]
-    dup = rtc.duplicated(["rank", "correlation"])
-    if dup.any():
-        ts.warnings.append(f"{int(dup.sum())} runtime events reuse a correlation id; the first one is used")
-        rtc = rtc[~dup]
-    rt_map = pd.Series(rtc.index.to_numpy(), index=pd.MultiIndex.from_frame(rtc[["rank", "correlation"]]))
-    keys = pd.MultiIndex.from_frame(k[["rank", "correlation"]])
-    rt_idx = rt_map.reindex(keys).to_numpy()
-    rt_idx = np.where(np.isnan(rt_idx.astype(np.float64)), -1, rt_idx).astype(np.int64)
+    rt_idx, n_dup = _lookup(rt, "correlation", k, "correlation", keep="first")
+    if n_dup:
+        ts.warnings.append(f"{n_dup} runtime events reuse a correlation id; the first one is used")
     k["rt_idx"] = rt_idx
     names = rt["name"].to_numpy(dtype=object)
-    k["rt_name"] = np.where(rt_idx >= 0, names[np.maximum(rt_idx, 0)] if len(rt) else "", "")
-    k["graph_replay"] = k["rt_name"].isin(GRAPH_LAUNCH).to_numpy()
+    k["rt_name"] = _names_at(rt_idx, names)
+    replay = np.zeros(len(k), dtype=bool)
+    if len(rt):
+        is_launch = np.isin(names, list(GRAPH_LAUNCH))
+        replay = (rt_idx >= 0) & is_launch[np.maximum(rt_idx, 0)]
+    k["graph_replay"] = replay
 
     # runtime event -> CPU op: External id when Kineto wrote it, else the innermost op on the thread
     rt_op = np.full(len(rt), -1, dtype=np.int64)
     if len(rt) and len(ops):
-        opx = ops[ops["external_id"] >= 0]
-        opx = opx[~opx.duplicated(["rank", "external_id"], keep="last")]
-        op_map = pd.Series(opx.index.to_numpy(), index=pd.MultiIndex.from_frame(opx[["rank", "external_id"]]))
-        via_ext = op_map.reindex(pd.MultiIndex.from_frame(rt[["rank", "external_id"]])).to_numpy()
-        via_ext = np.where(np.isnan(via_ext.astype(np.float64)), -1, via_ext).astype(np.int64)
+        via_ext, _ = _lookup(ops, "external_id", rt, "external_id", keep="last")
         # an External id only counts when that op really encloses the launch
         ok = via_ext >= 0
-        ok[ok] = (ops["ts"].to_numpy()[via_ext[ok]] <= rt["ts"].to_numpy()[ok]) & (
-            ops["end"].to_numpy()[via_ext[ok]] >= rt["ts"].to_numpy()[ok])
+        rts = rt["ts"].to_numpy()
+        ok[ok] = (ops["ts"].to_numpy()[via_ext[ok]] <= rts[ok]) & (ops["end"].to_numpy()[via_ext[ok]] >= rts[ok])
         rt_op = np.where(ok, via_ext, -1)
-        missing = rt_op < 0
-        if missing.any():
-            rt_op[missing] = _enclosing(ops, rt[missing])
+        missing = np.nonzero(rt_op < 0)[0]
+        if len(missing):
+            rt_op[missing] = tree.enclosing(_thread_key(rt)[missing], rts[missing])
     op_idx = np.where((rt_idx >= 0) & ~k["graph_replay"].to_numpy(), rt_op[np.maximum(rt_idx, 0)] if len(rt)
                       else -1, -1)
     k["op_idx"] = op_idx.astype(np.int64)
-    op_names = ops["name"].to_numpy(dtype=object)
-    k["op_name"] = np.where(op_idx >= 0, op_names[np.maximum(op_idx, 0)] if len(ops) else "", "")
+    k["op_name"] = _names_at(op_idx, ops["name"].to_numpy(dtype=object))
     k["op_path"] = _paths(op_idx, ops)
     return ts
 
 
-def _paths(op_idx: np.ndarray, ops: pd.DataFrame) -> np.ndarray:
-    """Names of the enclosing ops, outermost first, joined by ' > '."""
-    out = np.full(len(op_idx), "", dtype=object)
-    if not len(ops):
-        return out
-    parent = ops["parent"].to_numpy()
-    names = ops["name"].to_numpy(dtype=object)
-    cache: dict[int, str] = {}
+def _strings(codes: np.ndarray, uniques: np.ndarray) -> Any:
+    """The column ``uniques[codes]`` in the dtype pandas gives string data (``str`` on pandas 3,
+    built from a dictionary instead of one conversion per row; object before)."""
+    if _INFERS_STR:
+        try:
+            import pyarrow as pa
 
-    def path(i: int) -> str:
-        if i in cache:
-            return cache[i]
-        chain = []
-        j = i
-        while j >= 0 and len(chain) < 64:
-            chain.append(names[j])
-            j = parent[j]
-        s = " > ".join(reversed(chain))
-        cache[i] = s
-        return s
-
-    for n, i in enumerate(op_idx):
-        if i >= 0:
-            out[n] = path(int(i))
+            d = pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)),
+                                               pa.array(list(uniques), type=pa.large_string()))
+            return pd.array(d.dictionary_decode(), dtype="str")
+        except Exception:  # noqa: BLE001 - any pyarrow/pandas mismatch: the plain way below
+            pass
+    out = np.empty(len(codes), dtype=object)
+    out[:] = uniques[codes] if len(uniques) else ""
     return out
+
+
+_INFERS_STR = pd.Series(["x"]).dtype != object
+
+
+def _names_at(idx: np.ndarray, names: np.ndarray) -> Any:
+    """Column of ``names[idx]``, '' where idx < 0."""
+    ok = idx >= 0
+    if not len(names) or not ok.any():
+        return _strings(np.zeros(len(idx), dtype=np.int64), np.array([""], dtype=object))
+    codes, uniq = pd.factorize(names[idx[ok]])
+    full = np.zeros(len(idx), dtype=np.int64)
+    full[ok] = codes + 1
+    return _strings(full, np.concatenate([np.array([""], dtype=object), np.asarray(uniq, dtype=object)]))
+
+
+def _paths(op_idx: np.ndarray, ops: pd.DataFrame) -> Any:
+    """Names of the enclosing ops, outermost first, joined by ' > ' (at most the innermost 64).
+
+    Paths are built level by level: an op's path is its parent's path plus its name, so each distinct
+    path string is made once, however many ops (and kernels) share it.
+    """
+    n = len(op_idx)
+    if not len(ops) or not n or not (op_idx >= 0).any():
+        return _strings(np.zeros(n, dtype=np.int64), np.array([""], dtype=object))
+    parent = ops["parent"].to_numpy()
+    name_codes, name_uniq = pd.factorize(ops["name"].to_numpy(dtype=object))
+    # the ops on the kernels' chains
+    mark = np.zeros(len(parent), dtype=bool)
+    frontier = pd.unique(op_idx[op_idx >= 0])
+    while frontier.size:
+        mark[frontier] = True
+        up = parent[frontier]
+        up = up[up >= 0]
+        frontier = pd.unique(up[~mark[up]])
+    ops_all = np.nonzero(mark)[0]
+    d = np.zeros(len(ops_all), dtype=np.int64)  # depth: number of enclosing ops
+    cur = parent[ops_all]
+    while (cur >= 0).any():
+        d += cur >= 0
+        cur = np.where(cur >= 0, parent[np.maximum(cur, 0)], -1)
+    path_id = np.full(len(parent), -1, dtype=np.int64)
+    pid_parent: list[int] = []  # per path id: the enclosing path's id (-1: none) and the name
+    pid_name: list[int] = []
+    texts: list[str] = []
+    m = len(name_uniq) + 1
+    for lvl in range(int(d.max()) + 1):
+        rows = ops_all[d == lvl]
+        pp = np.where(parent[rows] >= 0, path_id[np.maximum(parent[rows], 0)], -1)
+        inv, uniq_pairs = pd.factorize((pp + 1) * m + name_codes[rows])
+        path_id[rows] = len(texts) + inv
+        for q, c in zip((uniq_pairs // m - 1).tolist(), (uniq_pairs % m).tolist(), strict=True):
+            pid_parent.append(q)
+            pid_name.append(c)
+            if q < 0:
+                texts.append(name_uniq[c])
+            elif lvl < _MAX_PATH:
+                texts.append(texts[q] + " > " + name_uniq[c])
+            else:  # only the innermost names
+                chain, j = [], len(pid_parent) - 1
+                while j >= 0 and len(chain) < _MAX_PATH:
+                    chain.append(name_uniq[pid_name[j]])
+                    j = pid_parent[j]
+                texts.append(" > ".join(reversed(chain)))
+    codes = np.where(op_idx >= 0, path_id[np.maximum(op_idx, 0)] + 1, 0)
+    return _strings(codes, np.concatenate([np.array([""], dtype=object), np.asarray(texts, dtype=object)]))

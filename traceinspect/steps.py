@@ -84,14 +84,28 @@ def _span_windows(ts: TraceSet, rank: int) -> _Windows | None:
         # sampling runs after the step span but inside scheduler.run_batch: widen to it
         rb = ann[ann["name"] == "scheduler.run_batch"]
         if len(rb):
-            rbs, rbe = rb["ts"].to_numpy(), rb["end"].to_numpy()
-            for i in range(len(start)):
-                hit = np.nonzero((rbs <= start[i]) & (rbe >= end[i]))[0]
-                if len(hit):
-                    start[i], end[i] = rbs[hit].max(), rbe[hit].min()
+            _widen(start, end, rb["ts"].to_numpy(), rb["end"].to_numpy())
     # windows never overlap: clip each at the next one's start
     end[:-1] = np.minimum(end[:-1], start[1:])
     return _Windows(start, end, spans["name"].tolist(), source)
+
+
+def _widen(start: np.ndarray, end: np.ndarray, rbs: np.ndarray, rbe: np.ndarray) -> None:
+    """Widen each window [start, end] to the run_batch spans holding it: the latest start and earliest
+    end among the spans that contain it (in place)."""
+    order = np.argsort(rbs, kind="stable")
+    rbs, rbe = rbs[order], rbe[order]
+    if len(rbs) > 1 and (rbs[1:] <= rbe[:-1]).any():  # overlapping or touching spans: check every one
+        for i in range(len(start)):
+            hit = np.nonzero((rbs <= start[i]) & (rbe >= end[i]))[0]
+            if len(hit):
+                start[i], end[i] = rbs[hit].max(), rbe[hit].min()
+        return
+    # disjoint spans: only the last one starting at or before the window can hold it
+    p = np.searchsorted(rbs, start, side="right") - 1
+    ok = p >= 0
+    ok[ok] = rbe[p[ok]] >= end[ok]
+    start[ok], end[ok] = rbs[p[ok]], rbe[p[ok]]
 
 
 def _graph_windows(ts: TraceSet, rank: int) -> _Windows | None:
@@ -155,8 +169,11 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
         step_col[np.nonzero(kmask)[0]] = np.where(local >= 0, local + base, -1)
         kts, kend, kdur = kr["ts"].to_numpy(), kr["end"].to_numpy(), kr["dur"].to_numpy()
         n_steps = len(names)
+        # kernels grouped by step once (a mask per step would cost steps x kernels)
+        by_step = np.argsort(local, kind="stable")
+        bounds = np.searchsorted(local[by_step], np.arange(n_steps + 1))
         for i in range(n_steps):
-            sel = local == i
+            sel = by_step[bounds[i]:bounds[i + 1]]
             name = names[i]
             bs, toks = BS.search(name), TOKS.search(name)
             if source == "step_span":
@@ -165,15 +182,16 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
                 phase = "decode"  # SGLang replays CUDA graphs for decode only
             else:
                 phase = "unknown"
-            g0 = float(kts[sel].min()) if sel.any() else np.nan
-            g1 = float(kend[sel].max()) if sel.any() else np.nan
+            some = len(sel) > 0
+            g0 = float(kts[sel].min()) if some else np.nan
+            g1 = float(kend[sel].max()) if some else np.nan
             busy = union_us(kts[sel], kend[sel])
-            span = (g1 - g0) if sel.any() else 0.0
+            span = (g1 - g0) if some else 0.0
             rows.append({
                 "rank": rank, "idx": i, "phase": phase,
                 "bs": int(bs.group(1)) if bs else -1, "toks": int(toks.group(1)) if toks else -1,
                 "name": name, "source": source, "cpu_start": cpu[i][0], "cpu_end": cpu[i][1],
-                "gpu_start": g0, "gpu_end": g1, "n_kernels": int(sel.sum()),
+                "gpu_start": g0, "gpu_end": g1, "n_kernels": len(sel),
                 "kernel_us": float(kdur[sel].sum()), "busy_us": busy, "span_us": span,
                 "idle_us": max(span - busy, 0.0), "edge": False, "included": True,
             })

@@ -4,84 +4,181 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-
+from traceinspect.consistency import rank_set_warnings
 from traceinspect.errors import TraceInputError
-from traceinspect.load import cache
 from traceinspect.load.discover import RankFile, discover, read_server_info
-from traceinspect.load.parse import ParsedRank, parse_file
+from traceinspect.load.parse import GPU_KINDS, ParsedRank, parse_file
 from traceinspect.model import RankInfo, TraceSet
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["load_trace_set", "parse_file", "discover"]
 
+PROGRESS_MIN_BYTES = 50_000_000  # show a progress bar for trace sets larger than this (on a terminal)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    try:
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except FileNotFoundError:
+        raise TraceInputError("no such file", path) from None
+    except OSError as e:
+        raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
     return h.hexdigest()
 
 
-def _parse_local(paths: list[Path], jobs: int | None) -> list[ParsedRank]:
+def load_rank_file(path: str | Path, use_cache: bool = True) -> tuple[str, int, ParsedRank]:
+    """Hash, then read one rank file from the cache or parse it (and cache the tables).
+
+    This is the unit of work a local process or a dask worker runs: it touches only the file and the
+    cache of the machine it runs on and returns the content hash, the file size and the compact tables.
+    """
+    from traceinspect.load import cache
+
+    path = Path(path)
+    digest = _sha256(path)
+    size = path.stat().st_size
+    root = cache.cache_dir() if use_cache else None
+    if root is not None:
+        hit = cache.load(root, digest)
+        if hit is not None:
+            return digest, size, hit
+    parsed = parse_file(path)
+    if root is not None:
+        cache.store(root, digest, parsed)
+    return digest, size, parsed
+
+
+def _progress(paths: list[Path], quiet: bool | None) -> tuple[Callable[[int], None], Callable[[], None]]:
+    """(advance(file index), close()) of a per-file progress bar on stderr, or no-ops: the bar shows
+    only on a terminal and for trace sets of more than PROGRESS_MIN_BYTES."""
+    def noop(*_: Any) -> None:
+        return None
+
+    if quiet or not sys.stderr.isatty():
+        return noop, noop
+    try:
+        sizes = [p.stat().st_size for p in paths]
+    except OSError:
+        return noop, noop
+    if sum(sizes) < PROGRESS_MIN_BYTES:
+        return noop, noop
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("parsing {task.fields[done]}/{task.fields[n]} rank files"), BarColumn(),
+                   DownloadColumn(), TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task("parse", total=sum(sizes), done=0, n=len(paths))
+    bar.start()
+    done = [0]
+
+    def advance(i: int) -> None:
+        done[0] += 1
+        bar.update(task, advance=sizes[i], done=done[0])
+
+    return advance, bar.stop
+
+
+def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool,
+                 advance: Callable[[int], None]) -> list[tuple[str, int, ParsedRank]]:
     jobs = jobs if jobs is not None else min(len(paths), os.cpu_count() or 1)
     if jobs <= 1 or len(paths) <= 1:
-        return [parse_file(p) for p in paths]
+        out = []
+        for i, p in enumerate(paths):
+            out.append(load_rank_file(p, use_cache))
+            advance(i)
+        return out
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        return list(pool.map(parse_file, paths))
+    results: list[Any] = [None] * len(paths)
+    # largest files first, so that the last one to finish is a small one
+    order = sorted(range(len(paths)), key=lambda i: -_size(paths[i]))
+    with ProcessPoolExecutor(max_workers=min(jobs, len(paths)), mp_context=ctx) as pool:
+        futures = {pool.submit(load_rank_file, paths[i], use_cache): i for i in order}
+        for fut in as_completed(futures):
+            i = futures[fut]
+            results[i] = fut.result()
+            advance(i)
+    return results
 
 
-def _parse_dask(paths: list[Path], executor: str, jobs: int | None) -> list[ParsedRank]:
-    """Parse rank files on dask.distributed workers; only the compact tables travel back."""
+def _size(p: Path) -> int:
     try:
-        from dask.distributed import Client, LocalCluster
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _parse_dask(paths: list[Path], executor: str, jobs: int | None, use_cache: bool,
+                advance: Callable[[int], None]) -> list[tuple[str, int, ParsedRank]]:
+    """Parse rank files on dask.distributed workers; only the compact tables travel back.
+
+    ``dask://HOST:PORT`` uses a running scheduler whose workers see the same paths (a shared or
+    replicated filesystem); each worker hashes, parses and caches the files it is given on its own
+    disk. ``$TRACEINSPECT_DASK_TIMEOUT`` (seconds, default 30) bounds the connection attempt. Plain
+    ``dask`` starts a local cluster of ``jobs`` single-threaded worker processes.
+    """
+    try:
+        from dask.distributed import Client, LocalCluster, as_completed
     except ImportError:
         raise TraceInputError("the dask executor needs the optional extra: pip install 'traceinspect[dask]'") \
             from None
     address = executor.split("://", 1)[1] if "://" in executor else None
+
+    def run(client: Any) -> list[tuple[str, int, ParsedRank]]:
+        futures = [client.submit(load_rank_file, str(p), use_cache, pure=False, key=f"traceinspect-parse-{i}-{p.name}")
+                   for i, p in enumerate(paths)]
+        index = {f.key: i for i, f in enumerate(futures)}
+        results: list[Any] = [None] * len(paths)
+        for fut in as_completed(futures):
+            i = index[fut.key]
+            try:
+                results[i] = fut.result()
+            except TraceInputError:
+                raise
+            except Exception as e:  # a worker died or could not reach the file
+                raise TraceInputError(f"dask worker failed: {type(e).__name__}: {e}", paths[i]) from None
+            advance(i)
+        return results
+
     if address:
-        with Client(address) as client:
-            futures = client.map(parse_file, [str(p) for p in paths], pure=False)
-            return client.gather(futures)
+        try:
+            client = Client(address, timeout=f"{os.environ.get('TRACEINSPECT_DASK_TIMEOUT', '30')}s")
+        except OSError as e:
+            raise TraceInputError(f"cannot reach the dask scheduler at {address}: {e}") from None
+        with client:
+            return run(client)
     workers = jobs or min(len(paths), os.cpu_count() or 1)
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
-        futures = client.map(parse_file, [str(p) for p in paths], pure=False)
-        return client.gather(futures)
+        return run(client)
 
 
-def _parse_all(paths: list[Path], hashes: list[str], jobs: int | None, executor: str,
-               use_cache: bool) -> list[ParsedRank]:
-    root = cache.cache_dir() if use_cache else None
-    results: dict[int, ParsedRank] = {}
-    if root is not None:
-        for i, h in enumerate(hashes):
-            hit = cache.load(root, h)
-            if hit is not None:
-                results[i] = hit
-    todo = [i for i in range(len(paths)) if i not in results]
-    if todo:
-        miss = [paths[i] for i in todo]
+def _parse_all(paths: list[Path], jobs: int | None, executor: str, use_cache: bool,
+               quiet: bool | None = None) -> list[tuple[str, int, ParsedRank]]:
+    if executor != "local" and executor != "dask" and not executor.startswith("dask://"):
+        raise TraceInputError(f"unknown executor {executor!r} (use local, dask or dask://HOST:PORT)")
+    advance, close = _progress(paths, quiet)
+    try:
         if executor == "local":
-            parsed = _parse_local(miss, jobs)
-        elif executor == "dask" or executor.startswith("dask://"):
-            parsed = _parse_dask(miss, executor, jobs)
-        else:
-            raise TraceInputError(f"unknown executor {executor!r} (use local, dask or dask://HOST:PORT)")
-        for i, p in zip(todo, parsed, strict=True):
-            results[i] = p
-            if root is not None:
-                cache.store(root, hashes[i], p)
-    return [results[i] for i in range(len(paths))]
+            return _parse_local(paths, jobs, use_cache, advance)
+        return _parse_dask(paths, executor, jobs, use_cache, advance)
+    finally:
+        close()
 
 
-def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], hashes: list[str],
+def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], hashes: list[str], fsizes: list[int],
                   warnings: list[str]) -> list[RankInfo]:
     infos: list[RankInfo] = []
     named = all(f.tp is not None for f in files)
@@ -122,7 +219,7 @@ def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], hashes: list[
             tp=f.tp, dp=f.dp, pp=f.pp, ep=f.ep, stage=f.stage, profile_id=f.profile_id,
             devices=p.devices, distributed_info=p.distributed_info,
             cuda_runtime_version=p.cuda_runtime_version, cuda_driver_version=p.cuda_driver_version,
-            trace_id=p.trace_id, size_bytes=f.path.stat().st_size, sha256=hashes[idx],
+            trace_id=p.trace_id, size_bytes=fsizes[idx], sha256=hashes[idx],
             n_events=p.n_events,
         ))
     if source == "filename" and len({i.rank for i in infos}) != len(infos):
@@ -132,15 +229,23 @@ def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], hashes: list[
 
 
 def _concat(frames: list[pd.DataFrame], ranks: list[int]) -> pd.DataFrame:
-    parts = []
-    for df, r in zip(frames, ranks, strict=True):
-        df = df.copy()
-        df.insert(0, "rank", r)
-        parts.append(df)
-    out = pd.concat(parts, ignore_index=True)
-    if "kind" in out:
-        out["kind"] = pd.Categorical(out["kind"], categories=["kernel", "memcpy", "memset"])
-    return out
+    """Stack the ranks' tables with a leading ``rank`` column (column by column, one copy)."""
+    import numpy as np
+    import pandas as pd
+
+    cols: dict[str, Any] = {"rank": np.repeat(np.asarray(ranks, dtype=np.int64), [len(f) for f in frames])}
+    for c in frames[0].columns:
+        parts = [f[c] for f in frames]
+        if c == "kind":
+            codes = np.concatenate([p.cat.codes.to_numpy() for p in parts])
+            cols[c] = pd.Categorical.from_codes(codes, categories=GPU_KINDS)
+        elif isinstance(parts[0].dtype, np.dtype):
+            arr = np.concatenate([p.to_numpy() for p in parts]) if len(parts) > 1 else parts[0].to_numpy()
+            # a Series keeps object columns object (a bare array of str would be converted to str dtype)
+            cols[c] = pd.Series(arr, dtype=object, copy=False) if arr.dtype == object else arr
+        else:  # extension dtypes (str) keep their type
+            cols[c] = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0].reset_index(drop=True)
+    return pd.DataFrame(cols, copy=False)
 
 
 def load_trace_set(
@@ -167,37 +272,29 @@ def load_trace_set(
     found = discover(list(paths), phase=phase)
     warnings = list(found.notes)
     files = found.files
-    hashes = [_sha256(f.path) for f in files]
-    parsed = _parse_all([f.path for f in files], hashes, jobs, executor, use_cache)
+    loaded = _parse_all([f.path for f in files], jobs, executor, use_cache)
+    hashes = [h for h, _, _ in loaded]
+    fsizes = [n for _, n, _ in loaded]
+    parsed = [p for _, _, p in loaded]
+    del loaded
     for f, p in zip(files, parsed, strict=True):
         if require_kernels and not (p.kernels["kind"] == "kernel").any():
             raise TraceInputError(
                 "trace has no GPU kernel events (CUPTI may have failed to start, or the profile ran "
                 "without the CUDA activity)", f.path)
         if p.dropped:
-            warnings.append(f"{f.path.name}: dropped {p.dropped} events with non-finite or negative times")
-    infos = _assign_ranks(files, parsed, hashes, warnings)
+            warnings.append(f"{f.path.name}: dropped {p.dropped} events with non-finite or negative times "
+                            "or durations over a day")
+    infos = _assign_ranks(files, parsed, hashes, fsizes, warnings)
     ranks = [i.rank for i in infos]
     by_path = {f.path: p for f, p in zip(files, parsed, strict=True)}
     ordered = [by_path[i.path] for i in infos]
 
-    trace_ids = {i.trace_id for i in infos if i.trace_id}
-    pids = {i.profile_id for i in infos if i.profile_id}
-    if len(pids) > 1:
-        warnings.append(f"rank files come from different captures (profile ids {sorted(pids)}); "
-                        "analysed together as given")
-    del trace_ids  # Kineto gives every rank its own trace_id; it cannot tell captures apart
-
+    # (Kineto gives every rank its own trace_id: it cannot tell captures apart; profile ids can)
     si_path = Path(server_info) if server_info else found.server_info_path
     si = read_server_info(si_path) if si_path else None
-    if si is not None:
-        tp_size = si.get("tp_size")
-        if isinstance(tp_size, int) and tp_size * int(si.get("dp_size") or 1) * int(si.get("pp_size") or 1) \
-                != len(infos) and not (isinstance(si.get("dp_size"), int) and si.get("enable_dp_attention")):
-            warnings.append(f"server_info says tp_size={tp_size} but {len(infos)} rank file(s) were found: "
-                            "ranks are missing")
 
-    return TraceSet(
+    ts = TraceSet(
         ranks=infos,
         kernels=_concat([p.kernels for p in ordered], ranks),
         runtime=_concat([p.runtime for p in ordered], ranks),
@@ -210,3 +307,5 @@ def load_trace_set(
         warnings=warnings,
         sources=[str(p) for p in paths],
     )
+    ts.warnings += rank_set_warnings(ts)  # captures that differ, ranks missing, clocks apart
+    return ts

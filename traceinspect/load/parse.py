@@ -1,21 +1,33 @@
 """Decode one Kineto Chrome-trace file into column tables.
 
-A typed msgspec decoder reads only the fields the analysis uses; shape arguments of CPU ops stay
-raw JSON bytes until a measure stage asks for them.
+The file is decompressed in bounded blocks (ISA-L when installed, else zlib; both release the GIL,
+so a large file is inflated on a second thread while this one decodes). The ``traceEvents`` array
+is cut at event boundaries and each piece goes through a typed msgspec decoder that reads only the
+fields the analysis uses, straight into column arrays. Peak memory is the tables plus a few pieces,
+not the JSON text plus a Python object per event. Shape arguments of CPU ops stay raw JSON bytes
+until a measure stage asks for them.
+
+A piece is accepted only when it decodes as a JSON array of event objects, which can only happen
+when both of its ends lie between two events; anything else (an odd layout, a broken file) sends the
+whole document through the one-shot decoder, so errors read exactly as for a plain decode.
 """
 
 from __future__ import annotations
 
 import gc
-import gzip
+import queue
+import re
+import sys
+import threading
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 import numpy as np
-import pandas as pd
 
 from traceinspect.errors import TraceInputError
 from traceinspect.model import (
@@ -27,14 +39,26 @@ from traceinspect.model import (
     DeviceInfo,
 )
 
-_NO_RAW = msgspec.Raw()
+if TYPE_CHECKING:
+    import pandas as pd
+
+try:  # ISA-L inflates gzip 2-3x faster than zlib; optional
+    from isal import isal_zlib as _zlib
+except ImportError:  # pragma: no cover - depends on the environment
+    _zlib = zlib  # type: ignore[assignment]
+
+_ZLIB_ERRORS: tuple[type[Exception], ...] = (zlib.error, getattr(_zlib, "error", zlib.error))
+# ids land in int64 columns: a larger value is a validation error, not an OverflowError later
+_I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# no real event lasts a day: Kineto writes ~1.8e16 when an end time underflows; such events are dropped
+MAX_DUR_US = 86_400e6
 
 
-class _Args(msgspec.Struct):
-    correlation: int | None = None
-    external_id: int | None = msgspec.field(default=None, name="External id")
-    device: int | None = None
-    stream: int | None = None
+class _Args(msgspec.Struct, gc=False):
+    correlation: _I64 | None = None
+    external_id: _I64 | None = msgspec.field(default=None, name="External id")
+    device: _I64 | None = None
+    stream: _I64 | None = None
     grid: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
     block: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
     bytes: int | float | None = None
@@ -43,13 +67,13 @@ class _Args(msgspec.Struct):
     concrete: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Concrete Inputs")
 
 
-class _Event(msgspec.Struct):
+class _Event(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str = ""
     name: str = ""
     ts: float = 0.0
     dur: float = 0.0
-    tid: int | str = 0
+    tid: _I64 | str = 0
     args: _Args | None = None
 
 
@@ -76,8 +100,17 @@ _KIND = {
     "user_annotation": "annotation",
     "gpu_user_annotation": "gpu_annotation",
 }
+_KINDS = ("kernel", "memcpy", "memset", "runtime", "cpu_op", "annotation", "gpu_annotation")
+GPU_KINDS = ["kernel", "memcpy", "memset"]
 
 _DECODER = msgspec.json.Decoder(_Trace)
+_EVENTS = msgspec.json.Decoder(list[_Event])
+
+BLOCK = 1 << 20  # compressed bytes read at a time
+PIECE = 8 << 20  # decompressed bytes decoded at a time
+THREAD_MIN = 4 << 20  # files at least this large are inflated on a second thread
+_HEAD = re.compile(rb'"traceEvents"\s*:\s*\[')
+_WS = b" \t\r\n"
 
 
 @dataclass
@@ -98,27 +131,116 @@ class ParsedRank:
     dropped: int = 0
 
 
-def read_bytes(path: Path) -> bytes:
-    """Read a ``.json`` or ``.json.gz`` file, turning I/O and gzip failures into TraceInputError."""
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def _open(path: Path):  # noqa: ANN202 - a binary file object
     try:
-        data = path.read_bytes()
+        return path.open("rb")
     except FileNotFoundError:
         raise TraceInputError("no such file", path) from None
     except OSError as e:
         raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
-    if data[:2] == b"\x1f\x8b":
+
+
+def _read(f: Any, n: int, path: Path) -> bytes:
+    try:
+        return f.read(n)
+    except OSError as e:
+        raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
+
+
+def _truncated(path: Path) -> TraceInputError:
+    return TraceInputError("truncated gzip (the file ends before the end-of-stream marker; was the "
+                           "capture still being written?)", path)
+
+
+def _blocks(path: Path) -> Iterator[bytes]:
+    """The decompressed text of a ``.json`` or ``.json.gz`` file, in blocks of about PIECE bytes."""
+    with _open(path) as f:
+        first = _read(f, BLOCK, path)
+        if first[:2] != b"\x1f\x8b":
+            data = first
+            while data:
+                yield data
+                data = _read(f, PIECE, path)
+            return
+        d = _zlib.decompressobj(31)
+        data = first
+        while True:
+            try:
+                while data:
+                    out = d.decompress(data, PIECE)
+                    data = d.unconsumed_tail
+                    if out:
+                        yield out
+                    if d.eof:
+                        break
+                if d.eof:
+                    rest = d.unused_data + _read(f, BLOCK, path)
+                    tail = rest + _read(f, BLOCK, path) if len(rest) < 2 else rest
+                    if not tail.strip(b"\0"):  # end of file (trailing zero padding is allowed)
+                        if not _read(f, BLOCK, path).strip(b"\0"):
+                            return
+                        raise TraceInputError("corrupt gzip: trailing garbage after the compressed data", path)
+                    if tail[:2] != b"\x1f\x8b":
+                        raise TraceInputError("corrupt gzip: Not a gzipped file", path)
+                    d, data = _zlib.decompressobj(31), tail  # another gzip member follows
+                    continue
+            except _ZLIB_ERRORS as e:
+                raise TraceInputError(f"corrupt gzip: {e}", path) from None
+            data = _read(f, BLOCK, path)
+            if not data:
+                raise _truncated(path)
+
+
+def _threaded(blocks: Iterator[bytes], depth: int = 3) -> Iterator[bytes]:
+    """Run ``blocks`` on a second thread, ``depth`` blocks ahead of the consumer."""
+    q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
         try:
-            return gzip.decompress(data)
-        except EOFError:
-            raise TraceInputError("truncated gzip (the file ends before the end-of-stream marker; was the "
-                                  "capture still being written?)", path) from None
-        except (gzip.BadGzipFile, zlib.error, OSError) as e:
-            raise TraceInputError(f"corrupt gzip: {e}", path) from None
-    return data
+            for b in blocks:
+                if not put(b):
+                    return
+            put(end)
+        except BaseException as e:  # handed to the consumer
+            put(e)
+
+    t = threading.Thread(target=produce, name="traceinspect-inflate", daemon=True)
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        t.join()
 
 
-def _raw(r: msgspec.Raw) -> bytes | None:
-    return bytes(r) if len(r) else None
+def read_bytes(path: Path) -> bytes:
+    """Read a ``.json`` or ``.json.gz`` file, turning I/O and gzip failures into TraceInputError."""
+    return b"".join(_blocks(Path(path)))
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
 
 
 def _version(v: int | str | None) -> str | None:
@@ -143,133 +265,386 @@ def _devices(props: list[dict[str, Any]]) -> list[DeviceInfo]:
     return out
 
 
-def _frame(columns: list[str], data: dict[str, Any]) -> pd.DataFrame:
-    cols = {c: data[c] for c in columns if c not in ("rank", "end")}
-    cols["name"] = pd.Series(cols["name"], dtype=object)  # stays a string column when empty
-    df = pd.DataFrame(cols)
-    df["end"] = df["ts"] + df["dur"]
-    return df[[c for c in columns if c != "rank"]]
-
-
 def _tid(t: int | str) -> int:
     if isinstance(t, int):
         return t
     try:
-        return int(t)
+        v = int(t)
     except ValueError:
-        return hash(t) & 0x7FFFFFFF
+        return zlib.crc32(t.encode()) & 0x7FFFFFFF  # a stable id for a named thread
+    return v if -(2**63) <= v < 2**63 else zlib.crc32(t.encode()) & 0x7FFFFFFF
 
 
-def parse_bytes(data: bytes, path: Path) -> ParsedRank:
-    """Decode the JSON text of one rank file into tables."""
-    gc_was = gc.isenabled()
-    gc.disable()  # millions of small structs: the collector would only rescan them
+_get = {k: attrgetter(k) for k in ("name", "ts", "dur", "tid", "args")}
+_aget = {k: attrgetter(k) for k in ("correlation", "external_id", "device", "stream", "bytes", "grid", "block",
+                                     "input_dims", "input_types", "concrete")}
+_NO_ARGS = _Args()
+
+
+def _floats(values: list[Any]) -> np.ndarray:
+    return np.array(values, dtype=np.float64)
+
+
+def _ids(values: list[Any]) -> np.ndarray:
+    """Integer ids with None as -1."""
     try:
-        try:
-            trace = _DECODER.decode(data)
-        except msgspec.ValidationError as e:
-            raise TraceInputError(f"not a Kineto trace: {e}", path) from None
-        except msgspec.DecodeError as e:
-            raise TraceInputError(f"not valid JSON: {e}", path) from None
-        return _tables(trace, path)
-    finally:
-        if gc_was:
-            gc.enable()
+        return np.array(values, dtype=np.int64)
+    except TypeError:  # None present
+        a = np.array(values, dtype=np.float64)
+        return np.where(np.isnan(a), -1, a).astype(np.int64)
 
 
-def _tables(trace: _Trace, path: Path) -> ParsedRank:
-    groups: dict[str, list[_Event]] = {
-        "kernel": [], "memcpy": [], "memset": [], "runtime": [], "cpu_op": [],
-        "annotation": [], "gpu_annotation": [],
-    }
-    dropped = 0
-    for ev in trace.traceEvents:
-        if ev.ph != "X":
-            continue
-        kind = _KIND.get(ev.cat) or _KIND.get(ev.cat.lower())
-        if kind is None:
-            continue
-        if not (np.isfinite(ev.ts) and np.isfinite(ev.dur)) or ev.dur < 0:
-            dropped += 1
-            continue
-        groups[kind].append(ev)
+def _tids(values: list[Any]) -> np.ndarray:
+    try:
+        return np.array(values, dtype=np.int64)
+    except (TypeError, ValueError):
+        return np.array([_tid(t) for t in values], dtype=np.int64)
 
-    gpu = groups["kernel"] + groups["memcpy"] + groups["memset"]
-    kinds = (["kernel"] * len(groups["kernel"]) + ["memcpy"] * len(groups["memcpy"])
-             + ["memset"] * len(groups["memset"]))
-    none = _Args()
-    ga = [e.args or none for e in gpu]
-    kernels = _frame(KERNEL_COLUMNS, {
-        "kind": pd.Categorical(kinds, categories=["kernel", "memcpy", "memset"]),
-        "name": [e.name for e in gpu],
-        "ts": np.array([e.ts for e in gpu], dtype=np.float64),
-        "dur": np.array([e.dur for e in gpu], dtype=np.float64),
-        "device": np.array([-1 if a.device is None else a.device for a in ga], dtype=np.int64),
-        "stream": np.array([-1 if a.stream is None else a.stream for a in ga], dtype=np.int64),
-        "correlation": np.array([-1 if a.correlation is None else a.correlation for a in ga], dtype=np.int64),
-        "external_id": np.array([-1 if a.external_id is None else a.external_id for a in ga], dtype=np.int64),
-        "grid": [bytes(a.grid).decode() if len(a.grid) else "" for a in ga],
-        "block": [bytes(a.block).decode() if len(a.block) else "" for a in ga],
-        "bytes": np.array([-1 if a.bytes is None else a.bytes for a in ga], dtype=np.float64),
-    })
-    if len(kernels):
-        kernels = kernels.sort_values("ts", kind="stable").reset_index(drop=True)
 
-    rt = groups["runtime"]
-    ra = [e.args or none for e in rt]
-    runtime = _frame(RUNTIME_COLUMNS, {
-        "name": [e.name for e in rt],
-        "ts": np.array([e.ts for e in rt], dtype=np.float64),
-        "dur": np.array([e.dur for e in rt], dtype=np.float64),
-        "tid": np.array([_tid(e.tid) for e in rt], dtype=np.int64),
-        "correlation": np.array([-1 if a.correlation is None else a.correlation for a in ra], dtype=np.int64),
-        "external_id": np.array([-1 if a.external_id is None else a.external_id for a in ra], dtype=np.int64),
-    })
+class _Columns:
+    """Column pieces of one kind of event, appended piece by piece."""
 
-    ops = groups["cpu_op"]
-    oa = [e.args or none for e in ops]
-    cpu_ops = _frame(CPU_OP_COLUMNS, {
-        "name": [e.name for e in ops],
-        "ts": np.array([e.ts for e in ops], dtype=np.float64),
-        "dur": np.array([e.dur for e in ops], dtype=np.float64),
-        "tid": np.array([_tid(e.tid) for e in ops], dtype=np.int64),
-        "external_id": np.array([-1 if a.external_id is None else a.external_id for a in oa], dtype=np.int64),
-        "input_dims": [_raw(a.input_dims) for a in oa],
-        "input_types": [_raw(a.input_types) for a in oa],
-        "concrete": [_raw(a.concrete) for a in oa],
-    })
+    __slots__ = ("cols",)
 
-    ann = groups["annotation"]
-    annotations = _frame(ANNOTATION_COLUMNS, {
-        "name": [e.name for e in ann],
-        "ts": np.array([e.ts for e in ann], dtype=np.float64),
-        "dur": np.array([e.dur for e in ann], dtype=np.float64),
-        "tid": np.array([_tid(e.tid) for e in ann], dtype=np.int64),
-    })
-    gann = groups["gpu_annotation"]
-    gpu_annotations = _frame(GPU_ANNOTATION_COLUMNS, {
-        "name": [e.name for e in gann],
-        "ts": np.array([e.ts for e in gann], dtype=np.float64),
-        "dur": np.array([e.dur for e in gann], dtype=np.float64),
-    })
+    def __init__(self) -> None:
+        self.cols: dict[str, list[Any]] = {}
+
+    def add(self, name: str, value: Any) -> None:
+        self.cols.setdefault(name, []).append(value)
+
+    def get(self, name: str, dtype: Any) -> Any:
+        parts = self.cols.get(name, [])
+        if dtype is object:
+            return [x for p in parts for x in p] if len(parts) != 1 else parts[0]
+        if not parts:
+            return np.empty(0, dtype=dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+class _Builder:
+    """Turns decoded event pieces into column pieces; holds no reference to the decoded text."""
+
+    def __init__(self) -> None:
+        self.kinds = {k: _Columns() for k in _KINDS}
+        self.route: dict[str, str | None] = dict(_KIND)
+        self.n_events = 0
+        self.bytes_memo: dict[bytes, bytes] = {}
+        self.str_memo: dict[bytes, str] = {}
+
+    def _raws(self, raws: list[msgspec.Raw]) -> list[bytes | None]:
+        memo = self.bytes_memo
+        out: list[bytes | None] = []
+        app = out.append
+        for r in raws:
+            if r:
+                b = bytes(r)
+                app(memo.setdefault(b, b))
+            else:
+                app(None)
+        return out
+
+    def _raw_strs(self, raws: list[msgspec.Raw]) -> list[str]:
+        memo = self.str_memo
+        out: list[str] = []
+        app = out.append
+        for r in raws:
+            if r:
+                b = bytes(r)
+                s = memo.get(b)
+                if s is None:
+                    s = memo[b] = sys.intern(b.decode())
+                app(s)
+            else:
+                app("")
+        return out
+
+    def add(self, events: list[_Event]) -> None:
+        self.n_events += len(events)
+        groups: dict[str, list[_Event]] = {k: [] for k in _KINDS}
+        appenders: dict[str, Callable[[_Event], None] | None] = {}
+        route = self.route
+        for cat, kind in route.items():
+            appenders[cat] = groups[kind].append if kind else None
+        get_app = appenders.get
+        for ev in events:
+            if ev.ph == "X":
+                app = get_app(ev.cat, _MISSING)
+                if app is _MISSING:
+                    kind = route.setdefault(ev.cat, _KIND.get(ev.cat.lower()))
+                    app = appenders[ev.cat] = groups[kind].append if kind else None
+                if app is not None:
+                    app(ev)
+        for kind, evs in groups.items():
+            if evs:
+                self._add_kind(kind, evs)
+
+    def _add_kind(self, kind: str, evs: list[_Event]) -> None:
+        c = self.kinds[kind]
+        c.add("name", list(map(sys.intern, map(_get["name"], evs))))
+        c.add("ts", _floats(list(map(_get["ts"], evs))))
+        c.add("dur", _floats(list(map(_get["dur"], evs))))
+        if kind == "gpu_annotation":
+            return
+        if kind in ("runtime", "cpu_op", "annotation"):
+            c.add("tid", _tids(list(map(_get["tid"], evs))))
+        if kind == "annotation":
+            return
+        args = list(map(_get["args"], evs))
+        if None in args:
+            args = [a or _NO_ARGS for a in args]
+        c.add("external_id", _ids(list(map(_aget["external_id"], args))))
+        if kind == "cpu_op":
+            for col in ("input_dims", "input_types", "concrete"):
+                c.add(col, self._raws(list(map(_aget[col], args))))
+            return
+        c.add("correlation", _ids(list(map(_aget["correlation"], args))))
+        if kind == "runtime":
+            return
+        c.add("device", _ids(list(map(_aget["device"], args))))
+        c.add("stream", _ids(list(map(_aget["stream"], args))))
+        c.add("grid", self._raw_strs(list(map(_aget["grid"], args))))
+        c.add("block", self._raw_strs(list(map(_aget["block"], args))))
+        b = [-1 if x is None else x for x in map(_aget["bytes"], args)]
+        c.add("bytes", _floats(b))
+
+    def frames(self) -> tuple[dict[str, pd.DataFrame], int]:
+        """The five tables, and the number of events dropped for non-finite or negative times."""
+        import pandas as pd
+
+        dropped = 0
+        out: dict[str, pd.DataFrame] = {}
+
+        def frame(columns: list[str], kinds: list[str]) -> pd.DataFrame:
+            nonlocal dropped
+            data: dict[str, Any] = {}
+            for col in columns:
+                if col in ("rank", "end", "kind"):
+                    continue
+                dtype = object if col in ("name", "grid", "block", "input_dims", "input_types", "concrete") \
+                    else (np.float64 if col in ("ts", "dur", "bytes") else np.int64)
+                vals = [self.kinds[k].get(col, dtype) for k in kinds]
+                if dtype is object:
+                    data[col] = np.array([x for v in vals for x in v] if len(vals) > 1 else vals[0], dtype=object) \
+                        if sum(map(len, vals)) else np.empty(0, dtype=object)
+                else:
+                    data[col] = vals[0] if len(vals) == 1 else np.concatenate(vals)
+            n = len(data["ts"])
+            if "kind" in columns:
+                sizes = [len(self.kinds[k].get("ts", np.float64)) for k in kinds]
+                codes = np.repeat(np.arange(len(kinds), dtype=np.int8), sizes)
+                data["kind"] = pd.Categorical.from_codes(codes, categories=GPU_KINDS)
+            ts, dur = data["ts"], data["dur"]
+            ok = np.isfinite(ts) & np.isfinite(dur) & (dur >= 0) & (dur <= MAX_DUR_US)
+            if not ok.all():
+                dropped += int(n - ok.sum())
+                data = {k: (v[ok] if not isinstance(v, pd.Categorical) else v[ok]) for k, v in data.items()}
+            data["end"] = data["ts"] + data["dur"]
+            for c in ("name", "input_dims", "input_types", "concrete"):
+                if c in data:  # object columns stay object (a bare array of str would become str dtype)
+                    data[c] = pd.Series(data[c], dtype=object, copy=False)
+            return pd.DataFrame({c: data[c] for c in columns if c != "rank"}, copy=False)
+
+        kernels = frame(KERNEL_COLUMNS, GPU_KINDS)
+        if len(kernels):
+            order = np.argsort(kernels["ts"].to_numpy(), kind="stable")
+            if (order != np.arange(len(order))).any():
+                kernels = kernels.take(order)
+            kernels = kernels.reset_index(drop=True)
+        out["kernels"] = kernels
+        out["runtime"] = frame(RUNTIME_COLUMNS, ["runtime"])
+        out["cpu_ops"] = frame(CPU_OP_COLUMNS, ["cpu_op"])
+        out["annotations"] = frame(ANNOTATION_COLUMNS, ["annotation"])
+        out["gpu_annotations"] = frame(GPU_ANNOTATION_COLUMNS, ["gpu_annotation"])
+        return out, dropped
+
+
+_MISSING: Any = object()
+
+
+def _ranked(b: _Builder, trace: _Trace) -> ParsedRank:
+    tables, dropped = b.frames()
     dist = trace.distributedInfo if isinstance(trace.distributedInfo, dict) else {}
     return ParsedRank(
-        kernels=kernels,
-        runtime=runtime,
-        cpu_ops=cpu_ops,
-        annotations=annotations,
-        gpu_annotations=gpu_annotations,
+        **tables,
         devices=_devices(trace.deviceProperties),
         distributed_info=dist,
         cuda_runtime_version=_version(trace.cuda_runtime_version),
         cuda_driver_version=_version(trace.cuda_driver_version),
         trace_id=None if trace.trace_id is None else str(trace.trace_id),
-        n_events=len(trace.traceEvents),
+        n_events=b.n_events,
         dropped=dropped,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# decoding
+
+
+class _Fallback(Exception):
+    """The streaming split could not be used: decode the whole document instead."""
+
+
+def _decode_whole(data: bytes, path: Path) -> _Trace:
+    try:
+        return _DECODER.decode(data)
+    except msgspec.ValidationError as e:
+        raise TraceInputError(f"not a Kineto trace: {e}", path) from None
+    except msgspec.DecodeError as e:
+        raise TraceInputError(f"not valid JSON: {e}", path) from None
+    except RecursionError:
+        raise TraceInputError("not valid JSON: nested too deeply", path) from None
+
+
+def _skip_ws_back(buf: bytearray, i: int, lo: int) -> int:
+    """Index of the last non-whitespace byte at or before ``i`` (>= lo), or lo - 1."""
+    while i >= lo and buf[i] in _WS:
+        i -= 1
+    return i
+
+
+def _last_boundary(buf: bytearray, lo: int) -> tuple[int, int] | None:
+    """(end of an event, start of the next) for the last ``}`` , ``{`` separator in buf[lo:]."""
+    i = len(buf)
+    while True:
+        i = buf.rfind(b"{", lo, i)
+        if i <= lo:
+            return None
+        j = _skip_ws_back(buf, i - 1, lo)
+        if j > lo and buf[j] == 0x2C:  # ','
+            k = _skip_ws_back(buf, j - 1, lo)
+            if k >= lo and buf[k] == 0x7D:  # '}'
+                return k + 1, i
+
+
+def _decode_piece(buf: bytearray | memoryview, end: int) -> list[_Event] | None:
+    text = b"".join((b"[", memoryview(buf)[:end], b"]"))
+    try:
+        return _EVENTS.decode(text)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+
+
+def _parse_stream(blocks: Iterator[bytes], path: Path) -> ParsedRank:
+    b = _Builder()
+    buf = bytearray()
+    # 1. the header, up to and including the '[' that opens traceEvents
+    head_end = -1
+    for block in blocks:
+        start = max(0, len(buf) - 4096)
+        buf += block
+        m = _HEAD.search(buf, start)
+        if m:
+            head_end = m.end()
+            break
+    if head_end < 0:
+        raise _Fallback
+    header = bytes(buf[:head_end])
+    del buf[:head_end]
+
+    # 2. the events, piece by piece
+    def consume() -> None:
+        if len(buf) < PIECE:
+            return
+        cut = _last_boundary(buf, max(0, len(buf) - PIECE // 2)) or _last_boundary(buf, 0)
+        if cut is None:
+            return
+        events = _decode_piece(buf, cut[0])
+        if events is None:
+            if len(buf) > 8 * PIECE:  # a piece that never decodes: not a layout this reader can split
+                raise _Fallback
+            return
+        b.add(events)
+        del events
+        del buf[:cut[1]]
+
+    for block in blocks:
+        buf += block
+        consume()
+
+    # 3. the end of the array and the rest of the document
+    cut = _last_boundary(buf, 0)
+    if cut is not None:
+        events = _decode_piece(buf, cut[0])
+        if events is not None:
+            b.add(events)
+            del buf[:cut[1]]
+    i = 0
+    while True:
+        i = buf.find(b"]", i)
+        if i < 0:
+            raise _Fallback
+        k = _skip_ws_back(buf, i - 1, 0)
+        if k < 0 or buf[k] == 0x7D:
+            events = _decode_piece(buf, i) if k >= 0 else []
+            if events is not None:
+                break
+        i += 1
+    trailer = bytes(buf[i:])
+    try:
+        trace = _DECODER.decode(header + trailer)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        raise _Fallback from None
+    if trace.traceEvents:
+        raise _Fallback
+    b.add(events)
+    return _ranked(b, trace)
+
+
+def parse_bytes(data: bytes, path: Path) -> ParsedRank:
+    """Decode the JSON text of one rank file into tables."""
+    gc_was = gc.isenabled()
+    gc.disable()  # millions of small objects: the collector would only rescan them
+    try:
+        try:
+            return _parse_stream(iter([data]), path)
+        except _Fallback:
+            pass
+        trace = _decode_whole(data, path)
+        b = _Builder()
+        b.add(trace.traceEvents)
+        trace.traceEvents = []
+        return _ranked(b, trace)
+    finally:
+        if gc_was:
+            gc.enable()
 
 
 def parse_file(path: str | Path) -> ParsedRank:
     """Read and decode one rank file."""
     path = Path(path)
-    return parse_bytes(read_bytes(path), path)
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        blocks = _blocks(path)
+        if size >= THREAD_MIN:
+            blocks = _threaded(blocks)
+        try:
+            return _parse_stream(blocks, path)
+        except _Fallback:
+            pass
+        finally:
+            blocks.close()
+    finally:
+        if gc_was:
+            gc.enable()
+    return parse_bytes_whole(read_bytes(path), path)
+
+
+def parse_bytes_whole(data: bytes, path: Path) -> ParsedRank:
+    """Decode a whole document in one call (the reference path the streaming reader must agree with)."""
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        trace = _decode_whole(data, path)
+        b = _Builder()
+        b.add(trace.traceEvents)
+        trace.traceEvents = []
+        del data
+        return _ranked(b, trace)
+    finally:
+        if gc_was:
+            gc.enable()
