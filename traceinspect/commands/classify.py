@@ -29,6 +29,7 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     from rich.table import Table
 
     from traceinspect.classify import class_table_rows, classify_kernels, load_class_table
+    from traceinspect.graphs import recover_graph_ops
     from traceinspect.link import link
     from traceinspect.load import load_trace_set
     from traceinspect.render import short_name
@@ -39,7 +40,7 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     link(ts)
     steps = build_steps(ts)
     table = load_class_table(extra=[Path(t) for t in tables]) if tables else None
-    classify_kernels(ts, steps, table)
+    classify_kernels(ts, steps, table, graph_ops=recover_graph_ops(ts, table))
     k = ts.kernels if all_steps else ts.kernels[ts.kernels["step"].isin(select_steps(steps, phase).index)]
     rows = class_table_rows(k)
     if unknown:
