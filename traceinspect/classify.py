@@ -397,14 +397,17 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
         for c in ("cls", "cls2", "cls_evidence"):
             k[c] = pd.Series([], dtype=object)
         return
-    names = k["name"].astype(str)
+    # the loader's name column is already object of str: converting it (to pandas' str dtype) costs more
+    # than the classification itself on large traces
+    names = k["name"] if k["name"].dtype == object and not k["name"].isna().any() else k["name"].astype(str)
     ops = k["op_path"].fillna("").astype(str) if "op_path" in k else pd.Series("", index=k.index)
     kinds = k["kind"].fillna("kernel").astype(str) if "kind" in k else pd.Series("kernel", index=k.index)
     ops_arr = ops.to_numpy(dtype=object).copy()
     captured = _captured_rows(k, graph_ops)
     if captured is not None:
         ops_arr[captured[0]] = captured[1]
-    key = pd.DataFrame({"name": names.to_numpy(), "op": ops_arr, "kind": kinds.to_numpy()})
+    key = pd.DataFrame({"name": names.to_numpy(dtype=object), "op": ops_arr, "kind": kinds.to_numpy(dtype=object)},
+                       dtype=object)
     codes = key.groupby(["name", "op", "kind"], sort=False, dropna=False).ngroup().to_numpy()
     first = pd.Series(np.arange(n)).groupby(codes).first().to_numpy()
     labels = [table.classify(key.at[i, "name"], key.at[i, "op"], key.at[i, "kind"]) for i in first]

@@ -387,7 +387,8 @@ class MetricContext:
         replay = float(k.loc[k["graph_replay"], "dur"].sum()) if len(k) else 0.0
         v["graph_replay_share"] = replay / self.total_us if self.total_us else None
         v["cuda_graph"] = bool(v["graph_replay_share"] is not None and v["graph_replay_share"] > 0.5)
-        dtoh = k[(k["kind"] == "memcpy") & k["name"].str.contains(DTOH)]
+        mem = k[k["kind"] == "memcpy"]  # the name test only on memcpy rows (a regex per kernel is slow)
+        dtoh = mem[mem["name"].str.contains(DTOH)]
         v["dtoh_per_step"] = len(dtoh) / n
         v["dtoh_us_per_step"] = float(dtoh["dur"].sum()) / n
         calls, call_us, bubble = self._syncs()
@@ -555,7 +556,8 @@ class MetricContext:
             if ops is None or not len(ops):
                 continue
             # a quick byte-level prefilter: the pool row count must appear in the dims text
-            cand = ops[ops["input_dims"].map(lambda b: b is not None and needle in b)]
+            dims_col = ops["input_dims"].to_numpy(dtype=object)
+            cand = ops[np.fromiter((b is not None and needle in b for b in dims_col), dtype=bool, count=len(dims_col))]
             for row in cand.itertuples():
                 dims, types = _dims(row.input_dims) or [], _dims(row.input_types) or []
                 for j, d in enumerate(dims):
