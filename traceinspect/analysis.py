@@ -15,6 +15,7 @@ import pandas as pd
 
 from traceinspect import __version__
 from traceinspect.classify import CLASSES, classify_kernels
+from traceinspect.consistency import clock_warnings, step_count_warnings
 from traceinspect.errors import TraceInputError
 from traceinspect.graphs import GraphOps, recover_graph_ops
 from traceinspect.link import link
@@ -112,6 +113,10 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
     opts = options or Options(**kw)
     if opts.command is None:
         opts.command = "traceinspect " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
+    from traceinspect.judge import load_rule_set
+
+    # rules first: a bad rule file is reported before the traces are read, not after the analysis
+    rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
     ts = load_trace_set(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs,
                         executor=opts.executor, use_cache=opts.use_cache)
     link(ts)
@@ -119,6 +124,7 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
     recovered = recover_graph_ops(ts)
     classify_kernels(ts, steps, graph_ops=recovered)
     selected = select_steps(steps, opts.phase)
+    ts.warnings += step_count_warnings(selected, ts, opts.phase)
     if not len(selected):
         found = steps.groupby("phase").size().to_dict()
         raise TraceInputError(
@@ -129,19 +135,21 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
         trace=ts, options=opts, steps=steps, selected=selected, kernels=kernels,
         class_steps=class_step_time(kernels), class_totals=class_totals(kernels), graph_ops=recovered,
     )
-    _measure_and_judge(result)
+    _measure_and_judge(result, rule_set)
     return result
 
 
-def _measure_and_judge(result: Analysis) -> None:
+def _measure_and_judge(result: Analysis, rule_set: Any = None) -> None:
     from traceinspect.judge import evaluate, load_rule_set
     from traceinspect.measure.collectives import analyze_collectives
     from traceinspect.measure.gemm import measure_efficiency
 
     result.efficiency = measure_efficiency(result)
     result.collectives = analyze_collectives(result)
+    result.trace.warnings += clock_warnings(result)
     opts = result.options
-    rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
+    if rule_set is None:
+        rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
     result.findings = evaluate(result, rule_set)
 
 

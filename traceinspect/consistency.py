@@ -1,0 +1,160 @@
+"""Checks that the rank files of a trace set belong together, as warnings that say what was done.
+
+Traces come from other teams, other versions and half-finished runs: a rank may be missing, a file may
+come from another capture, ranks may have recorded different numbers of steps, and hosts' clocks may
+differ by seconds. None of these stops an analysis; each is reported with what the analysis did about it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from traceinspect.analysis import Analysis
+    from traceinspect.model import TraceSet
+
+CLOCK_WARN_US = 1000.0  # a clock offset between ranks above this is reported
+
+
+def _int(v: Any) -> int | None:
+    """A positive count from server_info, or None (strings, floats, bools and absurd values are not)."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 31 else None
+
+
+def _names(labels: list[str]) -> str:
+    return ", ".join(labels)
+
+
+def _spans(ts: TraceSet) -> dict[int, tuple[float, float]]:
+    """Per rank: first start and last end of its GPU activity and runtime calls (us, its own clock)."""
+    out: dict[int, tuple[float, float]] = {}
+    for table in (ts.kernels, ts.runtime):
+        if not len(table):
+            continue
+        g = table.groupby("rank", sort=False).agg(lo=("ts", "min"), hi=("end", "max"))
+        for r, lo, hi in zip(g.index, g["lo"], g["hi"], strict=True):
+            a, b = out.get(int(r), (math.inf, -math.inf))
+            out[int(r)] = (min(a, float(lo)), max(b, float(hi)))
+    return {r: s for r, s in out.items() if math.isfinite(s[0]) and math.isfinite(s[1])}
+
+
+def rank_set_warnings(ts: TraceSet) -> list[str]:
+    """Warnings about the rank files of a loaded trace set: captures that differ, ranks missing
+    (server_info's sizes, gaps in the TP numbers, distributedInfo), two files of one distributed rank,
+    and ranks whose time ranges do not overlap."""
+    out: list[str] = []
+    infos = ts.ranks
+    label = {i.rank: i.label for i in infos}
+
+    pids = {i.profile_id for i in infos if i.profile_id}
+    if len(pids) > 1:
+        out.append(f"rank files come from different captures (profile ids {sorted(pids)}); "
+                   "analysed together as given")
+
+    missing_said = False
+    si = ts.server_info or {}
+    tp, dp, pp = _int(si.get("tp_size")), _int(si.get("dp_size")) or 1, _int(si.get("pp_size")) or 1
+    if tp is not None and tp * dp * pp != len(infos) and not (si.get("dp_size") and si.get("enable_dp_attention")):
+        out.append(f"server_info says tp_size={tp}" + (f", dp_size={dp}" if dp > 1 else "")
+                   + (f", pp_size={pp}" if pp > 1 else "")
+                   + f" but {len(infos)} rank file(s) were found: ranks are missing; the ranks present are analysed")
+        missing_said = True
+
+    # gaps in the TP numbers of file names (TP-0, TP-2: TP1 is missing), per DP/PP group
+    groups: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for i in infos:
+        if i.rank_source == "filename" and i.tp is not None:
+            groups[(i.dp or 0, i.pp or 0)].add(i.tp)
+    for (d, p), tps in sorted(groups.items()):
+        gap = sorted(set(range(max(tps) + 1)) - tps)
+        if gap:
+            where = (f" of DP{d}" if d else "") + (f" PP{p}" if p else "")
+            out.append(f"no file for {_names([f'TP{t}' for t in gap[:8]])}{'…' if len(gap) > 8 else ''}{where} "
+                       f"(files for {_names([f'TP{t}' for t in sorted(tps)])}): that rank is missing; "
+                       "the ranks present are analysed")
+            missing_said = True
+
+    # distributedInfo: world sizes, ranks absent, and one distributed rank in two files
+    dist = [(i, i.distributed_info.get("rank"), i.distributed_info.get("world_size")) for i in infos]
+    worlds = {w for _, _, w in dist if _int(w)}
+    if len(worlds) > 1:
+        out.append(f"rank files disagree on distributedInfo.world_size ({sorted(worlds)}): they may come from "
+                   "different runs; analysed together as given")
+    seen = Counter(r for _, r, _ in dist if isinstance(r, int) and not isinstance(r, bool))
+    dup = sorted(r for r, n in seen.items() if n > 1)
+    if dup and infos and infos[0].rank_source != "distributedInfo":
+        files = [i.label for i, r, _ in dist if r in dup]
+        out.append(f"{_names(files)} all say distributedInfo.rank={dup[0]}: one of them may be a file from "
+                   "another run (or a copy); analysed as the ranks their file names give")
+    if len(worlds) == 1 and not missing_said and all(isinstance(r, int) for _, r, _ in dist):
+        w = next(iter(worlds))
+        absent = sorted(set(range(w)) - set(seen))
+        if absent and len(seen) < w:
+            out.append(f"distributedInfo says world_size={w} but no file holds rank(s) "
+                       f"{_names([str(r) for r in absent[:8]])}{'…' if len(absent) > 8 else ''}: "
+                       "those ranks are missing (or were not profiled); the ranks present are analysed")
+
+    # time ranges that do not overlap: another run, or hosts whose clocks differ
+    spans = _spans(ts)
+    if len(spans) > 1:
+        ranks = sorted(spans)
+        ref = ranks[0]
+        for r in ranks[1:]:
+            (a0, a1), (b0, b1) = spans[ref], spans[r]
+            gap = max(b0 - a1, a0 - b1)
+            if gap > 0:
+                after = b0 > a1
+                out.append(f"the time ranges of {label.get(ref, ref)} and {label.get(r, r)} do not overlap "
+                           f"({label.get(r, r)} {'starts' if after else 'ends'} {gap / 1e6:.3g} s "
+                           f"{'after' if after else 'before'} {label.get(ref, ref)} "
+                           f"{'ends' if after else 'starts'}): the files may come from different runs, or from "
+                           "hosts whose clocks differ (cross-rank times are corrected only where collectives "
+                           "give a clock offset)")
+    return out
+
+
+def step_count_warnings(selected: pd.DataFrame, ts: TraceSet, phase: str) -> list[str]:
+    """A warning when ranks have different numbers of analysed steps."""
+    counts = selected.groupby("rank").size()
+    present = {int(r): int(n) for r, n in counts.items()}
+    if len(ts.ranks) < 2:
+        return []
+    per = {i.label: present.get(i.rank, 0) for i in ts.ranks}
+    if len(set(per.values())) <= 1:
+        return []
+    n = min(per.values())
+    detail = ", ".join(f"{k}: {v}" for k, v in per.items())
+    return [f"ranks have different numbers of complete {phase} steps ({detail}): analysed the first {n} aligned "
+            "steps (by position) for step times and cross-rank comparisons; per-rank totals use all of a "
+            "rank's steps"]
+
+
+def clock_warnings(a: Analysis) -> list[str]:
+    """Warnings for clock offsets between ranks above CLOCK_WARN_US, with the offset used."""
+    c = a.collectives
+    if c is None or not c.applicable:
+        return []
+    label = {i.rank: i.label for i in a.trace.ranks}
+    inst = c.instances
+    out = []
+    for r, off in sorted(c.offsets.items()):
+        if off is None or not np.isfinite(off) or abs(off) <= CLOCK_WARN_US:
+            continue
+        ref = c.reference_rank.get(r, r)
+        n = int((inst["rank"] == r).sum()) if len(inst) else 0
+        applied = c.offsets_applied.get(r, 0.0)
+        noise = c.offset_noise.get(r, float("nan"))
+        what = (f"subtracted {applied / 1e3:+,.3f} ms from {label.get(r, r)}'s times before comparing ranks"
+                if applied else
+                f"not corrected (its spread, {noise / 1e3:,.3f} ms, is too large to trust it): cross-rank "
+                "times of this rank are uncorrected")
+        out.append(f"the clock of {label.get(r, r)} is {abs(off) / 1e3:,.3f} ms "
+                   f"{'ahead of' if off > 0 else 'behind'} {label.get(ref, ref)}'s (median over {n} matched "
+                   f"collectives' end times): {what}")
+    return out
