@@ -659,14 +659,21 @@ class _OpInputs:
         self.types = ops["input_types"].to_numpy(dtype=object) if "input_types" in ops else None
         self.names = ops["name"].to_numpy(dtype=object)
         self._cache: dict[int, list[tuple[int, list[int], str]]] = {}
+        self._decoded: dict[tuple[Any, Any], list[tuple[int, list[int], str]]] = {}
 
     def tensors(self, i: int) -> list[tuple[int, list[int], str]]:
         if i not in self._cache:
             if self.dims is None:
                 self._cache[i] = []
             else:
-                self._cache[i] = _tensors(_json(self.dims[i]), _json(self.types[i]) if self.types is not None
-                                          else None)
+                key = (self.dims[i], self.types[i] if self.types is not None else None)
+                try:
+                    hit = self._decoded.get(key)  # ops recorded with equal shapes decode once
+                except TypeError:  # not raw JSON bytes: decode as is
+                    hit = _tensors(_json(key[0]), _json(key[1]))
+                if hit is None:
+                    hit = self._decoded[key] = _tensors(_json(key[0]), _json(key[1]))
+                self._cache[i] = hit
         return self._cache[i]
 
     def chain(self, i: int, depth: int = 3) -> list[int]:
