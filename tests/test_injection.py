@@ -20,7 +20,7 @@ from conftest import fixture_dir, run_cli
 VARIANT = "kv-full-cast-eager"
 # appended to names (classification patterns search names, so the kernels keep their classes)
 PAYLOAD = (' <script>alert("k")</script><img src=x onerror=alert(1)><svg onload=alert(3)> **b** _i_ `c` '
-           "[l](javascript:alert(2)) | p ]]><evil/><!-- & &amp; {{7*7}} ${x} %s [bold red]R[/]")
+           "[l](javascript:alert(2)) | p ]]><evil/><!-- & &amp; {{7*7}} ${x} %s \x1b[31m\x00\u2028 [bold red]R[/]")
 MODEL = '<script>alert("model")</script>**m**|[x](javascript:y)'
 DEVICE = 'NVIDIA H200 <img src=x onerror=alert("dev")>'
 
@@ -154,7 +154,7 @@ def test_gate_junit_is_well_formed_with_injected_names(outputs: dict[str, Path],
                 "--no-config")
     assert r.returncode in (0, 1), r.stderr  # pass or fail on regressions; never unusable input
     text = junit.read_text()
-    root = ET.fromstring(text)  # well-formed XML
+    root = ET.fromstring(text)  # well-formed XML (control characters a name carries are replaced)
     assert root.find(".//evil") is None and "<evil/>" not in text and "<script>" not in text
     values = [el.text or "" for el in root.iter()] + [v for el in root.iter() for v in el.attrib.values()]
     hit = [v for v in values if "alert(" in v]
@@ -174,6 +174,7 @@ def test_terminal_summary_does_not_interpret_markup(outputs: dict[str, Path]) ->
     render(None, doc, console=Console(file=buf, width=200, color_system=None))  # type: ignore[arg-type]
     out = buf.getvalue()
     assert "[bold red]R[/]" in out  # rich markup in a kernel name is printed, not applied
+    assert "\x1b" not in out and "\x00" not in out  # no terminal escape sequences from trace data
     assert MODEL.split("**")[0] in out
 
 

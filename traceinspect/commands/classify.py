@@ -25,7 +25,6 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     """Print each kernel name with its class, evidence, time and calls."""
     from pathlib import Path
 
-    from rich.markup import escape
     from rich.table import Table
 
     from traceinspect.classify import class_table_rows, classify_kernels, load_class_table
@@ -33,7 +32,7 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     from traceinspect.link import link
     from traceinspect.load import load_trace_set
     from traceinspect.render import short_name
-    from traceinspect.render.terminal import make_console
+    from traceinspect.render.terminal import escape, make_console
     from traceinspect.steps import build_steps, select_steps
 
     ts = load_trace_set(list(paths), phase=phase, server_info=server_info)

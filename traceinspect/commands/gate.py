@@ -11,6 +11,7 @@ import click
 from traceinspect.commands.analyze import analysis_options, build_options
 from traceinspect.fileio import write_text_atomic
 from traceinspect.gate.core import FAIL_ON
+from traceinspect.render.terminal import plain_text
 
 THRESHOLD_HELP = (
     "Allowed regression, METRIC:LIMIT (repeatable): step:5%, class.kv_cast:10%, class.*:15%, step:200us, "
@@ -38,7 +39,7 @@ def _write_outputs(result: Any, junit: str | None, github: bool, markdown: str |
         write_text_atomic(markdown, md)
     if github:
         for line in outputs.github_annotations(result):
-            click.echo(line)
+            click.echo(plain_text(line))
         outputs.append_step_summary(md)
 
 
@@ -62,7 +63,7 @@ def diff_cmd(base: str, cand: str, json_out: str | None, md_out: str | None, sho
         write_text_atomic(json_out, outputs.diff_json(d))
     if md_out:
         write_text_atomic(md_out, outputs.diff_markdown(d))
-    click.echo(outputs.diff_text(d, show_all=show_all), nl=False)
+    click.echo(plain_text(outputs.diff_text(d, show_all=show_all)), nl=False)
 
 
 @click.command("gate")
@@ -135,7 +136,7 @@ def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str |
     result = gate.run(b, c)
     result.settings = settings
     _write_outputs(result, junit, github, md_out, json_out)
-    click.echo(result.verdict() if quiet else gate_text(result, verbose=verbose).rstrip("\n"))
+    click.echo(plain_text(result.verdict() if quiet else gate_text(result, verbose=verbose).rstrip("\n")))
     if result.exit_code == 2:
         raise TraceInputError("; ".join(result.reasons()))
     # SystemExit, not ctx.exit(): click's non-standalone main() returns ctx.exit()'s code instead of exiting

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
-from rich.markup import escape
+from rich.markup import escape as _markup_escape
 from rich.table import Table
 
 from traceinspect.render import fmt_pct as _pct
@@ -16,6 +17,18 @@ if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but tab and newline
+
+
+def plain_text(text: str) -> str:
+    """Text safe to print on a terminal: control characters (escape sequences a trace's names may
+    carry) become U+FFFD."""
+    return _CONTROL.sub("\ufffd", text)
+
+
+def escape(text: str) -> str:
+    """Trace-derived text for rich: markup escaped and control characters made inert."""
+    return _markup_escape(plain_text(text))
 
 
 def make_console() -> Console:
