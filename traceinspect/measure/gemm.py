@@ -540,21 +540,22 @@ def _model_ops(ops: pd.DataFrame, idx: np.ndarray, levels: int = 2) -> np.ndarra
     out = idx.copy()
     if not len(ops) or not len(idx):
         return out
-    names = ops["name"].to_numpy(dtype=object)
     parent = ops["parent"].to_numpy() if "parent" in ops else np.full(len(ops), -1)
-    memo: dict[int, int] = {}
-    for u in np.unique(idx[idx >= 0]):
-        j, hit = int(u), int(u)
-        for _ in range(levels + 1):
-            if op_handler(names[j]) is not None:
-                hit = j
-                break
-            j = int(parent[j])
-            if j < 0:
-                break
-        memo[int(u)] = hit
-    sel = idx >= 0
-    out[sel] = [memo[int(x)] for x in idx[sel]]
+    # whether each op has a model: decided once per distinct name (a missing name has none)
+    codes, uniq = pd.factorize(ops["name"].to_numpy(dtype=object))
+    has_model = np.append(np.array([op_handler(n) is not None for n in uniq], dtype=bool), False)[codes]
+    sel = np.nonzero(idx >= 0)[0]
+    j = idx[sel].astype(np.int64)
+    hit = j.copy()
+    live = np.ones(len(sel), dtype=bool)
+    for _ in range(levels + 1):  # the op itself, then up to ``levels`` enclosing ops
+        found = live.copy()
+        found[live] = has_model[j[live]]
+        hit[found] = j[found]
+        live &= ~found
+        j = np.where(live, parent[np.maximum(j, 0)], -1)
+        live &= j >= 0
+    out[sel] = hit
     return out
 
 
