@@ -179,6 +179,8 @@ def _coverage(a: Analysis) -> dict[str, Any]:
         "kernels_outside_steps": int((all_k["step"] < 0).sum()),
         "kernels_analysed": len(k),
         "step_source": sorted(a.steps["source"].unique().tolist()),
+        # per rank: were the CPU ops of graph-replayed kernels recovered from a capture trace, and why not
+        "graph_capture": a.graph_ops.to_json()["graph_ops"] if a.graph_ops is not None else [],
     }
 
 
