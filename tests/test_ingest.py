@@ -101,7 +101,10 @@ def test_real_fixture_streams_like_whole(monkeypatch: pytest.MonkeyPatch) -> Non
     assert_same(parse.parse_file(f), parse.parse_bytes_whole(gzip.decompress(f.read_bytes()), f))
 
 
-def test_gzip_members_and_damage(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["default", "zlib"])
+def test_gzip_members_and_damage(backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if backend == "zlib":  # the fallback when ISA-L is not installed
+        monkeypatch.setattr(parse, "_zlib", zlib)
     data = _docs()["compact"]
     whole = parse.parse_bytes_whole(data, Path("x"))
     multi = tmp_path / "multi.json.gz"
