@@ -4,6 +4,7 @@ only when used, so ``traceinspect --help`` starts fast."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
 import click
