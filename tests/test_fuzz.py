@@ -21,6 +21,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,7 +49,7 @@ SCALE = max(1, int(os.environ.get("TRACEINSPECT_FUZZ_SCALE", "1") or 1))
 MAX_SECONDS_PER_INPUT = 30.0  # a slower input is a hang for our purposes
 # Each fuzz test sets this many examples; the session must try at least MIN_TRIED inputs in all.
 N_BYTES = 160 * SCALE
-N_STRUCT = 60 * SCALE
+N_STRUCT = 50 * SCALE
 N_SERVER_INFO = 15 * SCALE
 MIN_TRIED = 200
 
@@ -67,18 +68,13 @@ SETTINGS = dict(
 
 # ============================================================================= base trace sets
 
-@dataclass
 class Base:
     """A small, analysable trace set held in memory: rank documents, server_info, capture traces."""
 
-    name: str
-    docs: list[dict[str, Any]]
-    server_info: dict[str, Any]
-    captures: dict[int, dict[str, Any]] = field(default_factory=dict)
-    texts: list[bytes] = field(default_factory=list)  # the rank documents as JSON text
-
-    def __post_init__(self) -> None:
-        self.texts = [json.dumps(d).encode() for d in self.docs]
+    def __init__(self, name: str, docs: list[dict[str, Any]], server_info: dict[str, Any],
+                 captures: dict[int, dict[str, Any]] | None = None) -> None:
+        self.name, self.docs, self.server_info, self.captures = name, docs, server_info, captures or {}
+        self.texts = [json.dumps(d).encode() for d in docs]  # the rank documents as JSON text
 
     def fresh_docs(self) -> list[dict[str, Any]]:
         return [json.loads(t) for t in self.texts]
@@ -181,18 +177,24 @@ def bases() -> Any:
             d = _write_case(b, b.fresh_docs(), dict(b.server_info))
             a = analyze(str(d), jobs=1, use_cache=False, command="fuzz-base")
             assert len(a.selected) >= 2 and len(a.kernels) > 50, b.name
+            shutil.rmtree(d)
         yield out
+    for t in _TMP:
+        shutil.rmtree(t, ignore_errors=True)
+    _TMP.clear()
 
 
 # ============================================================================= running one input
 
-_TMP = Path(tempfile.mkdtemp(prefix="traceinspect-fuzz-"))
+_TMP: list[Path] = []  # the directory cases are written to (made on first use, removed with the bases)
 _SEQ = [0]
 
 
 def _case_dir() -> Path:
+    if not _TMP:
+        _TMP.append(Path(tempfile.mkdtemp(prefix="traceinspect-fuzz-")))
     _SEQ[0] += 1
-    d = _TMP / f"case{_SEQ[0]}"
+    d = _TMP[0] / f"case{_SEQ[0]}"
     d.mkdir()
     return d
 
@@ -224,9 +226,9 @@ def _write_case(base: Base, docs: list[Any], server_info: Any, *, raw: dict[int,
     return d
 
 
-def run_pipeline(d: Path, test: str, *, cache: bool = False, html: bool = False) -> str:
+def run_pipeline(d: Path, test: str, *, cache: bool = False, html: bool = False, keep: bool = False) -> str:
     """Analyse ``d`` in-process and render the result; 'result' or 'error' (a clean TraceInspectError).
-    Any other exception propagates: that is a crash."""
+    Any other exception propagates: that is a crash. ``d`` is removed afterwards unless ``keep``."""
     from rich.console import Console
 
     from traceinspect.analysis import analyze
@@ -240,10 +242,12 @@ def run_pipeline(d: Path, test: str, *, cache: bool = False, html: bool = False)
         json.dumps(doc, allow_nan=False)  # what --json writes
         render_markdown(a, doc)
         render(a, doc, console=Console(file=io.StringIO(), width=120))
-        if html:
+        if html:  # the report command's outputs
             from traceinspect.render.html import render_html
+            from traceinspect.render.perfetto import write_perfetto
 
             render_html(a, doc)
+            write_perfetto(a, d / "merged.json", doc)
         outcome = "result"
     except TraceInspectError as e:
         msg = e.one_line()
@@ -252,6 +256,8 @@ def run_pipeline(d: Path, test: str, *, cache: bool = False, html: bool = False)
         outcome = "error"
     finally:
         elapsed = time.perf_counter() - t0
+        if not keep:
+            shutil.rmtree(d, ignore_errors=True)
     assert elapsed < MAX_SECONDS_PER_INPUT, f"{d}: took {elapsed:.1f} s"
     COUNTS.setdefault(test, Counter())[outcome] += 1
     return outcome
@@ -270,6 +276,19 @@ NON_OBJECTS = [
 BAD_UTF8 = [b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf8\x88\x80\x80\x80", b"\x80"]
 NUMBER_TOKENS = [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-1e400", b"18446744073709551616",
                  b"-9223372036854775809", b"1" * 5000, b"0x10", b"1.e", b"--1"]
+LAYOUTS: dict[str, Callable[[dict[str, Any]], bytes]] = {
+    "pretty": lambda d: json.dumps(d, indent=1).encode(),
+    "compact": lambda d: json.dumps(d, separators=(",", ":")).encode(),
+    "events_first": lambda d: json.dumps({"traceEvents": d["traceEvents"],
+                                          **{k: v for k, v in d.items() if k != "traceEvents"}}).encode(),
+    "events_last": lambda d: json.dumps({**{k: v for k, v in d.items() if k != "traceEvents"},
+                                         "traceEvents": d["traceEvents"]}).encode(),
+    "nested_decoy": lambda d: json.dumps({"meta": {"traceEvents": [{"ph": "X", "cat": "kernel", "name": "decoy",
+                                                                    "ts": 1, "dur": 1}]}, **d}).encode(),
+    "string_decoy": lambda d: json.dumps({"traceName": '"traceEvents": [{}, {', **d}).encode(),
+    "crlf": lambda d: json.dumps(d, indent=2).replace("\n", "\r\n").encode(),
+    "unicode_escapes": lambda d: json.dumps(d, ensure_ascii=True).replace('"name": "', '"name": "\\u00e9').encode(),
+}
 _NUMBER_FIELD = re.compile(rb'"(ts|dur|correlation|External id|device|stream|tid|bytes)": -?[0-9.e+-]+')
 _STRING_VALUE = re.compile(rb'"(name|cat|ph)": "')
 
@@ -282,7 +301,8 @@ def test_mutated_bytes(bases: dict[str, Base], data: st.DataObject) -> None:
     base = bases[data.draw(st.sampled_from(["eager", "graph"]), label="base")]
     text = base.texts[1]
     kind = data.draw(st.sampled_from(["truncate_text", "truncate_gzip", "flip_byte", "invalid_utf8",
-                                      "number_token", "non_object", "gzip_trailer", "gzip_members"]), label="kind")
+                                      "number_token", "non_object", "gzip_trailer", "gzip_members", "layout"]),
+                     label="kind")
     gz: set[int] = set()
     if kind == "truncate_text":
         out = text[:data.draw(st.integers(0, len(text) - 1), label="at")]
@@ -308,15 +328,52 @@ def test_mutated_bytes(bases: dict[str, Base], data: st.DataObject) -> None:
     elif kind == "gzip_trailer":
         tail = data.draw(st.sampled_from([b"\x00" * 16, b"garbage", b"\x1f\x8b", b"\x1f\x8bxx", b"\n"]), label="tail")
         out, gz = gzip.compress(text, 1) + tail, {1}
-    else:  # two gzip members: valid gzip, and the text is the concatenation
+    elif kind == "gzip_members":  # two gzip members: valid gzip, and the text is the concatenation
         cut = data.draw(st.integers(0, len(text)), label="cut")
         out, gz = gzip.compress(text[:cut], 1) + gzip.compress(text[cut:], 1), {1}
+    else:  # valid JSON laid out differently: the streaming reader must read it as a whole decode does
+        layout = data.draw(st.sampled_from(sorted(LAYOUTS)), label="layout")
+        out = LAYOUTS[layout](json.loads(text))
     note(f"{base.name} {kind}: {len(out)} bytes")
     # the mutated file alone (a one-rank set): what fails here fails while reading it
     d = _write_case(base, [None], dict(base.server_info), raw={0: out}, gz={0} if gz else set(), captures={})
-    outcome = run_pipeline(d, "bytes")
-    if kind == "gzip_members" or (kind == "gzip_trailer" and not tail.strip(b"\x00")):
-        assert outcome == "result"  # multi-member gzip and zero padding are valid files
+    valid = kind in ("gzip_members", "layout") or (kind == "gzip_trailer" and not tail.strip(b"\x00"))
+    try:
+        if valid:  # multi-member gzip, zero padding and any JSON layout: the same document as the base's
+            assert _split_reads_agree(next(d.glob("fixture-TP-*"))), "a valid file was refused"
+            COUNTS.setdefault("bytes", Counter())["result"] += 1
+        else:
+            run_pipeline(d, "bytes", keep=True)
+            _split_reads_agree(next(d.glob("fixture-TP-*")))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _split_reads_agree(f: Path) -> bool:
+    """The streaming reader, fed the file in small blocks and pieces, gives what a whole-document decode
+    gives: the same tables, or an error as well. True when the file was read."""
+    from traceinspect.load import parse as P
+
+    if not all(hasattr(P, n) for n in ("parse_bytes_whole", "BLOCK", "PIECE")):
+        return P.parse_file(f) is not None
+
+    def outcome(fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except TraceInspectError:
+            return None
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P, "BLOCK", 3000)
+        mp.setattr(P, "PIECE", 8000)
+        split = outcome(lambda: P.parse_file(f))
+    whole = outcome(lambda: P.parse_bytes_whole(P.read_bytes(f), f))
+    assert (split is None) == (whole is None), (f, split is None)
+    if whole is not None:
+        for t in ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations"):
+            assert getattr(split, t).equals(getattr(whole, t)), t
+        assert (split.n_events, split.dropped, split.trace_id) == (whole.n_events, whole.dropped, whole.trace_id)
+    return whole is not None
 
 
 # ============================================================================= document and event layers
@@ -655,7 +712,7 @@ def test_mutated_structure(bases: dict[str, Base], data: st.DataObject) -> None:
     gz = set(data.draw(st.sets(st.integers(0, len(case.docs) - 1)), label="gzipped"))
     d = case.write(gz)
     run_pipeline(d, "structure", cache=data.draw(st.booleans(), label="cache"),
-                 html=data.draw(st.booleans(), label="html"))
+                 html=data.draw(st.integers(0, 3), label="html") == 0)
 
 
 # ============================================================================= server_info
@@ -732,6 +789,7 @@ def test_cli_mutated_inputs_exit_2_with_one_line(bases: dict[str, Base]) -> None
             lines = err.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("traceinspect: error: "), (name, err)
         COUNTS.setdefault("cli", Counter())["error" if want == 2 else "result"] += 1
+        shutil.rmtree(cases[name][0], ignore_errors=True)
 
 
 # ============================================================================= memory and time bounds
@@ -748,7 +806,9 @@ except SystemExit as e:
     code = e.code
 else:
     code = 0
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: this process's own peak (ru_maxrss would include the parent's, inherited through fork and exec)
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+rss = int(hwm.split()[1]) * 1024
 print(f"RESULT {code} {rss} {time.perf_counter() - t0:.2f}")
 """
 AS_LIMIT = 3 << 30  # address space of the analysing process
@@ -797,35 +857,56 @@ def test_huge_inputs_stay_within_memory_and_time(bases: dict[str, Base], tmp_pat
         if label == "absurd durations":
             assert any("dropped 2 events" in w and "over a day" in w for w in doc["warnings"]), doc["warnings"]
         COUNTS.setdefault("bounded", Counter())["result"] += 1
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ============================================================================= atheris (optional)
 
 _ATHERIS = r"""
-import sys
+import pathlib, resource, sys, tempfile
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # memory bound (libFuzzer's RSS check would
+# count the parent's peak: ru_maxrss is inherited through fork and exec)
 import numpy, pandas, msgspec  # noqa: F401 - imported before instrumentation: only traceinspect is instrumented
 import atheris
 with atheris.instrument_imports(include=["traceinspect"]):
-    from traceinspect.load.parse import parse_bytes
+    from traceinspect.load import parse as P
 from traceinspect.errors import TraceInspectError
-import pathlib
-PATH = pathlib.Path("fuzz.trace.json")
+
+P.BLOCK, P.PIECE = 64, 256  # the streaming reader cuts even small inputs into many pieces
+TMP = pathlib.Path(tempfile.mkdtemp()) / "fuzz.trace.json"
+TABLES = ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations")
+
+
+def outcome(fn):
+    try:
+        return fn()
+    except TraceInspectError:
+        return None
+
 
 def one(data: bytes) -> None:
-    try:
-        parse_bytes(data, PATH)
-    except TraceInspectError:
-        pass
+    TMP.write_bytes(data)
+    split = outcome(lambda: P.parse_file(TMP))
+    whole = outcome(lambda: P.parse_bytes_whole(data, TMP))
+    if (split is None) != (whole is None):
+        raise AssertionError(f"streaming read {'failed' if split is None else 'succeeded'}, whole decode did not")
+    if whole is not None:
+        for t in TABLES:
+            if not getattr(split, t).equals(getattr(whole, t)):
+                raise AssertionError(f"streaming and whole decode give different {t}")
 
-atheris.Setup([sys.argv[0], f"-runs={sys.argv[2]}", "-max_len=20000", "-seed=1", "-rss_limit_mb=2048",
-               "-max_total_time=60", "-print_final_stats=1", sys.argv[1]], one)
+
+atheris.Setup([sys.argv[0], f"-runs={sys.argv[2]}", "-max_len=20000", "-seed=1", "-rss_limit_mb=0",
+               "-malloc_limit_mb=0", "-max_total_time=60", "-print_final_stats=1",
+               f"-artifact_prefix={sys.argv[3]}/", sys.argv[1]], one)
 atheris.Fuzz()
 """
 
 
 def test_atheris_parser_fuzz(bases: dict[str, Base], tmp_path: Path) -> None:
-    """Coverage-guided fuzzing of the rank-file parser with atheris, where it is installed: any
-    exception other than TraceInspectError fails it."""
+    """Coverage-guided fuzzing of the rank-file reader with atheris, where it is installed: any exception
+    other than TraceInspectError fails it, and so does the streaming reader (cutting the input into tiny
+    pieces) disagreeing with a whole-document decode."""
     pytest.importorskip("atheris")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -833,8 +914,8 @@ def test_atheris_parser_fuzz(bases: dict[str, Base], tmp_path: Path) -> None:
         text = base.texts[0][:12000]
         (corpus / f"{name}.json").write_bytes(text[:text.rfind(b"}, {") + 1] + b"]}")
     runs = 2000 * SCALE
-    p = subprocess.run([sys.executable, "-c", _ATHERIS, str(corpus), str(runs)], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-c", _ATHERIS, str(corpus), str(runs), str(tmp_path)], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-4000:]
     m = re.search(r"Done (\d+) runs", p.stderr)
     assert m and int(m.group(1)) > 0, p.stderr[-2000:]
