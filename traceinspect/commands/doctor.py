@@ -10,6 +10,7 @@ coverage, and warnings. Exit 0 when ``traceinspect analyze`` would work on the s
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -340,14 +341,15 @@ def _clean(text: str) -> str:
                         else f"\\u{ord(m.group()):04x}", text)
 
 
-def render(paths: Sequence[str], checks: list[Check], analysable: bool) -> str:
+def render(paths: Sequence[str], checks: list[Check], analysable: bool, phase: str = "decode") -> str:
     """The checklist as plain text (trace-derived strings are printed as text, never interpreted)."""
     lines = [f"traceinspect doctor: {' '.join(paths)}"]
     for c in checks:
         lines.append(f"{MARK.get(c.status, c.status)} {c.name}: {c.summary}")
         lines += [f"         {d}" for d in c.details]
-    lines.append("verdict: " + ("analysable (traceinspect analyze " + " ".join(paths) + ")" if analysable
-                                else "not analysable: fix the [FAIL] items above"))
+    cmd = "traceinspect analyze " + " ".join(shlex.quote(p) for p in paths) + (
+        f" --phase {phase}" if phase != "decode" else "")
+    lines.append("verdict: " + (f"analysable ({cmd})" if analysable else "not analysable: fix the [FAIL] items above"))
     return "\n".join(_clean(line) for line in lines)
 
 
@@ -364,7 +366,7 @@ def doctor_cmd(paths: tuple[str, ...], phase: str, server_info: str | None, json
     replay and capture traces, server_info, clock offsets, classification coverage. Exits 0 when
     `traceinspect analyze` can use the set, 2 otherwise."""
     checks, ok = diagnose(list(paths), phase=phase, server_info=server_info, use_cache=not no_cache)
-    click.echo(render(list(paths), checks, ok))
+    click.echo(render(list(paths), checks, ok, phase))
     if json_out:
         from traceinspect.fileio import write_json_atomic
 
@@ -372,6 +374,8 @@ def doctor_cmd(paths: tuple[str, ...], phase: str, server_info: str | None, json
                               "checks": [c.to_json() for c in checks]})
     if not ok:
         first = next((c for c in checks if c.status == FAIL), None)
-        reason = f"{first.name}: {first.summary}" if first else "no complete steps to analyse"
+        reason = "no complete steps to analyse"
+        if first is not None:
+            reason = f"{first.name}: " + (first.details[0] if first.name == "files" and first.details else first.summary)
         click.echo(f"traceinspect: error: not analysable: {_clean(reason)}", err=True)
         raise SystemExit(2)
