@@ -94,3 +94,23 @@ def test_critical_path_matches_networkx(seed: int) -> None:
             g.longest_path(src, sink)
         return
     assert g.longest_path(src, sink) == want
+
+
+@pytest.mark.timeout(300)
+def test_running_scheduler_address(tmp_path: Path) -> None:
+    """``dask://HOST:PORT``: a scheduler started elsewhere (here a local cluster's) parses the files."""
+    pytest.importorskip("dask.distributed")
+    import pandas as pd
+    from dask.distributed import LocalCluster
+
+    from traceinspect.load import load_trace_set
+
+    d = fixture_dir(FIXTURE)
+    local = load_trace_set(d, use_cache=False)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+        address = cluster.scheduler_address.split("://", 1)[1]
+        remote = load_trace_set(d, use_cache=False, executor=f"dask://{address}")
+    for t in ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations"):
+        pd.testing.assert_frame_equal(getattr(local, t), getattr(remote, t))
+    assert [(r.rank, r.sha256, r.size_bytes) for r in local.ranks] == \
+        [(r.rank, r.sha256, r.size_bytes) for r in remote.ranks]

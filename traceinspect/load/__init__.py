@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -75,15 +76,19 @@ def _progress(paths: list[Path], quiet: bool | None) -> tuple[Callable[[int], No
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
+    # no refresh thread (auto_refresh off): worker processes are forked while the bar is shown
     bar = Progress(TextColumn("parsing {task.fields[done]}/{task.fields[n]} rank files"), BarColumn(),
-                   DownloadColumn(), TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                   DownloadColumn(), TimeElapsedColumn(), console=Console(stderr=True), transient=True,
+                   auto_refresh=False)
     task = bar.add_task("parse", total=sum(sizes), done=0, n=len(paths))
     bar.start()
+    bar.refresh()
     done = [0]
 
     def advance(i: int) -> None:
         done[0] += 1
         bar.update(task, advance=sizes[i], done=done[0])
+        bar.refresh()
 
     return advance, bar.stop
 
@@ -137,7 +142,8 @@ def _parse_dask(paths: list[Path], executor: str, jobs: int | None, use_cache: b
     address = executor.split("://", 1)[1] if "://" in executor else None
 
     def run(client: Any) -> list[tuple[str, int, ParsedRank]]:
-        futures = [client.submit(load_rank_file, str(p), use_cache, pure=False, key=f"traceinspect-parse-{i}-{p.name}")
+        run_id = uuid.uuid4().hex  # task keys unique to this load, whoever else uses the scheduler
+        futures = [client.submit(load_rank_file, str(p), use_cache, pure=False, key=f"traceinspect-parse-{run_id}-{i}")
                    for i, p in enumerate(paths)]
         index = {f.key: i for i, f in enumerate(futures)}
         results: list[Any] = [None] * len(paths)
