@@ -860,6 +860,20 @@ def test_huge_inputs_stay_within_memory_and_time(bases: dict[str, Base], tmp_pat
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_hostile_long_names_cost_bounded_time(bases: dict[str, Base]) -> None:
+    """Two hundred distinct 100 kB kernel names (20 MB of names): the analysis still takes seconds, not
+    the minutes that matching every class pattern against every full name would."""
+    base = bases["eager"]
+    docs = base.fresh_docs()
+    kernels = [e for e in docs[1]["traceEvents"] if e.get("cat") == "kernel"]
+    for i, e in enumerate(kernels):
+        e["name"] = f"k{i % 200}_" + "x" * 100_000
+    d = _write_case(base, docs, base.server_info)
+    t0 = time.perf_counter()
+    assert run_pipeline(d, "bounded") == "result"
+    assert time.perf_counter() - t0 < 30
+
+
 # ============================================================================= atheris (optional)
 
 _ATHERIS = r"""

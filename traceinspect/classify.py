@@ -55,6 +55,7 @@ UNMATCHED = "no rule matched"
 MACRO = re.compile(r"\$\{(\w+)\}")
 ATTENTION_OP = re.compile(r"attention|attn|mla|flash|sdpa|scaled_dot_product", re.IGNORECASE)
 _CACHE_MAX = 500_000
+MAX_MATCH_CHARS = 4096  # real kernel names stay under ~1.5 kB; CPU op paths under a few kB
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,8 @@ class ClassTable:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
+        # the patterns see a bounded head of each string: a hostile 100 kB name costs what a real one does
+        name, op_path = name[:MAX_MATCH_CHARS], op_path[-MAX_MATCH_CHARS:]
         label = Label("other", "", UNMATCHED)
         for rule in self.rules:
             ev = rule.match(name, op_path, kind)
