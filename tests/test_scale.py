@@ -68,34 +68,6 @@ def test_unreachable_scheduler_is_an_input_error(monkeypatch: pytest.MonkeyPatch
         load_trace_set(fixture_dir(FIXTURE), executor="dask://127.0.0.1:9", use_cache=False)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_critical_path_matches_networkx(seed: int) -> None:
-    """The flat-array longest path used for big steps picks the very path networkx picks (ties too)."""
-    import networkx as nx
-    import numpy as np
-
-    from traceinspect.measure.collectives import _Graph
-
-    rng = np.random.default_rng(seed)
-    g = _Graph()
-    n = int(rng.integers(2, 60))
-    for i in range(n):  # integer and zero weights make ties common
-        g.node(float(rng.integers(0, 4)) if rng.random() < 0.9 else float("nan"), "x", None, str(i))
-    for _ in range(int(rng.integers(0, 3 * n))):
-        u, v = sorted(int(x) for x in rng.integers(0, n, 2))
-        if rng.random() < 0.03:
-            u, v = v, u  # an occasional back edge: a cycle
-        g.edge(u, v)
-    src, sink = 0, n - 1
-    try:
-        want = nx.dag_longest_path(g.build(src, sink), weight="weight", default_weight=0.0)
-    except nx.NetworkXUnfeasible:
-        with pytest.raises(nx.NetworkXUnfeasible):
-            g.longest_path(src, sink)
-        return
-    assert g.longest_path(src, sink) == want
-
-
 @pytest.mark.timeout(300)
 def test_running_scheduler_address(tmp_path: Path) -> None:
     """``dask://HOST:PORT``: a scheduler started elsewhere (here a local cluster's) parses the files."""

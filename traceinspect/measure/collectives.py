@@ -70,6 +70,7 @@ ORDER_TOL_US = 0.5
 # Idle gaps (GPU idle although the launch came in time) shorter than this are rounding, not time.
 IDLE_MIN_US = 0.01
 INSTANCES_JSON_MAX = 2000
+CRITICAL_PATH_MAX_STEPS = 32  # steps whose critical path is computed (evenly spaced), bounding the cost
 
 PER_RANK_COLUMNS = [
     "rank", "group", "steps", "comm_us", "wait_us", "transfer_us", "comm_us_per_step", "wait_us_per_step",
@@ -661,75 +662,6 @@ class _Graph:
         g.add_weighted_edges_from((u, v, w[u]) for u, v in self.edges + extra)
         return g
 
-    def longest_path(self, src: int, sink: int) -> list[int]:
-        """``nx.dag_longest_path(self.build(src, sink), weight="weight", default_weight=0.0)``, node for
-        node (same topological order, same first-maximum ties), on flat arrays instead of a networkx
-        graph: an order of magnitude faster on steps of thousands of kernels. Raises
-        ``nx.NetworkXUnfeasible`` on a cycle, as networkx does."""
-        n = len(self.weight)
-        if not n:
-            return []
-        e = np.asarray(self.edges, dtype=np.int64).reshape(-1, 2)
-        has_out = np.zeros(n, dtype=bool)
-        has_in = np.zeros(n, dtype=bool)
-        has_out[e[:, 0]] = True
-        has_in[e[:, 1]] = True
-        nodes = np.arange(n)
-        to_sink = nodes[~has_out & (nodes != sink)]
-        from_src = nodes[~has_in & (nodes != src)]
-        e = np.concatenate([e, np.column_stack([to_sink, np.full(len(to_sink), sink)]),
-                            np.column_stack([np.full(len(from_src), src), from_src])]).astype(np.int64)
-        # a DiGraph keeps each (u, v) once, where it was first added
-        _, first = np.unique(e[:, 0] * n + e[:, 1], return_index=True)
-        e = e[np.sort(first)]
-        # successors and predecessors in edge insertion order
-        by_u = e[np.argsort(e[:, 0], kind="stable")]
-        by_v = e[np.argsort(e[:, 1], kind="stable")]
-        s_ptr = np.searchsorted(by_u[:, 0], np.arange(n + 1)).tolist()
-        p_ptr = np.searchsorted(by_v[:, 1], np.arange(n + 1)).tolist()
-        succ, pred = by_u[:, 1].tolist(), by_v[:, 0].tolist()
-        indeg = np.diff(p_ptr).tolist()
-        # networkx's topological_sort: Kahn's algorithm generation by generation
-        order: list[int] = []
-        gen = [v for v in range(n) if indeg[v] == 0]
-        while gen:
-            order.extend(gen)
-            nxt = []
-            for u in gen:
-                for c in succ[s_ptr[u]:s_ptr[u + 1]]:
-                    indeg[c] -= 1
-                    if indeg[c] == 0:
-                        nxt.append(c)
-            gen = nxt
-        if len(order) < n:
-            raise nx.NetworkXUnfeasible("Graph contains a cycle or graph changed during iteration")
-        w = self.weight
-        dist = [0.0] * n
-        back = list(range(n))
-        for v in order:
-            a, b = p_ptr[v], p_ptr[v + 1]
-            if a == b:
-                continue
-            u = pred[a]
-            best, best_u = dist[u] + w[u], u
-            for u in pred[a + 1:b]:
-                d = dist[u] + w[u]
-                if d > best:
-                    best, best_u = d, u
-            if best >= 0:
-                dist[v], back[v] = best, best_u
-        v = order[0]
-        for x in order:
-            if dist[x] > dist[v]:
-                v = x
-        path, u = [], None
-        while u != v:
-            path.append(v)
-            u, v = v, back[v]
-        path.reverse()
-        return path
-
-
 def _activities(a: Analysis, sel: pd.DataFrame, res: Collectives) -> pd.DataFrame:
     """GPU activities of the aligned steps with corrected times, launch times and instance ids."""
     k = a.kernels
@@ -877,8 +809,9 @@ def _jsonify_path(s: dict[str, Any], top: int = 12) -> dict[str, Any]:
 
 
 def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str, Any]:
-    """Longest path through each aligned step's cross-rank dependency graph; the median step in
-    detail and the composition averaged over all aligned steps (see docs/collectives.md)."""
+    """Longest path (networkx) through each aligned step's cross-rank dependency graph; the median
+    step in detail and the composition averaged over the steps (all of them, or an even sample of
+    CRITICAL_PATH_MAX_STEPS; see docs/collectives.md)."""
     if not len(sel):
         return {"applicable": False, "reason": "no analysed steps common to all ranks"}
     act = _activities(a, sel, res)
@@ -886,10 +819,16 @@ def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str,
         return {"applicable": False, "reason": "no GPU activity in the analysed steps"}
     summaries = []
     failed = 0
+    positions = sorted(act["pos"].unique())
+    # the longest path is computed with networkx on at most CRITICAL_PATH_MAX_STEPS evenly spaced steps
+    if len(positions) > CRITICAL_PATH_MAX_STEPS:
+        keep = np.unique(np.linspace(0, len(positions) - 1, CRITICAL_PATH_MAX_STEPS).round().astype(int))
+        positions = [positions[i] for i in keep]
+    act = act[act["pos"].isin(positions)]
     for pos, pa in act.groupby("pos", sort=True):
         G, src, sink, t0, t1 = _step_graph(pa)
         try:
-            path = G.longest_path(src, sink)
+            path = nx.dag_longest_path(G.build(src, sink), weight="weight", default_weight=0.0)
         except nx.NetworkXUnfeasible:
             failed += 1  # collectives matched in inconsistent orders would form a cycle
             continue
@@ -921,7 +860,7 @@ def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str,
     host_total = sum(host_by_rank.values())
     out: dict[str, Any] = {
         "applicable": True, "reason": None,
-        "steps": n, "steps_failed": failed,
+        "steps": n, "steps_failed": failed, "steps_available": int(sel["pos"].nunique()),
         "clock_corrected": any(v != 0.0 for v in res.offsets_applied.values()),
         "total_us_median": _num(float(np.median(totals))),
         "composition": {c: {"us_per_step": _num(v / n), "share": _num(v / grand)}
