@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import fixture_dir, run_cli
+from test_rules import GOOD as GOOD_RULE
 
 VARIANT = "kv-full-cast-eager"
 # appended to names (classification patterns search names, so the kernels keep their classes)
@@ -181,23 +182,6 @@ def test_terminal_summary_does_not_interpret_markup(outputs: dict[str, Path]) ->
 
 # ----------------------------------------------------------------------------- rule files
 
-GOOD_RULE = """\
-rules:
-  - id: my-rule
-    title: Casts are slow
-    severity: warning
-    scope: decode
-    select:
-      kernels: {class: dtype_cast}
-    params: {min_share: 0.1}
-    when:
-      - "share >= min_share"
-    estimate: us_per_step * 0.5
-    message: "casts take {share:.1%} ({us_per_step:,.0f} us)"
-    why: because
-    remediation: do less casting
-    references: []
-"""
 
 
 def _rule_cases(sentinel: Path) -> dict[str, str]:

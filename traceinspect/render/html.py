@@ -140,6 +140,24 @@ def _fmt_bytes(v: float) -> str:
     return f"{v:,.1f} TiB"
 
 
+def _bar_axis(n_rows: int, vmax: float, left: int, right: int, bar_h: int, gap: int,
+              top: int) -> tuple[list[Markup], float, float]:
+    """Grid lines and the time axis of a horizontal bar chart: (svg parts, px per us, height)."""
+    plot_w = TIMELINE_WIDTH - left - right
+    height = top + n_rows * (bar_h + gap) + 30
+    ticks = _nice_ticks(0, vmax)
+    scale = plot_w / max(vmax, ticks[-1])
+    out: list[Markup] = []
+    for t in ticks:
+        x = left + t * scale
+        out.append(el("line", {"x1": x, "x2": x, "y1": top - 4, "y2": height - 24, "class": "grid"}))
+        out.append(el("text", {"x": x, "y": height - 10, "text-anchor": "middle", "class": "axis"},
+                      _tick_label(t, ticks[-1])))
+    out.append(el("text", {"x": left - 8, "y": height - 10, "text-anchor": "end", "class": "axis"},
+                  _axis_unit(ticks[-1], True)))
+    return out, scale, height
+
+
 def _nice_ticks(lo: float, hi: float, n: int = 6) -> list[float]:
     """Round tick values covering [lo, hi]."""
     if not (math.isfinite(lo) and math.isfinite(hi)) or hi <= lo:
@@ -244,18 +262,7 @@ def class_breakdown_svg(doc: dict[str, Any]) -> tuple[Markup, list[str]]:
     if not rows or vmax <= 0:
         return Markup(""), order
     left, right, bar_h, gap, top = 78, 215, 22, 8, 8
-    plot_w = TIMELINE_WIDTH - left - right
-    height = top + len(rows) * (bar_h + gap) + 30
-    ticks = _nice_ticks(0, vmax)
-    scale = plot_w / max(vmax, ticks[-1])
-    out: list[Markup] = []
-    for t in ticks:
-        x = left + t * scale
-        out.append(el("line", {"x1": x, "x2": x, "y1": top - 4, "y2": height - 24, "class": "grid"}))
-        out.append(el("text", {"x": x, "y": height - 10, "text-anchor": "middle", "class": "axis"},
-                      _tick_label(t, ticks[-1])))
-    out.append(el("text", {"x": left - 8, "y": height - 10, "text-anchor": "end", "class": "axis"},
-                  _axis_unit(ticks[-1], True)))
+    out, scale, height = _bar_axis(len(rows), vmax, left, right, bar_h, gap, top)
     for i, (r, segs, idle) in enumerate(rows):
         y = top + i * (bar_h + gap)
         out.append(el("text", {"x": left - 8, "y": y + bar_h / 2 + 4, "text-anchor": "end", "class": "lab"},
@@ -606,18 +613,7 @@ def collectives_svg(doc: dict[str, Any]) -> tuple[Markup, str | None]:
         return Markup(""), "wait and transfer time could not be split for any rank"
     vmax = max(w + t for _, w, t, *_ in rows) or 1.0
     left, right, bar_h, gap, top = 78, 330, 20, 8, 8
-    plot_w = TIMELINE_WIDTH - left - right
-    height = top + len(rows) * (bar_h + gap) + 30
-    ticks = _nice_ticks(0, vmax)
-    scale = plot_w / max(vmax, ticks[-1])
-    out: list[Markup] = []
-    for t in ticks:
-        x = left + t * scale
-        out.append(el("line", {"x1": x, "x2": x, "y1": top - 4, "y2": height - 24, "class": "grid"}))
-        out.append(el("text", {"x": x, "y": height - 10, "text-anchor": "middle", "class": "axis"},
-                      _tick_label(t, ticks[-1])))
-    out.append(el("text", {"x": left - 8, "y": height - 10, "text-anchor": "end", "class": "axis"},
-                  _axis_unit(ticks[-1], True)))
+    out, scale, height = _bar_axis(len(rows), vmax, left, right, bar_h, gap, top)
     for i, (label, wait, xfer, late, arrivals, is_straggler) in enumerate(rows):
         y = top + i * (bar_h + gap)
         out.append(el("text", {"x": left - 8, "y": y + bar_h / 2 + 4, "text-anchor": "end",
