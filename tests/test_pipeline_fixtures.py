@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import copy_set, fixture_dir, manifest, raw_events, rewrite_trace, run_cli
+from conftest import FIXTURES, copy_set, fixture_dir, manifest, raw_events, rewrite_trace, run_cli
 
 from traceinspect.analysis import SCHEMA, analyze
 from traceinspect.classify import CLASSES
@@ -20,8 +20,13 @@ EAGER = "kv-full-cast-eager"
 GRAPH = "kv-full-cast-graph"
 
 
-@pytest.mark.parametrize("name", [EAGER, GRAPH, "kv-gather-cast-eager", "moe-small-m-eager"])
-def test_step_counts_and_ranks(name: str) -> None:
+MANIFESTS = sorted(str(p.parent.relative_to(FIXTURES)) for p in FIXTURES.glob("**/manifest.json"))
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_manifest_matches_trace(name: str) -> None:
+    """Every committed fixture agrees with its manifest (ranks, steps, batch, device, graph replay), so
+    a regenerated fixture cannot drift silently."""
     m = manifest(name)
     ts = load_trace_set(fixture_dir(name))
     assert [r.rank for r in ts.ranks] == m["ranks"]
@@ -34,6 +39,7 @@ def test_step_counts_and_ranks(name: str) -> None:
     assert set(steps["phase"]) == {"decode"}
     assert set(steps["bs"]) == {m["batch"]}
     assert steps["source"].unique().tolist() == ["step_span"]
+    assert bool(ts.kernels["graph_replay"].any()) == m["cuda_graph"]
     # edges excluded, the rest analysed
     assert steps.groupby("rank")["included"].sum().tolist() == [m["steps_profiled"] - 2] * len(m["ranks"])
 
