@@ -9,7 +9,8 @@ line with exit 2. Any other exception is a crash and fails the test with the inp
 
 The number of mutated inputs tried is written to ``test-artifacts/fuzz-summary.json`` and printed at
 the end of the session. ``TRACEINSPECT_FUZZ_SCALE=N`` multiplies the number of examples (longer local
-runs); CI runs the default, derandomized (the same inputs every run), in well under a minute.
+runs) and ``TRACEINSPECT_FUZZ_RANDOM=1`` draws new inputs each run; CI runs the default, derandomized
+(the same inputs every run), in under a minute.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ ERRORS: Counter = Counter()  # first words of clean error reasons, for the summa
 
 SETTINGS = dict(
     deadline=None,  # timings vary with machine load; MAX_SECONDS_PER_INPUT bounds each input instead
-    derandomize=True,  # CI tries the same inputs every run
+    derandomize=os.environ.get("TRACEINSPECT_FUZZ_RANDOM") != "1",  # CI tries the same inputs every run
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     print_blob=True,
