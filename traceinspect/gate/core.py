@@ -29,19 +29,11 @@ from traceinspect.gate.thresholds import (
     parse_threshold,
     thresholds_for,
 )
+from traceinspect.render import fmt_us
 
 FAIL_ON = ("critical", "warning", "info", "never")
 DEFAULT_FAIL_ON = "warning"
 STATUSES = ("pass", "warn", "fail", "error")
-
-
-def fmt_us(v: float | None) -> str:
-    """A time in us, readable."""
-    if v is None:
-        return "n/a"
-    if abs(v) >= 10_000:
-        return f"{v / 1000:,.2f} ms"
-    return f"{v:,.1f} us"
 
 
 def _signed_us(v: float) -> str:

@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 # Characters XML 1.0 cannot hold at all, even escaped.
 _XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
-_MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
 STATUS_MARK = {"pass": "✅ pass", "warn": "⚠️ warn", "fail": "❌ fail", "error": "⛔ error"}
 
 
@@ -112,13 +111,13 @@ def append_step_summary(markdown: str, env: dict[str, str] | None = None) -> Pat
 def md_escape(s: Any) -> str:
     """Escape a string for a Markdown table cell: HTML-significant characters become entities,
     Markdown syntax is backslash-escaped, line breaks become spaces."""
-    t = _XML_INVALID.sub("", " ".join(str(s).split()))
-    t = t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    return _MD_SPECIAL.sub(r"\\\1", t)
+    from traceinspect.render.markdown import md
+
+    return md(_XML_INVALID.sub("", str(s)))
 
 
 def _us(v: float | None) -> str:
-    from traceinspect.gate.core import fmt_us
+    from traceinspect.render import fmt_us
 
     return fmt_us(v)
 
