@@ -21,7 +21,7 @@ from traceinspect.model import DeviceInfo
 if TYPE_CHECKING:
     import pandas as pd
 
-PARSER_VERSION = "2"
+PARSER_VERSION = "3"
 TABLES = ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations")
 # columns of Python objects (str or bytes or None): read back as dictionaries so that equal values
 # share one object, as they do after a parse
