@@ -59,6 +59,25 @@ def rewrite_trace(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
+def graph_set_missing_one_launch(tmp_path: Path) -> Path:
+    """A copy of the kv-full-cast-graph set whose rank-0 capture trace lacks one captured kernel
+    launch, so its replays no longer line up with the capture."""
+    src = fixture_dir("kv-full-cast-graph")
+    d = copy_set(src, tmp_path / "set")
+    cap_dir = d / "graph_capture_profile"
+    cap_dir.mkdir()
+    for p in (src / "graph_capture_profile").iterdir():
+        shutil.copy(p, cap_dir / p.name)
+    p0 = next(cap_dir.glob("*-TP-0.json.gz"))
+
+    def drop_one(doc: dict) -> None:
+        launches = [e for e in doc["traceEvents"] if e.get("name") == "cuLaunchKernelEx"]
+        doc["traceEvents"].remove(launches[len(launches) // 2])
+
+    rewrite_trace(p0, p0, drop_one)
+    return d
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
             timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``python -m traceinspect ARGS`` and capture its output."""

@@ -6,11 +6,10 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
-from conftest import copy_set, fixture_dir, manifest
+from conftest import copy_set, fixture_dir, graph_set_missing_one_launch, manifest
 
 from traceinspect.analysis import Options, analyze
 from traceinspect.errors import ConfigError
@@ -304,20 +303,7 @@ def test_graph_shapes_unknown_without_capture_trace(tmp_path: Path) -> None:
 
 
 def test_graph_capture_mismatch_is_reported(tmp_path: Path) -> None:
-    src = fixture_dir("kv-full-cast-graph")
-    d = copy_set(src, tmp_path / "set")
-    cap_dir = d / "graph_capture_profile"
-    cap_dir.mkdir()
-    for p in (src / "graph_capture_profile").iterdir():
-        shutil.copy(p, cap_dir / p.name)
-    # drop one captured GEMM launch on rank 0: the replay no longer lines up with the capture
-    p0 = next(cap_dir.glob("*-TP-0.json.gz"))
-    with gzip.open(p0, "rt") as f:
-        doc = json.load(f)
-    launches = [e for e in doc["traceEvents"] if e.get("name") == "cuLaunchKernelEx"]
-    doc["traceEvents"].remove(launches[len(launches) // 2])
-    with gzip.open(p0, "wt") as f:
-        json.dump(doc, f)
+    d = graph_set_missing_one_launch(tmp_path)
     a = analyze(d, Options(command="test"))
     calls = a.efficiency.calls
     rep = calls[a.kernels.loc[calls["kernel"], "graph_replay"].to_numpy() & (calls["kind"] == "gemm")]

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import gzip
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import copy_set, fixture_dir, manifest, raw_events
+from conftest import copy_set, fixture_dir, graph_set_missing_one_launch, manifest, raw_events
 
 from traceinspect import graphs
 from traceinspect.analysis import Options, analyze
@@ -125,18 +122,7 @@ def test_without_capture_traces_names_decide(tmp_path: Path, graph: str) -> None
 
 
 def test_mismatched_capture_is_reported_per_rank(tmp_path: Path) -> None:
-    src = fixture_dir("kv-full-cast-graph")
-    d = copy_set(src, tmp_path / "set")
-    (d / "graph_capture_profile").mkdir()
-    for p in (src / "graph_capture_profile").iterdir():
-        shutil.copy(p, d / "graph_capture_profile" / p.name)
-    p0 = next((d / "graph_capture_profile").glob("*-TP-0.json.gz"))
-    with gzip.open(p0, "rt") as f:
-        doc = json.load(f)
-    launches = [e for e in doc["traceEvents"] if e.get("name") == "cuLaunchKernelEx"]
-    doc["traceEvents"].remove(launches[len(launches) // 2])
-    with gzip.open(p0, "wt") as f:
-        json.dump(doc, f)
+    d = graph_set_missing_one_launch(tmp_path)
     a = analyze(d, Options(command="test"))
     s0, s1 = a.graph_ops.ranks[0], a.graph_ops.ranks[1]
     assert s0.status == "unknown" and s0.matched == 0 and "not matched to the capture trace" in s0.reason
