@@ -284,6 +284,17 @@ def slope_ratio(points: list[tuple[float, float]]) -> float | None:
     return hi / lo
 
 
+def check_linear(results: dict, failures: list[str], key: str, what: str,
+                 cpu: list[tuple[float, float]], wall: list[tuple[float, float]]) -> None:
+    """Record the slope ratios of a series under ``{key}_slope_ratio[_wall]`` and fail when the CPU one
+    exceeds LINEAR. Cost is judged on CPU time: wall time also measures whatever else the machine does."""
+    sr, wr = slope_ratio(cpu), slope_ratio(wall)
+    results[f"{key}_slope_ratio"] = None if sr is None else round(sr, 2)
+    results[f"{key}_slope_ratio_wall"] = None if wr is None else round(wr, 2)
+    if sr is not None and sr > LINEAR:
+        failures.append(f"{what} ({sr:.2f}x, limit {LINEAR}x)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="fixture directory to replicate")
@@ -368,13 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                     sizes.pop(g, None)
         results["scaling"] = series
         if len(series) >= 3:
-            # cost is CPU time: wall time also measures whatever else the machine is doing
-            sr = slope_ratio([(s["json_mb"], s["cpu_s"]) for s in series])
-            wr = slope_ratio([(s["json_mb"], s["seconds"]) for s in series])
-            results["scaling_slope_ratio"] = None if sr is None else round(sr, 2)
-            results["scaling_slope_ratio_wall"] = None if wr is None else round(wr, 2)
-            if sr is not None and sr > LINEAR:
-                failures.append(f"ingest CPU cost per MB grows with size ({sr:.2f}x, limit {LINEAR}x)")
+            check_linear(results, failures, "scaling", "ingest CPU cost per MB grows with size",
+                         [(s["json_mb"], s["cpu_s"]) for s in series],
+                         [(s["json_mb"], s["seconds"]) for s in series])
 
         # 3. linearity in ranks, and the end-to-end run against gzip -dc
         rank_counts = sorted({int(x) for x in args.rank_scale.split(",") if x} | {args.ranks})
@@ -401,12 +408,9 @@ def main(argv: list[str] | None = None) -> int:
                             f"(target < {RATIO_GZIP:.0f}x)")
         rs = results["ranks_scaling"]
         if len(rs) >= 3:
-            sr = slope_ratio([(r["ranks"], r["report_cpu_s"]) for r in rs])
-            wr = slope_ratio([(r["ranks"], r["report_s"]) for r in rs])
-            results["ranks_slope_ratio"] = None if sr is None else round(sr, 2)
-            results["ranks_slope_ratio_wall"] = None if wr is None else round(wr, 2)
-            if sr is not None and sr > LINEAR:
-                failures.append(f"report CPU cost per rank grows with ranks ({sr:.2f}x, limit {LINEAR}x)")
+            check_linear(results, failures, "ranks", "report CPU cost per rank grows with ranks",
+                         [(r["ranks"], r["report_cpu_s"]) for r in rs],
+                         [(r["ranks"], r["report_s"]) for r in rs])
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
