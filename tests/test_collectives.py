@@ -230,3 +230,68 @@ def test_eight_ranks_recover_injected_clock_skew(tmp_path: Path, balanced) -> No
     for r in range(8):
         assert t8[r] == pytest.approx(t2[r % 2], abs=1e-6)
     assert c.to_json()["collectives"]["clock"]["offsets_us"]["6"] == pytest.approx(SKEW[6] + base[0], abs=2.0)
+
+
+# ----------------------------------------------------------------------------- longest path
+def _nx_longest(G, src: int, sink: int) -> list[int]:
+    """networkx's answer for a step graph (edges weighted with their source node's weight)."""
+    import networkx as nx
+
+    n = len(G.weight)
+    has_out, has_in = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+    for u, v in G.edges:
+        has_out[u] = has_in[v] = True
+    extra = [(u, sink) for u in range(n) if not has_out[u] and u != sink]
+    extra += [(src, v) for v in range(n) if not has_in[v] and v != src]
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    g.add_weighted_edges_from((u, v, G.weight[u]) for u, v in G.edges + extra)
+    return nx.dag_longest_path(g, weight="weight", default_weight=0.0)
+
+
+def test_longest_path_matches_networkx_on_real_steps(slow) -> None:
+    from traceinspect.measure import collectives as C
+
+    a, _ = slow
+    sel, _ = C._aligned_steps(a)
+    act = C._activities(a, sel, a.collectives)
+    checked = 0
+    for _, pa in act.groupby("pos"):
+        G, src, sink, _, _ = C._step_graph(pa)
+        assert len(G.weight) > 100
+        assert G.longest_path(src, sink) == _nx_longest(G, src, sink)
+        checked += 1
+    assert checked >= 3
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_longest_path_matches_networkx_with_ties(seed: int) -> None:
+    from traceinspect.measure.collectives import _Graph
+
+    rng = np.random.default_rng(seed)
+    G = _Graph()
+    src = G.node(0.0, "start", None, "s")
+    n = int(rng.integers(5, 60))
+    # integer weights, many zeros: plenty of equally long paths
+    nodes = [G.node(float(rng.integers(0, 3)), "x", 0, str(i)) for i in range(n)]
+    for _ in range(int(rng.integers(0, 3 * n))):
+        u, v = sorted(rng.choice(nodes, 2, replace=False).tolist())
+        G.edge(u, v)
+        if rng.random() < 0.2:
+            G.edge(u, v)  # repeated edges count once
+    sink = G.node(0.0, "end", None, "e")
+    assert G.longest_path(src, sink) == _nx_longest(G, src, sink)
+
+
+def test_longest_path_cycle_raises() -> None:
+    from traceinspect.measure.collectives import Cycle, _Graph
+
+    G = _Graph()
+    src = G.node(0.0, "start", None, "s")
+    a, b = G.node(1.0, "x", 0, "a"), G.node(1.0, "x", 0, "b")
+    G.edge(src, a)
+    G.edge(a, b)
+    G.edge(b, a)
+    sink = G.node(0.0, "end", None, "e")
+    with pytest.raises(Cycle):
+        G.longest_path(src, sink)

@@ -33,7 +33,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import networkx as nx
 import numpy as np
 import pandas as pd
 import yaml
@@ -625,8 +624,13 @@ def _host_part(gap: float, launch: float, launch_end: float, ref_end: float) -> 
     return 0.0
 
 
+class Cycle(Exception):
+    """The step's dependency graph has a cycle (collectives matched in inconsistent orders)."""
+
+
 class _Graph:
-    """Node-weighted DAG; built as networkx edges weighted with their source node's weight."""
+    """Node-weighted DAG of one step: a path's length is the sum of the weights of its nodes but the
+    last (the sink, weight 0)."""
 
     def __init__(self) -> None:
         self.weight: list[float] = []
@@ -646,21 +650,61 @@ class _Graph:
         if u != v:
             self.edges.append((u, v))
 
-    def build(self, src: int, sink: int) -> nx.DiGraph:
-        """The networkx graph; nodes without successors lead to the sink, without predecessors
-        come from the source."""
+    def longest_path(self, src: int, sink: int) -> list[int]:
+        """The longest path; nodes without successors lead to the sink, nodes without predecessors come
+        from the source. Raises :class:`Cycle`.
+
+        The result is the path networkx's ``dag_longest_path`` returns for the same graph (edges weighted
+        with their source node's weight), ties included: topological order by generations, the first
+        best predecessor in edge order, the first farthest node in topological order. A step graph has
+        ~10k nodes and ~15k edges; networkx's generic graph classes made this most of the cost of an
+        analysis.
+        """
         n = len(self.weight)
-        has_out = np.zeros(n, dtype=bool)
-        has_in = np.zeros(n, dtype=bool)
-        for u, v in self.edges:
-            has_out[u] = has_in[v] = True
-        extra = [(u, sink) for u in range(n) if not has_out[u] and u != sink]
-        extra += [(src, v) for v in range(n) if not has_in[v] and v != src]
-        g = nx.DiGraph()
-        g.add_nodes_from(range(n))
+        succ: list[list[int]] = [[] for _ in range(n)]
+        pred: list[list[int]] = [[] for _ in range(n)]
+        for u, v in dict.fromkeys(self.edges):  # a repeated edge counts once, in its first position
+            succ[u].append(v)
+            pred[v].append(u)
+        tail = [u for u in range(n) if not succ[u] and u != sink]
+        head = [v for v in range(n) if not pred[v] and v != src]
+        for u, v in dict.fromkeys([(u, sink) for u in tail] + [(src, v) for v in head]):
+            succ[u].append(v)
+            pred[v].append(u)
+        indeg = [len(p) for p in pred]
+        gen = [v for v in range(n) if not indeg[v]]
+        order: list[int] = []
+        while gen:
+            order += gen
+            nxt: list[int] = []
+            for u in gen:
+                for v in succ[u]:
+                    indeg[v] -= 1
+                    if not indeg[v]:
+                        nxt.append(v)
+            gen = nxt
+        if len(order) != n:
+            raise Cycle
         w = self.weight
-        g.add_weighted_edges_from((u, v, w[u]) for u, v in self.edges + extra)
-        return g
+        dist = [0.0] * n
+        back = list(range(n))
+        for v in order:
+            best, arg = -1.0, v
+            for u in pred[v]:
+                d = dist[u] + w[u]
+                if d > best:
+                    best, arg = d, u
+            if best >= 0:
+                dist[v], back[v] = best, arg
+        far = max(dist)
+        v = next(x for x in order if dist[x] == far)
+        path = [v]
+        while back[v] != v:
+            v = back[v]
+            path.append(v)
+        path.reverse()
+        return path
+
 
 def _activities(a: Analysis, sel: pd.DataFrame, res: Collectives) -> pd.DataFrame:
     """GPU activities of the aligned steps with corrected times, launch times and instance ids."""
@@ -809,7 +853,7 @@ def _jsonify_path(s: dict[str, Any], top: int = 12) -> dict[str, Any]:
 
 
 def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str, Any]:
-    """Longest path (networkx) through each aligned step's cross-rank dependency graph; the median
+    """Longest path through each aligned step's cross-rank dependency graph; the median
     step in detail and the composition averaged over the steps (all of them, or an even sample of
     CRITICAL_PATH_MAX_STEPS; see docs/collectives.md)."""
     if not len(sel):
@@ -820,7 +864,7 @@ def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str,
     summaries = []
     failed = 0
     positions = sorted(act["pos"].unique())
-    # the longest path is computed with networkx on at most CRITICAL_PATH_MAX_STEPS evenly spaced steps
+    # the longest path is computed on at most CRITICAL_PATH_MAX_STEPS evenly spaced steps
     if len(positions) > CRITICAL_PATH_MAX_STEPS:
         keep = np.unique(np.linspace(0, len(positions) - 1, CRITICAL_PATH_MAX_STEPS).round().astype(int))
         positions = [positions[i] for i in keep]
@@ -828,8 +872,8 @@ def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str,
     for pos, pa in act.groupby("pos", sort=True):
         G, src, sink, t0, t1 = _step_graph(pa)
         try:
-            path = nx.dag_longest_path(G.build(src, sink), weight="weight", default_weight=0.0)
-        except nx.NetworkXUnfeasible:
+            path = G.longest_path(src, sink)
+        except Cycle:
             failed += 1  # collectives matched in inconsistent orders would form a cycle
             continue
         if not path or path[0] != src:
