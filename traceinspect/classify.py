@@ -712,38 +712,35 @@ def _recurrence(k: pd.DataFrame, rows: np.ndarray, ctx: _KvContext) -> dict[tupl
         return out
     sub = k.iloc[sel]
     counts = sub.groupby(["rank", "name", "step"]).size()
-    positions: dict[int, pd.Series] = {}
+    adjacent = _adjacent(k, sub)
     for (rank, name), c in counts.groupby(level=[0, 1]):
         n_steps = ctx.steps_per_rank.get(int(rank), 0)
         exact = int((c == ctx.layers).sum())
         if n_steps == 0 or exact * 2 < n_steps or (c > ctx.layers).any():
             continue
-        if rank not in positions:
-            positions[rank] = _positions(k, rank)
-        mine = sub[(sub["rank"] == rank).to_numpy() & (sub["name"] == name).to_numpy()]
-        if not _interleaved(mine, positions[rank]):
+        if (rank, name) in adjacent:
             continue
         out[(rank, name)] = (f"{ctx.layers} per step in {exact}/{n_steps} included steps = once per layer, "
                              f"with other kernels between (layers: {ctx.layers_src})")
     return out
 
 
-def _positions(k: pd.DataFrame, rank: int) -> pd.Series:
-    """Order of each kernel of ``rank`` on its GPU timeline (by start time)."""
-    kr = k[(k["rank"] == rank).to_numpy()]
-    order = np.argsort(kr["ts"].to_numpy(), kind="stable")
-    pos = np.empty(len(kr), dtype=np.int64)
-    pos[order] = np.arange(len(kr))
-    return pd.Series(pos, index=kr.index)
-
-
-def _interleaved(mine: pd.DataFrame, pos: pd.Series) -> bool:
-    """Whether consecutive occurrences within each step have other kernels between them."""
-    for _, g in mine.groupby("step"):
-        p = np.sort(pos.loc[g.index].to_numpy())
-        if len(p) > 1 and (np.diff(p) < 2).any():
-            return False
-    return True
+def _adjacent(k: pd.DataFrame, sub: pd.DataFrame) -> set[tuple[Any, Any]]:
+    """(rank, name) pairs of ``sub`` (rows of ``k``) with two occurrences in one step and no other kernel
+    of the rank between them on its GPU timeline (ordered by start time)."""
+    rank_all = k["rank"].to_numpy()
+    order = np.lexsort((k["ts"].to_numpy(), rank_all))  # stable: equal starts keep row order
+    pos = np.empty(len(k), dtype=np.int64)
+    pos[order] = np.arange(len(k))  # rank boundaries never make two positions of one rank adjacent
+    rows = k.index.get_indexer(sub.index)
+    codes, uniq = pd.factorize(pd.MultiIndex.from_arrays([sub["rank"].to_numpy(), sub["name"].to_numpy(dtype=object)]))
+    step = sub["step"].to_numpy()
+    p = pos[rows]
+    o = np.lexsort((p, step, codes))
+    c, st, pp = codes[o], step[o], p[o]
+    same = (c[1:] == c[:-1]) & (st[1:] == st[:-1])
+    bad = np.unique(c[1:][same & (np.diff(pp) < 2)])
+    return {tuple(uniq[i]) for i in bad}
 
 
 def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None,
@@ -835,8 +832,9 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     dtype: kv_write)."""
     names = k["name"].to_numpy(dtype=object)
     cand = np.isin(cls, promo.sources) & is_kernel
-    if promo.name is not None:
-        cand &= np.fromiter((bool(promo.name.search(n)) for n in names), dtype=bool, count=len(names))
+    if promo.name is not None and cand.any():
+        ok = {n for n in pd.unique(names[cand]) if promo.name.search(n)}
+        cand &= np.fromiter((n in ok for n in names), dtype=bool, count=len(names))
     if not cand.any():
         return
     idx = np.nonzero(is_kernel)[0]

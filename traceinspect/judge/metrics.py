@@ -555,11 +555,14 @@ class MetricContext:
         for ops in frames:
             if ops is None or not len(ops):
                 continue
-            # a quick byte-level prefilter: the pool row count must appear in the dims text
+            # a quick byte-level prefilter on the distinct dims texts (ops recorded with equal shapes share
+            # one bytes object): the pool row count must appear in the text
             dims_col = ops["input_dims"].to_numpy(dtype=object)
-            cand = ops[np.fromiter((b is not None and needle in b for b in dims_col), dtype=bool, count=len(dims_col))]
-            for row in cand.itertuples():
-                dims, types = _dims(row.input_dims) or [], _dims(row.input_types) or []
+            types_col = ops["input_types"].to_numpy(dtype=object)
+            hits = {b for b in set(dims_col.tolist()) if b is not None and needle in b}
+            rows = [i for i, b in enumerate(dims_col.tolist()) if b in hits] if hits else []
+            for dims_raw, types_raw in dict.fromkeys((dims_col[i], types_col[i]) for i in rows):
+                dims, types = _dims(dims_raw) or [], _dims(types_raw) or []
                 for j, d in enumerate(dims):
                     if not (isinstance(d, list) and len(d) >= 2 and all(isinstance(x, int) for x in d)):
                         continue
