@@ -377,7 +377,7 @@ class MetricContext:
         n = self.n_step_rows
         v["kernel_us_per_step"] = self.total_us / n
         v["kernels_per_step"] = len(k) / n
-        kern = k[k["kind"] == "kernel"]
+        kern = k.loc[(k["kind"] == "kernel").to_numpy(), ["dur"]]
         v["tiny_kernels_per_step"] = float((kern["dur"] < TINY_KERNEL_US).sum()) / n
         v["tiny_kernel_share"] = (v["tiny_kernels_per_step"] / (len(kern) / n)) if len(kern) else None
         v["median_kernel_us"] = _f(np.median(k["dur"])) if len(k) else None
@@ -387,7 +387,7 @@ class MetricContext:
         replay = float(k.loc[k["graph_replay"], "dur"].sum()) if len(k) else 0.0
         v["graph_replay_share"] = replay / self.total_us if self.total_us else None
         v["cuda_graph"] = bool(v["graph_replay_share"] is not None and v["graph_replay_share"] > 0.5)
-        mem = k[k["kind"] == "memcpy"]  # the name test only on memcpy rows (a regex per kernel is slow)
+        mem = k.loc[(k["kind"] == "memcpy").to_numpy(), ["name", "dur"]]  # the name test only on memcpy rows (a regex per kernel is slow)
         dtoh = mem[mem["name"].str.contains(DTOH)]
         v["dtoh_per_step"] = len(dtoh) / n
         v["dtoh_us_per_step"] = float(dtoh["dur"].sum()) / n
@@ -922,10 +922,12 @@ class MetricContext:
         sel["pos"] = sel.groupby("rank").cumcount()
         n_al = a.steps_per_rank()
         al = sel[sel["pos"] < n_al]
-        noncomm = k[k["cls"] != "comm"] if len(k) else k
+        kc = k[["rank", "step", "dur", "end"]]
+        is_comm = (k["cls"] == "comm").to_numpy()
+        noncomm = kc[~is_comm]
         comp = noncomm.groupby(["rank", "step"])["dur"].sum() if len(noncomm) else pd.Series(dtype=float)
         comp_end = noncomm.groupby(["rank", "step"])["end"].max() if len(noncomm) else pd.Series(dtype=float)
-        comm = k[k["cls"] == "comm"] if len(k) else k
+        comm = kc[is_comm]
         comm_us = comm.groupby("rank")["dur"].sum() if len(comm) else pd.Series(dtype=float)
         steps_per = sel.groupby("rank").size()
         per_rank_comp = {}

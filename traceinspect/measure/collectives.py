@@ -228,23 +228,29 @@ class Collectives:
 
 
 def _instances_json(inst: pd.DataFrame) -> list[dict[str, Any]]:
-    """One entry per collective instance (not per rank): the cross-rank summary."""
+    """One entry per collective instance (not per rank): the cross-rank summary, the first
+    INSTANCES_JSON_MAX instances by id."""
     if not len(inst):
         return []
+    inst = inst.sort_values("instance", kind="stable")  # rows of an instance keep their order
+    ids = inst["instance"].to_numpy()
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    bounds = np.r_[starts, len(ids)][: INSTANCES_JSON_MAX + 1]
+    col = {c: inst[c].to_numpy().tolist() for c in ("instance", "pos", "seq", "kind", "name", "group",
+                                                     "transfer_us", "bytes", "busbw_gbps", "last_arrival",
+                                                     "rank", "start", "wait_us")}
     out = []
-    for _, g in inst.groupby("instance", sort=True):
-        if len(out) >= INSTANCES_JSON_MAX:
-            break
-        first = g.iloc[0]
-        last = g[g["last_arrival"]]
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        last = next((col["rank"][i] for i in range(a, b) if col["last_arrival"][i]), None)
+        start = col["start"][a:b]
         out.append({
-            "instance": int(first["instance"]), "pos": int(first["pos"]), "seq": int(first["seq"]),
-            "kind": first["kind"], "name": first["name"], "group": int(first["group"]),
-            "transfer_us": _num(first["transfer_us"]), "bytes": _num(first["bytes"]),
-            "busbw_gbps": _num(first["busbw_gbps"]),
-            "last_rank": int(last["rank"].iloc[0]) if len(last) else None,
-            "arrival_skew_us": _num(float(g["start"].max() - g["start"].min())),
-            "wait_us": {str(int(r)): _num(w) for r, w in zip(g["rank"], g["wait_us"], strict=True)},
+            "instance": int(col["instance"][a]), "pos": int(col["pos"][a]), "seq": int(col["seq"][a]),
+            "kind": col["kind"][a], "name": col["name"][a], "group": int(col["group"][a]),
+            "transfer_us": _num(col["transfer_us"][a]), "bytes": _num(col["bytes"][a]),
+            "busbw_gbps": _num(col["busbw_gbps"][a]),
+            "last_rank": int(last) if last is not None else None,
+            "arrival_skew_us": _num(float(max(start) - min(start))),
+            "wait_us": {str(int(r)): _num(w) for r, w in zip(col["rank"][a:b], col["wait_us"][a:b], strict=True)},
         })
     return out
 

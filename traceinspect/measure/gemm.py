@@ -487,7 +487,8 @@ def measure_efficiency(a: Analysis) -> Efficiency:
     spec, why = resolve_gpu(name, cc, a.options.gpu)
     why += note
     k = a.kernels
-    src = _op_sources(a, k[k["kind"].eq("kernel").to_numpy()])
+    cols = ["rank", "step", "ts", "dur", "name", "cls", "graph_replay", "op_idx", "op_path"]
+    src = _op_sources(a, k.loc[k["kind"].eq("kernel").to_numpy(), [c for c in cols if c in k.columns]])
     calls = pd.concat([_calls(src), _copy_events(k)], ignore_index=True) if len(k) else \
         pd.DataFrame(columns=CALL_COLUMNS)
     _rates(calls, spec)
