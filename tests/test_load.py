@@ -102,3 +102,36 @@ def test_raw_reader_agrees_on_event_count(cpu_pair: list[Path]) -> None:
     ts = load_trace_set(cpu_pair[:1], require_kernels=False)
     ev = raw_events(cpu_pair[0])
     assert len(ts.cpu_ops) == sum(1 for e in ev if e.get("cat") == "cpu_op" and e.get("ph") == "X")
+
+
+def test_ranks_linked_where_parsed_equal_linking_the_stacked_tables() -> None:
+    """The loader links each rank on its own (in its parse process); that must be what linking the
+    stacked tables of all ranks gives, row offsets included."""
+    import numpy as np
+    import pandas as pd
+
+    from traceinspect.load import _concat as concat
+    from traceinspect.load import parse_file
+
+    fix = Path(__file__).resolve().parents[1] / "fixtures" / "kv-full-cast-eager"
+    files = sorted(fix.glob("*-TP-*.trace.json.gz"))
+    if len(files) < 2:
+        pytest.skip("fixture not present")
+    ts = load_trace_set(fix, use_cache=False)
+    assert ts.linked
+    parsed = [parse_file(f) for f in files]
+    ranks = list(range(len(parsed)))
+    k = concat([p.kernels for p in parsed], ranks)
+    rt = concat([p.runtime for p in parsed], ranks)
+    ops = concat([p.cpu_ops for p in parsed], ranks)
+    from traceinspect.link import link_tables
+
+    link_tables(k, rt, ops)
+    assert (k["rt_idx"] >= 0).mean() > 0.9 and (k["op_idx"] >= 0).mean() > 0.5  # real links to compare
+    for c in ("rt_idx", "op_idx", "graph_replay"):
+        np.testing.assert_array_equal(ts.kernels[c].to_numpy(), k[c].to_numpy())
+    for c in ("rt_name", "op_name", "op_path"):
+        assert ts.kernels[c].astype(str).tolist() == k[c].astype(str).tolist()
+    np.testing.assert_array_equal(ts.cpu_ops["parent"].to_numpy(), ops["parent"].to_numpy())
+    pd.testing.assert_frame_equal(ts.runtime.reset_index(drop=True), rt.reset_index(drop=True))
+    assert link(ts) is ts and ts.linked  # already linked: nothing to redo

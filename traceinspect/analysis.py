@@ -143,9 +143,12 @@ def _measure_and_judge(result: Analysis, rule_set: Any = None) -> None:
     from traceinspect.judge import evaluate, load_rule_set
     from traceinspect.measure.collectives import analyze_collectives
     from traceinspect.measure.gemm import measure_efficiency
+    from traceinspect.parallel import Beside
 
+    # independent stages: the collectives analysis runs on a second core while this one measures GEMMs
+    coll = Beside(analyze_collectives, result, jobs=result.options.jobs)
     result.efficiency = measure_efficiency(result)
-    result.collectives = analyze_collectives(result)
+    result.collectives = coll.result()
     result.trace.warnings += clock_warnings(result)
     opts = result.options
     if rule_set is None:

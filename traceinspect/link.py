@@ -141,15 +141,31 @@ def _lookup(table: pd.DataFrame, id_col: str, queries: pd.DataFrame, query_col: 
 
 def link(ts: TraceSet) -> TraceSet:
     """Add link columns to ``kernels`` (rt_idx, rt_name, graph_replay, op_idx, op_name, op_path)
-    and ``parent`` to ``cpu_ops``."""
-    k, rt, ops = ts.kernels, ts.runtime, ts.cpu_ops
+    and ``parent`` to ``cpu_ops`` (nothing to do when the loader already linked the ranks)."""
+    if ts.linked:
+        return ts
+    n_dup = link_tables(ts.kernels, ts.runtime, ts.cpu_ops)
+    if n_dup:
+        ts.warnings.append(duplicate_warning(n_dup))
+    ts.linked = True
+    return ts
+
+
+def duplicate_warning(n_dup: int) -> str:
+    """The warning for runtime events that reuse a correlation id."""
+    return f"{n_dup} runtime events reuse a correlation id; the first one is used"
+
+
+def link_tables(k: pd.DataFrame, rt: pd.DataFrame, ops: pd.DataFrame) -> int:
+    """:func:`link` on bare tables (with a ``rank`` column), in place; returns the number of runtime
+    events that reuse a (rank, correlation) pair. Rows only ever link within their rank, so linking
+    each rank's tables on its own and stacking them (offsetting the row columns) gives the same result
+    as linking the stacked tables."""
     tree = _OpTree(ops)
     ops["parent"] = tree.parents()
 
     # runtime row per (rank, correlation); duplicated ids keep the first and are reported
     rt_idx, n_dup = _lookup(rt, "correlation", k, "correlation", keep="first")
-    if n_dup:
-        ts.warnings.append(f"{n_dup} runtime events reuse a correlation id; the first one is used")
     k["rt_idx"] = rt_idx
     names = rt["name"].to_numpy(dtype=object)
     k["rt_name"] = _names_at(rt_idx, names)
@@ -176,7 +192,7 @@ def link(ts: TraceSet) -> TraceSet:
     k["op_idx"] = op_idx.astype(np.int64)
     k["op_name"] = _names_at(op_idx, ops["name"].to_numpy(dtype=object))
     k["op_path"] = _paths(op_idx, ops)
-    return ts
+    return n_dup
 
 
 def _strings(codes: np.ndarray, uniques: np.ndarray) -> Any:

@@ -100,6 +100,7 @@ class TraceSet:
     capture_traces: dict[int, Path] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
+    linked: bool = False  # link columns already present (the loader links each rank where it parses it)
 
     @property
     def n_ranks(self) -> int:

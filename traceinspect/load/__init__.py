@@ -41,7 +41,8 @@ def load_rank_file(path: str | Path, use_cache: bool = True) -> tuple[str, int, 
     """Hash, then read one rank file from the cache or parse it (and cache the tables).
 
     This is the unit of work a local process or a dask worker runs: it touches only the file and the
-    cache of the machine it runs on and returns the content hash, the file size and the compact tables.
+    cache of the machine it runs on and returns the content hash, the file size and the compact tables,
+    already linked (kernel -> runtime event -> CPU op is per rank).
     """
     from traceinspect.load import cache
 
@@ -49,14 +50,26 @@ def load_rank_file(path: str | Path, use_cache: bool = True) -> tuple[str, int, 
     digest = _sha256(path)
     size = path.stat().st_size
     root = cache.cache_dir() if use_cache else None
-    if root is not None:
-        hit = cache.load(root, digest)
-        if hit is not None:
-            return digest, size, hit
-    parsed = parse_file(path)
-    if root is not None:
-        cache.store(root, digest, parsed)
+    parsed = cache.load(root, digest) if root is not None else None
+    if parsed is None:
+        parsed = parse_file(path)
+        if root is not None:
+            cache.store(root, digest, parsed)  # the parsed tables: linking is cheap and redone
+    _link_rank(parsed)
     return digest, size, parsed
+
+
+def _link_rank(p: ParsedRank) -> None:
+    """Link one rank's tables where they were parsed (the work is per rank; see link_tables)."""
+    from traceinspect.link import link_tables
+
+    tables = (p.kernels, p.runtime, p.cpu_ops)
+    for t in tables:
+        t["rank"] = 0
+    p.link_dups = link_tables(*tables)
+    for t in tables:
+        del t["rank"]
+    p.linked = True
 
 
 def _progress(paths: list[Path], quiet: bool | None) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -234,15 +247,22 @@ def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], hashes: list[
     return infos
 
 
-def _concat(frames: list[pd.DataFrame], ranks: list[int]) -> pd.DataFrame:
-    """Stack the ranks' tables with a leading ``rank`` column (column by column, one copy)."""
+def _concat(frames: list[pd.DataFrame], ranks: list[int],
+            offsets: dict[str, list[pd.DataFrame]] | None = None) -> pd.DataFrame:
+    """Stack the ranks' tables with a leading ``rank`` column (column by column, one copy). Columns
+    named in ``offsets`` hold row numbers (-1: none) of another per-rank table: they are shifted by the
+    rows of that table's earlier ranks."""
     import numpy as np
     import pandas as pd
 
     cols: dict[str, Any] = {"rank": np.repeat(np.asarray(ranks, dtype=np.int64), [len(f) for f in frames])}
     for c in frames[0].columns:
         parts = [f[c] for f in frames]
-        if c == "kind":
+        if offsets and c in offsets:
+            start = np.cumsum([0] + [len(t) for t in offsets[c]])[:-1]
+            cols[c] = np.concatenate([np.where(p.to_numpy() >= 0, p.to_numpy() + o, -1)
+                                      for p, o in zip(parts, start.tolist(), strict=True)])
+        elif c == "kind":
             codes = np.concatenate([p.cat.codes.to_numpy() for p in parts])
             cols[c] = pd.Categorical.from_codes(codes, categories=GPU_KINDS)
         elif isinstance(parts[0].dtype, np.dtype):
@@ -300,11 +320,18 @@ def load_trace_set(
     si_path = Path(server_info) if server_info else found.server_info_path
     si = read_server_info(si_path) if si_path else None
 
+    rts, ops = [p.runtime for p in ordered], [p.cpu_ops for p in ordered]
+    linked = all(p.linked for p in ordered)
+    n_dup = sum(p.link_dups for p in ordered)
+    if linked and n_dup:
+        from traceinspect.link import duplicate_warning
+
+        warnings.append(duplicate_warning(n_dup))
     ts = TraceSet(
         ranks=infos,
-        kernels=_concat([p.kernels for p in ordered], ranks),
-        runtime=_concat([p.runtime for p in ordered], ranks),
-        cpu_ops=_concat([p.cpu_ops for p in ordered], ranks),
+        kernels=_concat([p.kernels for p in ordered], ranks, {"rt_idx": rts, "op_idx": ops} if linked else None),
+        runtime=_concat(rts, ranks),
+        cpu_ops=_concat(ops, ranks, {"parent": ops} if linked else None),
         annotations=_concat([p.annotations for p in ordered], ranks),
         gpu_annotations=_concat([p.gpu_annotations for p in ordered], ranks),
         server_info=si,
@@ -312,6 +339,7 @@ def load_trace_set(
         capture_traces=found.capture_traces,
         warnings=warnings,
         sources=[str(p) for p in paths],
+        linked=linked,
     )
     ts.warnings += rank_set_warnings(ts)  # captures that differ, ranks missing, clocks apart
     return ts

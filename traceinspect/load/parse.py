@@ -129,6 +129,8 @@ class ParsedRank:
     trace_id: str | None = None
     n_events: int = 0
     dropped: int = 0
+    linked: bool = False  # link columns added (see traceinspect.link.link_tables)
+    link_dups: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,34 +330,23 @@ class _Builder:
         self.kinds = {k: _Columns() for k in _KINDS}
         self.route: dict[str, str | None] = dict(_KIND)
         self.n_events = 0
-        self.bytes_memo: dict[bytes, bytes] = {}
-        self.str_memo: dict[bytes, str] = {}
+        self.bytes_memo: dict[bytes, bytes | None] = {b"": None}
+        self.str_memo: dict[bytes, str] = {b"": ""}
 
     def _raws(self, raws: list[msgspec.Raw]) -> list[bytes | None]:
-        memo = self.bytes_memo
-        out: list[bytes | None] = []
-        app = out.append
-        for r in raws:
-            if r:
-                b = bytes(r)
-                app(memo.setdefault(b, b))
-            else:
-                app(None)
-        return out
+        # one bytes object per distinct text (the memo maps b"" to None): C-level maps, no Python loop
+        bs = list(map(bytes, raws))
+        return list(map(self.bytes_memo.setdefault, bs, bs))
 
     def _raw_strs(self, raws: list[msgspec.Raw]) -> list[str]:
         memo = self.str_memo
         out: list[str] = []
         app = out.append
-        for r in raws:
-            if r:
-                b = bytes(r)
-                s = memo.get(b)
-                if s is None:
-                    s = memo[b] = sys.intern(b.decode())
-                app(s)
-            else:
-                app("")
+        for b in map(bytes, raws):
+            s = memo.get(b)
+            if s is None:
+                s = memo[b] = sys.intern(b.decode())
+            app(s)
         return out
 
     def add(self, events: list[_Event]) -> None:

@@ -1,0 +1,63 @@
+"""A stage run beside the main one, in a forked process, gives the result a serial run gives."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from traceinspect.parallel import Beside, _can_fork
+
+
+def _pid_and_square(x: int) -> tuple[int, int]:
+    return os.getpid(), x * x
+
+
+def _fails_in_child(parent: int) -> str:
+    if os.getpid() != parent:
+        raise RuntimeError("only in the child")
+    return "ran here"
+
+
+def _always_fails(_: int) -> None:
+    raise ValueError("the real error")
+
+
+needs_fork = pytest.mark.skipif(not _can_fork(None), reason="no fork here, or a single CPU")
+
+
+@needs_fork
+def test_runs_in_a_child() -> None:
+    pid, sq = Beside(_pid_and_square, 12).result()
+    assert sq == 144 and pid != os.getpid()
+
+
+def test_jobs_one_runs_here() -> None:
+    pid, sq = Beside(_pid_and_square, 3, jobs=1).result()
+    assert (pid, sq) == (os.getpid(), 9)
+
+
+@needs_fork
+def test_a_child_failure_is_retried_here() -> None:
+    assert Beside(_fails_in_child, os.getpid()).result() == "ran here"
+
+
+def test_a_real_error_is_raised_as_in_a_serial_run() -> None:
+    with pytest.raises(ValueError, match="the real error"):
+        Beside(_always_fails, 0).result()
+
+
+@needs_fork
+def test_analysis_same_with_and_without_the_second_process() -> None:
+    from traceinspect.analysis import analyze
+
+    fix = os.path.join(os.path.dirname(__file__), "..", "fixtures", "slow-rank-eager")
+    if not os.path.isdir(fix):
+        pytest.skip("fixture not present")
+    a = analyze([fix], use_cache=False).to_json()
+    b = analyze([fix], use_cache=False, jobs=1).to_json()
+    for doc in (a, b):
+        doc["source"].pop("command", None)
+        doc.pop("generated_at", None)
+    assert a["collectives"] == b["collectives"] and a["critical_path"] == b["critical_path"]
+    assert a["findings"] == b["findings"]
