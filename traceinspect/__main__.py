@@ -1,3 +1,3 @@
-from traceinspect.cli import main
+from traceinspect.cli import run
 
-main()
+run()

@@ -69,7 +69,6 @@ ORDER_TOL_US = 0.5
 # Idle gaps (GPU idle although the launch came in time) shorter than this are rounding, not time.
 IDLE_MIN_US = 0.01
 INSTANCES_JSON_MAX = 2000
-CRITICAL_PATH_MAX_STEPS = 32  # steps whose critical path is computed (evenly spaced), bounding the cost
 
 PER_RANK_COLUMNS = [
     "rank", "group", "steps", "comm_us", "wait_us", "transfer_us", "comm_us_per_step", "wait_us_per_step",
@@ -118,6 +117,7 @@ class Settings:
     straggler_min_late_share: float
     straggler_min_wait_share: float
     straggler_min_step_fraction: float
+    critical_path_max_steps: int
 
 
 @lru_cache(maxsize=4)
@@ -136,6 +136,7 @@ def load_settings(path: str | None = None) -> Settings:
             straggler_min_late_share=float(strag["min_late_share"]),
             straggler_min_wait_share=float(strag["min_wait_share"]),
             straggler_min_step_fraction=float(strag["min_step_fraction"]),
+            critical_path_max_steps=max(1, int(doc["critical_path"]["max_steps"])),
         )
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, re.error) as e:
         raise RuleError(f"unusable collectives settings: {type(e).__name__}: {e}", file) from None
@@ -889,7 +890,7 @@ def _jsonify_path(s: dict[str, Any], top: int = 12) -> dict[str, Any]:
 def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str, Any]:
     """Longest path through each aligned step's cross-rank dependency graph; the median
     step in detail and the composition averaged over the steps (all of them, or an even sample of
-    CRITICAL_PATH_MAX_STEPS; see docs/collectives.md)."""
+    ``critical_path.max_steps`` of rules/collectives.yaml; see docs/collectives.md)."""
     if not len(sel):
         return {"applicable": False, "reason": "no analysed steps common to all ranks"}
     act = _activities(a, sel, res)
@@ -898,9 +899,10 @@ def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str,
     summaries = []
     failed = 0
     positions = sorted(act["pos"].unique())
-    # the longest path is computed on at most CRITICAL_PATH_MAX_STEPS evenly spaced steps
-    if len(positions) > CRITICAL_PATH_MAX_STEPS:
-        keep = np.unique(np.linspace(0, len(positions) - 1, CRITICAL_PATH_MAX_STEPS).round().astype(int))
+    # the longest path is computed on at most max_steps evenly spaced steps
+    max_steps = load_settings().critical_path_max_steps
+    if len(positions) > max_steps:
+        keep = np.unique(np.linspace(0, len(positions) - 1, max_steps).round().astype(int))
         positions = [positions[i] for i in keep]
     act = act[act["pos"].isin(positions)]
     for pos, pa in act.groupby("pos", sort=True):
