@@ -35,6 +35,7 @@ import yaml
 from traceinspect.errors import RuleError
 from traceinspect.model import TraceSet
 from traceinspect.resources import rules_dir
+from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
     from traceinspect.graphs import GraphOps
@@ -400,23 +401,32 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
         for c in ("cls", "cls2", "cls_evidence"):
             k[c] = pd.Series([], dtype=object)
         return
-    # the loader's name column is already object of str: converting it (to pandas' str dtype) costs more
-    # than the classification itself on large traces
+    # one label per distinct (name, op path, kind): the three columns are factorized on their own (the
+    # op path stays in pandas' string storage) and the codes combined into one integer key
     names = k["name"] if k["name"].dtype == object and not k["name"].isna().any() else k["name"].astype(str)
-    ops = k["op_path"].fillna("").astype(str) if "op_path" in k else pd.Series("", index=k.index)
-    kinds = k["kind"].fillna("kernel").astype(str) if "kind" in k else pd.Series("kernel", index=k.index)
-    ops_arr = ops.to_numpy(dtype=object).copy()
-    captured = _captured_rows(k, graph_ops)
-    if captured is not None:
-        ops_arr[captured[0]] = captured[1]
-    key = pd.DataFrame({"name": names.to_numpy(dtype=object), "op": ops_arr, "kind": kinds.to_numpy(dtype=object)},
-                       dtype=object)
-    codes = key.groupby(["name", "op", "kind"], sort=False, dropna=False).ngroup().to_numpy()
-    first = pd.Series(np.arange(n)).groupby(codes).first().to_numpy()
-    labels = [table.classify(key.at[i, "name"], key.at[i, "op"], key.at[i, "kind"]) for i in first]
+    names = names.to_numpy(dtype=object)
+    name_codes, _ = factorize_text(names)
+    if "op_path" in k:
+        ops = k["op_path"].fillna("")
+        captured = _captured_rows(k, graph_ops)
+        if captured is not None:
+            arr = ops.astype(str).to_numpy(dtype=object).copy()
+            arr[captured[0]] = captured[1]
+            ops = arr
+        op_codes, op_uniq = pd.factorize(ops)
+    else:
+        captured = None
+        op_codes, op_uniq = np.zeros(n, dtype=np.int64), np.array([""], dtype=object)
+    kinds = k["kind"].astype(object).fillna("kernel") if "kind" in k else pd.Series("kernel", index=k.index)
+    kind_codes, kind_uniq = pd.factorize(kinds.to_numpy(dtype=object))
+    key = (name_codes.astype(np.int64) * len(op_uniq) + op_codes) * len(kind_uniq) + kind_codes
+    codes, _ = pd.factorize(key)
+    _, first = np.unique(codes, return_index=True)
+    op_uniq, kind_uniq = np.asarray(op_uniq, dtype=object), np.asarray(kind_uniq, dtype=object)
+    labels = [table.classify(names[i], str(op_uniq[op_codes[i]]), str(kind_uniq[kind_codes[i]])) for i in first]
     evidence = np.array([lb.evidence for lb in labels], dtype=object)[codes]
     if captured is not None:
-        _note_captured(table, key, captured[0], labels, codes, evidence)
+        _note_captured(table, names, kind_uniq[kind_codes], captured[0], labels, codes, evidence)
     k["cls"] = np.array([lb.cls for lb in labels], dtype=object)[codes]
     k["cls2"] = np.array([lb.cls2 for lb in labels], dtype=object)[codes]
     k["cls_evidence"] = evidence
@@ -441,15 +451,15 @@ def _captured_rows(k: pd.DataFrame, graph_ops: GraphOps | None) -> tuple[np.ndar
     return (pos[keep], vals[keep]) if keep.any() else None
 
 
-def _note_captured(table: ClassTable, key: pd.DataFrame, rows: np.ndarray, labels: list[Label],
-                   codes: np.ndarray, evidence: np.ndarray) -> None:
+def _note_captured(table: ClassTable, names: np.ndarray, kinds: np.ndarray, rows: np.ndarray,
+                   labels: list[Label], codes: np.ndarray, evidence: np.ndarray) -> None:
     """Say so in the evidence where a recovered op path changed the label (the rule used the op)."""
     memo: dict[int, bool] = {}
     for r in rows:
         c = int(codes[r])
         if c not in memo:
             lb = labels[c]
-            memo[c] = lb != table.classify(key.at[r, "name"], "", key.at[r, "kind"])
+            memo[c] = lb != table.classify(names[r], "", str(kinds[r]))
         if memo[c]:
             evidence[r] = f"{evidence[r]}; {CAPTURED_NOTE}"
 

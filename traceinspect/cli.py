@@ -75,6 +75,7 @@ def run() -> None:
     """Console entry point: :func:`main`, then a prompt exit. An analysis leaves a large heap of tables
     behind; freeing it object by object at interpreter shutdown takes a noticeable part of a second
     and serves nothing, so the process ends once its output is flushed."""
+    import contextlib
     import os
 
     code = 0
@@ -85,9 +86,7 @@ def run() -> None:
         if e.code is not None and not isinstance(e.code, int):
             click.echo(str(e.code), err=True)
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can be said
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be said
-            pass
     os._exit(code)
 

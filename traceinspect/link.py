@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.model import TraceSet
+from traceinspect.tables import factorize_text, string_column
 
 GRAPH_LAUNCH = {"cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch", "hipGraphLaunch"}
 _MAX_PATH = 64  # names kept in an op_path (innermost ones)
@@ -195,35 +196,15 @@ def link_tables(k: pd.DataFrame, rt: pd.DataFrame, ops: pd.DataFrame) -> int:
     return n_dup
 
 
-def _strings(codes: np.ndarray, uniques: np.ndarray) -> Any:
-    """The column ``uniques[codes]`` in the dtype pandas gives string data (``str`` on pandas 3,
-    built from a dictionary instead of one conversion per row; object before)."""
-    if _INFERS_STR:
-        try:
-            import pyarrow as pa
-
-            d = pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)),
-                                               pa.array(list(uniques), type=pa.large_string()))
-            return pd.array(d.dictionary_decode(), dtype="str")
-        except Exception:  # noqa: BLE001 - any pyarrow/pandas mismatch: the plain way below
-            pass
-    out = np.empty(len(codes), dtype=object)
-    out[:] = uniques[codes] if len(uniques) else ""
-    return out
-
-
-_INFERS_STR = pd.Series(["x"]).dtype != object
-
-
 def _names_at(idx: np.ndarray, names: np.ndarray) -> Any:
     """Column of ``names[idx]``, '' where idx < 0."""
     ok = idx >= 0
     if not len(names) or not ok.any():
-        return _strings(np.zeros(len(idx), dtype=np.int64), np.array([""], dtype=object))
-    codes, uniq = pd.factorize(names[idx[ok]])
+        return string_column(np.zeros(len(idx), dtype=np.int64), np.array([""], dtype=object))
+    codes, uniq = factorize_text(names[idx[ok]])
     full = np.zeros(len(idx), dtype=np.int64)
     full[ok] = codes + 1
-    return _strings(full, np.concatenate([np.array([""], dtype=object), np.asarray(uniq, dtype=object)]))
+    return string_column(full, np.concatenate([np.array([""], dtype=object), np.asarray(uniq, dtype=object)]))
 
 
 def _paths(op_idx: np.ndarray, ops: pd.DataFrame) -> Any:
@@ -234,9 +215,9 @@ def _paths(op_idx: np.ndarray, ops: pd.DataFrame) -> Any:
     """
     n = len(op_idx)
     if not len(ops) or not n or not (op_idx >= 0).any():
-        return _strings(np.zeros(n, dtype=np.int64), np.array([""], dtype=object))
+        return string_column(np.zeros(n, dtype=np.int64), np.array([""], dtype=object))
     parent = ops["parent"].to_numpy()
-    name_codes, name_uniq = pd.factorize(ops["name"].to_numpy(dtype=object))
+    name_codes, name_uniq = factorize_text(ops["name"].to_numpy(dtype=object))
     # the ops on the kernels' chains
     mark = np.zeros(len(parent), dtype=bool)
     frontier = pd.unique(op_idx[op_idx >= 0])
@@ -275,4 +256,4 @@ def _paths(op_idx: np.ndarray, ops: pd.DataFrame) -> Any:
                     j = pid_parent[j]
                 texts.append(" > ".join(reversed(chain)))
     codes = np.where(op_idx >= 0, path_id[np.maximum(op_idx, 0)] + 1, 0)
-    return _strings(codes, np.concatenate([np.array([""], dtype=object), np.asarray(texts, dtype=object)]))
+    return string_column(codes, np.concatenate([np.array([""], dtype=object), np.asarray(texts, dtype=object)]))

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
+from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -543,7 +544,7 @@ def _model_ops(ops: pd.DataFrame, idx: np.ndarray, levels: int = 2) -> np.ndarra
         return out
     parent = ops["parent"].to_numpy() if "parent" in ops else np.full(len(ops), -1)
     # whether each op has a model: decided once per distinct name (a missing name has none)
-    codes, uniq = pd.factorize(ops["name"].to_numpy(dtype=object))
+    codes, uniq = factorize_text(ops["name"].to_numpy(dtype=object))
     has_model = np.append(np.array([op_handler(n) is not None for n in uniq], dtype=bool), False)[codes]
     sel = np.nonzero(idx >= 0)[0]
     j = idx[sel].astype(np.int64)
