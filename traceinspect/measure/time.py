@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from traceinspect.tables import factorize_text
+
 
 def class_step_time(kernels: pd.DataFrame) -> pd.DataFrame:
     """Kernel time and calls per (rank, step, cls) over the given (analysed) kernels."""
@@ -28,9 +30,12 @@ def top_kernels(kernels: pd.DataFrame, n: int = 25) -> pd.DataFrame:
     if not len(kernels):
         return pd.DataFrame(columns=["name", "cls", "calls", "us", "mean_us", "share"])
     total = kernels["dur"].sum()
-    t = kernels.groupby("name", observed=True).agg(
+    codes, names = factorize_text(kernels["name"])  # grouped on integer codes, then named and sorted
+    t = kernels[["cls", "dur", "rank"]].groupby(codes, sort=False).agg(
         cls=("cls", "first"), calls=("dur", "count"), us=("dur", "sum"), mean_us=("dur", "mean"),
         ranks=("rank", "nunique"))
+    t.index = pd.Index(names[t.index.to_numpy()], name="name", dtype=object)
+    t = t.sort_index()
     t["share"] = t["us"] / total if total else 0.0
     return t.sort_values("us", ascending=False).head(n).reset_index()
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
+
+from traceinspect.tables import factorize_text
+
 
 def fmt_us(v: float | None) -> str:
     """A duration in microseconds as text: '812.3 µs', '12.4 ms', or 'n/a'."""
@@ -39,12 +43,21 @@ def launching_ops(kernels: Any) -> dict[str, str]:
     CUDA-graph replays). ``kernels`` is the analysis' kernels table."""
     if kernels is None or not len(kernels) or "op_name" not in kernels.columns:
         return {}
-    linked = kernels[kernels["op_name"].astype(str) != ""]
-    if not len(linked):
+    ops = kernels["op_name"].astype(str).to_numpy(dtype=object)
+    linked = ops != ""
+    if not linked.any():
         return {}
-    counts = linked.groupby(["name", "op_name"], observed=True).size().reset_index(name="n")
-    counts = counts.sort_values(["name", "n"], ascending=[True, False]).drop_duplicates("name")
-    return {str(n): str(o) for n, o in zip(counts["name"], counts["op_name"], strict=True)}
+    # counted on integer codes of the two text columns; ties go to the op name that sorts first
+    nc, nu = factorize_text(kernels["name"].to_numpy(dtype=object)[linked])
+    oc, ou = factorize_text(ops[linked])
+    pairs, n = np.unique(nc * len(ou) + oc, return_counts=True)
+    best: dict[str, tuple[int, str]] = {}
+    for p, c in zip(pairs.tolist(), n.tolist(), strict=True):
+        name, op = str(nu[p // len(ou)]), str(ou[p % len(ou)])
+        b = best.get(name)
+        if b is None or c > b[0] or (c == b[0] and op < b[1]):
+            best[name] = (c, op)
+    return {name: best[name][1] for name in sorted(best)}
 
 
 _NAMESPACE = re.compile(r"\(anonymous namespace\)::|\b[A-Za-z_]\w*::(?!\w*\()(?=[A-Za-z_~])")
