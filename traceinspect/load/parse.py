@@ -22,7 +22,6 @@ import threading
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -277,9 +276,6 @@ def _tid(t: int | str) -> int:
     return v if -(2**63) <= v < 2**63 else zlib.crc32(t.encode()) & 0x7FFFFFFF
 
 
-_get = {k: attrgetter(k) for k in ("name", "ts", "dur", "tid", "args")}
-_aget = {k: attrgetter(k) for k in ("correlation", "external_id", "device", "stream", "bytes", "grid", "block",
-                                     "input_dims", "input_types", "concrete")}
 _NO_ARGS = _Args()
 
 
@@ -333,22 +329,6 @@ class _Builder:
         self.bytes_memo: dict[bytes, bytes | None] = {b"": None}
         self.str_memo: dict[bytes, str] = {b"": ""}
 
-    def _raws(self, raws: list[msgspec.Raw]) -> list[bytes | None]:
-        # one bytes object per distinct text (the memo maps b"" to None): C-level maps, no Python loop
-        bs = list(map(bytes, raws))
-        return list(map(self.bytes_memo.setdefault, bs, bs))
-
-    def _raw_strs(self, raws: list[msgspec.Raw]) -> list[str]:
-        memo = self.str_memo
-        out: list[str] = []
-        app = out.append
-        for b in map(bytes, raws):
-            s = memo.get(b)
-            if s is None:
-                s = memo[b] = sys.intern(b.decode())
-            app(s)
-        return out
-
     def add(self, events: list[_Event]) -> None:
         self.n_events += len(events)
         groups: dict[str, list[_Event]] = {k: [] for k in _KINDS}
@@ -370,33 +350,99 @@ class _Builder:
                 self._add_kind(kind, evs)
 
     def _add_kind(self, kind: str, evs: list[_Event]) -> None:
+        # one pass over the events per kind, appending to local lists: each event object is visited
+        # once (a pass per column re-reads 1e5 scattered objects per column)
         c = self.kinds[kind]
-        c.add("name", list(map(sys.intern, map(_get["name"], evs))))
-        c.add("ts", _floats(list(map(_get["ts"], evs))))
-        c.add("dur", _floats(list(map(_get["dur"], evs))))
+        intern = sys.intern
+        name: list[str] = []
+        ts: list[float] = []
+        dur: list[float] = []
+        an, at, ad = name.append, ts.append, dur.append
         if kind == "gpu_annotation":
-            return
-        if kind in ("runtime", "cpu_op", "annotation"):
-            c.add("tid", _tids(list(map(_get["tid"], evs))))
-        if kind == "annotation":
-            return
-        args = list(map(_get["args"], evs))
-        if None in args:
-            args = [a or _NO_ARGS for a in args]
-        c.add("external_id", _ids(list(map(_aget["external_id"], args))))
-        if kind == "cpu_op":
-            for col in ("input_dims", "input_types", "concrete"):
-                c.add(col, self._raws(list(map(_aget[col], args))))
-            return
-        c.add("correlation", _ids(list(map(_aget["correlation"], args))))
-        if kind == "runtime":
-            return
-        c.add("device", _ids(list(map(_aget["device"], args))))
-        c.add("stream", _ids(list(map(_aget["stream"], args))))
-        c.add("grid", self._raw_strs(list(map(_aget["grid"], args))))
-        c.add("block", self._raw_strs(list(map(_aget["block"], args))))
-        b = [-1 if x is None else x for x in map(_aget["bytes"], args)]
-        c.add("bytes", _floats(b))
+            for ev in evs:
+                an(intern(ev.name))
+                at(ev.ts)
+                ad(ev.dur)
+        elif kind == "annotation":
+            tid: list[Any] = []
+            ati = tid.append
+            for ev in evs:
+                an(intern(ev.name))
+                at(ev.ts)
+                ad(ev.dur)
+                ati(ev.tid)
+            c.add("tid", _tids(tid))
+        elif kind == "cpu_op":
+            tid, ext = [], []
+            dims: list[bytes | None] = []
+            types: list[bytes | None] = []
+            conc: list[bytes | None] = []
+            ati, ae, adi, aty, aco = tid.append, ext.append, dims.append, types.append, conc.append
+            memo = self.bytes_memo.setdefault  # one object per distinct text; b"" -> None
+            for ev in evs:
+                an(intern(ev.name))
+                at(ev.ts)
+                ad(ev.dur)
+                ati(ev.tid)
+                a = ev.args or _NO_ARGS
+                ae(a.external_id)
+                b = bytes(a.input_dims)
+                adi(memo(b, b))
+                b = bytes(a.input_types)
+                aty(memo(b, b))
+                b = bytes(a.concrete)
+                aco(memo(b, b))
+            c.add("tid", _tids(tid))
+            c.add("external_id", _ids(ext))
+            c.add("input_dims", dims)
+            c.add("input_types", types)
+            c.add("concrete", conc)
+        elif kind == "runtime":
+            tid, ext, corr = [], [], []
+            ati, ae, aco = tid.append, ext.append, corr.append
+            for ev in evs:
+                an(intern(ev.name))
+                at(ev.ts)
+                ad(ev.dur)
+                ati(ev.tid)
+                a = ev.args or _NO_ARGS
+                ae(a.external_id)
+                aco(a.correlation)
+            c.add("tid", _tids(tid))
+            c.add("external_id", _ids(ext))
+            c.add("correlation", _ids(corr))
+        else:  # kernel, memcpy, memset
+            ext, corr, dev, stream, grid, block, nbytes = [], [], [], [], [], [], []
+            ae, aco, adv, ast, agr, abl, aby = (ext.append, corr.append, dev.append, stream.append, grid.append,
+                                                block.append, nbytes.append)
+            smemo = self.str_memo
+            for ev in evs:
+                an(intern(ev.name))
+                at(ev.ts)
+                ad(ev.dur)
+                a = ev.args or _NO_ARGS
+                ae(a.external_id)
+                aco(a.correlation)
+                adv(a.device)
+                ast(a.stream)
+                for raw, out in ((a.grid, agr), (a.block, abl)):
+                    b = bytes(raw)
+                    v = smemo.get(b)
+                    if v is None:
+                        v = smemo[b] = intern(b.decode())
+                    out(v)
+                x = a.bytes
+                aby(-1 if x is None else x)
+            c.add("external_id", _ids(ext))
+            c.add("correlation", _ids(corr))
+            c.add("device", _ids(dev))
+            c.add("stream", _ids(stream))
+            c.add("grid", grid)
+            c.add("block", block)
+            c.add("bytes", _floats(nbytes))
+        c.add("name", name)
+        c.add("ts", _floats(ts))
+        c.add("dur", _floats(dur))
 
     def frames(self) -> tuple[dict[str, pd.DataFrame], int]:
         """The five tables, and the number of events dropped for non-finite or negative times."""
