@@ -63,6 +63,7 @@ class Analysis:
     collectives: Collectives | None = None
     findings: list[Finding] = field(default_factory=list)
     graph_ops: GraphOps | None = None  # CPU ops of CUDA-graph replays, from the capture traces
+    rule_set: Any = None  # the rules the findings were judged with (their texts go into the report)
 
     @property
     def phase(self) -> str:
@@ -153,6 +154,7 @@ def _measure_and_judge(result: Analysis, rule_set: Any = None) -> None:
     opts = result.options
     if rule_set is None:
         rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
+    result.rule_set = rule_set
     result.findings = evaluate(result, rule_set)
 
 

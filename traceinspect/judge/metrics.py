@@ -339,6 +339,19 @@ def _tensor_bytes(shape: list[int], dtype: str | None) -> int | None:
     return int(np.prod(shape, dtype=np.float64)) * size
 
 
+def _first_rows(name: str, dims: list[Any] | None) -> float | None:
+    """First dimension of the tensor an op reads (copy_: its source), from its recorded dims."""
+    if not dims:
+        return None
+    arg = 1 if name in ("aten::copy_", "aten::copy") else 0
+    cand = [d for d in dims if isinstance(d, list) and d and all(isinstance(x, int) for x in d)]
+    pick = dims[arg] if arg < len(dims) and isinstance(dims[arg], list) and dims[arg] else \
+        (cand[0] if cand else None)
+    if pick and all(isinstance(x, int) for x in pick):
+        return float(pick[0])
+    return None
+
+
 class MetricContext:
     """Computes metric values for one analysis, lazily and once."""
 
@@ -783,18 +796,20 @@ class MetricContext:
             return None
         rows: list[float] = []
         uniq, counts = np.unique(idx, return_counts=True)
-        for i, c in zip(uniq, counts, strict=True):
-            name = str(ops.at[i, "name"])
-            dims, types = _dims(ops.at[i, "input_dims"]), _dims(ops.at[i, "input_types"])
-            if not dims:
-                continue
-            arg = 1 if name in ("aten::copy_", "aten::copy") else 0
-            cand = [d for d in dims if isinstance(d, list) and d and all(isinstance(x, int) for x in d)]
-            pick = dims[arg] if arg < len(dims) and isinstance(dims[arg], list) and dims[arg] else \
-                (cand[0] if cand else None)
-            if pick and all(isinstance(x, int) for x in pick):
-                rows.extend([float(pick[0])] * int(c))
-            del types
+        pos = ops.index.get_indexer(uniq)
+        names = ops["name"].to_numpy(dtype=object)[pos].tolist()
+        dims_raw = ops["input_dims"].to_numpy(dtype=object)[pos].tolist()
+        memo: dict[tuple[str, Any], float | None] = {}  # ops recorded with equal shapes decode once
+        for name, raw, c in zip(names, dims_raw, counts.tolist(), strict=True):
+            key = (name, raw)
+            try:
+                row = memo[key]
+            except KeyError:
+                row = memo[key] = _first_rows(str(name), _dims(raw))
+            except TypeError:  # an unhashable (already decoded) value
+                row = _first_rows(str(name), _dims(raw))
+            if row is not None:
+                rows.extend([row] * c)
         return _median(rows) if rows else None
 
     # ------------------------------------------------------------------ gemm

@@ -940,13 +940,15 @@ def _add_rule_text(a: Analysis, findings: list[dict[str, Any]]) -> None:
     """Add each finding's rule ``why`` and ``references`` (kept on the rule, not in the JSON)."""
     if not findings or all("why" in f for f in findings):
         return
-    try:
-        from traceinspect.judge import load_rule_set
+    rules = getattr(a, "rule_set", None)
+    if rules is None:
+        try:
+            from traceinspect.judge import load_rule_set
 
-        opts = a.options
-        rules = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
-    except Exception:  # the report still renders without the rule texts
-        return
+            opts = a.options
+            rules = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
+        except Exception:  # the report still renders without the rule texts
+            return
     for f in findings:
         rule = rules.get(str(f.get("rule")))
         if rule is not None:
