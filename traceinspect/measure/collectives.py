@@ -142,6 +142,7 @@ def load_settings(path: str | None = None) -> Settings:
         raise RuleError(f"unusable collectives settings: {type(e).__name__}: {e}", file) from None
 
 
+@lru_cache(maxsize=4096)
 def collective_kind(text: str) -> str | None:
     """Collective kind named by a kernel name, span name or Kineto collective name, or None."""
     for kind, pat in load_settings().kinds:
@@ -298,13 +299,14 @@ def _span_kinds(a: Analysis, comm: pd.DataFrame) -> list[str | None]:
     launch_tid = rt["tid"].reindex(rt_idx[ok]).to_numpy()
     ranks = comm["rank"].to_numpy()[ok]
     where = np.nonzero(ok)[0]
-    groups = {key: g.sort_values("ts") for key, g in spans.groupby(["rank", "tid"])}
-    for j, (r, tid, t) in enumerate(zip(ranks, launch_tid, launch_ts, strict=True)):
+    groups = {key: (g["ts"].to_numpy(), g["end"].to_numpy(), g["name"].to_numpy(dtype=object))
+              for key, g in spans.sort_values("ts", kind="stable").groupby(["rank", "tid"])}
+    for j, (r, tid, t) in enumerate(zip(ranks.tolist(), launch_tid.tolist(), launch_ts.tolist(), strict=True)):
         g = groups.get((r, tid))
         if g is None or not np.isfinite(t):
             continue
-        ts, end, names = g["ts"].to_numpy(), g["end"].to_numpy(), g["name"].to_numpy()
-        i = np.searchsorted(ts, t, side="right") - 1
+        ts, end, names = g
+        i = int(np.searchsorted(ts, t, side="right")) - 1
         while i >= 0:
             if end[i] >= t:
                 out[where[j]] = collective_kind(names[i][5:])
@@ -356,7 +358,15 @@ def _message_bytes(a: Analysis, comm: pd.DataFrame) -> tuple[np.ndarray, list[st
     names = ops["name"].to_numpy(dtype=object)
     dims = ops["input_dims"].to_numpy(dtype=object)
     types = ops["input_types"].to_numpy(dtype=object)
-    pos_of = {lab: i for i, lab in enumerate(ops.index)}
+    n_ops = len(ops)
+    # op_idx / parent hold row labels; the loader's tables are labelled by position (no lookup table)
+    labels = None if ops.index.equals(pd.RangeIndex(n_ops)) else {lab: i for i, lab in enumerate(ops.index)}
+
+    def pos(label: int) -> int:
+        if labels is not None:
+            return labels.get(label, -1)
+        return int(label) if 0 <= label < n_ops else -1
+
     cache: dict[int, tuple[float, float]] = {}
 
     def shape_of(i: int) -> tuple[float, float]:
@@ -378,16 +388,16 @@ def _message_bytes(a: Analysis, comm: pd.DataFrame) -> tuple[np.ndarray, list[st
                     val = (float(max(math.prod(s) for s in shapes)), float(esz))
                     break
             p = parent[j]
-            j = pos_of.get(p, -1) if p >= 0 else -1
+            j = pos(p) if p >= 0 else -1
             depth += 1
         cache[i] = val
         return val
 
     op_idx = comm["op_idx"].to_numpy()
     knames = comm["name"].to_numpy(dtype=object)
-    for n, oi in enumerate(op_idx):
-        if np.isnan(out[n]) and oi >= 0 and oi in pos_of:
-            nel, esz = shape_of(pos_of[oi])
+    for n, oi in enumerate(op_idx.tolist()):
+        if np.isnan(out[n]) and oi >= 0 and pos(oi) >= 0:
+            nel, esz = shape_of(pos(oi))
             how = "cpu_op_shapes"
             if not np.isfinite(esz):
                 esz, how = _name_elem_bytes(str(knames[n])), "cpu_op_shapes+kernel_name_dtype"
