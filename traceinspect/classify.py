@@ -35,7 +35,7 @@ import yaml
 from traceinspect.errors import RuleError
 from traceinspect.model import TraceSet
 from traceinspect.resources import rules_dir
-from traceinspect.tables import factorize_text
+from traceinspect.tables import factorize_text, unique_text
 
 if TYPE_CHECKING:
     from traceinspect.graphs import GraphOps
@@ -511,7 +511,7 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None) -> None:
         return
     vocab, _ = _model_int(si, ("vocab_size",))
     ev = k["cls_evidence"].to_numpy(dtype=object)
-    uniq = pd.unique(ev)
+    uniq = unique_text(ev)
     hit = {e for e in uniq if (m := _RULE_ID.match(str(e))) and m.group(1) in ids}
     if not hit:
         return
@@ -782,7 +782,7 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
             continue
         cand = np.isin(cls, promo.sources) & is_kernel
         if promo.name is not None and cand.any():
-            uniq = pd.unique(names[cand])
+            uniq = unique_text(names[cand])
             ok = {n for n in uniq if promo.name.search(n)}
             cand &= np.fromiter((n in ok for n in names), dtype=bool, count=len(names))
         rows = np.nonzero(cand)[0]
@@ -843,7 +843,7 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     names = k["name"].to_numpy(dtype=object)
     cand = np.isin(cls, promo.sources) & is_kernel
     if promo.name is not None and cand.any():
-        ok = {n for n in pd.unique(names[cand]) if promo.name.search(n)}
+        ok = {n for n in unique_text(names[cand]) if promo.name.search(n)}
         cand &= np.fromiter((n in ok for n in names), dtype=bool, count=len(names))
     if not cand.any():
         return

@@ -25,6 +25,13 @@ def factorize_text(values: Any) -> tuple[np.ndarray, np.ndarray]:
     return codes, uniques
 
 
+def unique_text(values: Any) -> list[Any]:
+    """Distinct values of a column of hashable Python objects, in order of first appearance (what
+    :func:`pandas.unique` gives, without converting the strings first)."""
+    arr = values.to_numpy(dtype=object) if isinstance(values, (pd.Series, pd.Index)) else values
+    return list(dict.fromkeys(arr.tolist() if isinstance(arr, np.ndarray) else arr))
+
+
 _INFERS_STR = pd.Series(["x"]).dtype != object
 
 

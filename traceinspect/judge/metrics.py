@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.judge.saferegex import search
+from traceinspect.tables import unique_text
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -1072,7 +1073,7 @@ def _first(row: dict[str, Any], *keys: str) -> Any:
 def name_mask(names: pd.Series, include: Any, exclude: Any) -> np.ndarray:
     """Boolean mask of kernel names matching ``include`` and not ``exclude`` (compiled regexes or
     None), evaluated once per distinct name."""
-    uniq = pd.unique(names)
+    uniq = unique_text(names)
     ok = {}
     for nm in uniq:
         s = str(nm)
@@ -1080,4 +1081,5 @@ def name_mask(names: pd.Series, include: Any, exclude: Any) -> np.ndarray:
         if good and exclude is not None and search(exclude, s):
             good = False
         ok[nm] = good
-    return names.map(ok).to_numpy(dtype=bool)
+    arr = names.to_numpy(dtype=object)
+    return np.fromiter((ok[x] for x in arr.tolist()), dtype=bool, count=len(arr))

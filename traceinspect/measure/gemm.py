@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
-from traceinspect.tables import factorize_text
+from traceinspect.tables import factorize_text, unique_text
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -789,7 +789,7 @@ def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
     if not len(mcalls):
         return pd.DataFrame(columns=MEMORY_TABLE_COLUMNS)
     m = mcalls.copy()
-    shorts = {x: short_name(x) for x in pd.unique(m["name"])}
+    shorts = {x: short_name(x) for x in unique_text(m["name"])}
     m["family"] = m["cls"].astype(str) + ": " + m["name"].map(shorts)
     m["bytes"] = m["bytes"].astype(float)
     m["host"] = m["name"].str.contains(_HOST_LINK)
