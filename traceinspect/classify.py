@@ -35,7 +35,7 @@ import yaml
 from traceinspect.errors import RuleError
 from traceinspect.model import TraceSet
 from traceinspect.resources import rules_dir
-from traceinspect.tables import factorize_text, unique_text
+from traceinspect.tables import factorize_text, string_column, unique_text
 
 if TYPE_CHECKING:
     from traceinspect.graphs import GraphOps
@@ -427,11 +427,21 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
     evidence = np.array([lb.evidence for lb in labels], dtype=object)[codes]
     if captured is not None:
         _note_captured(table, names, kind_uniq[kind_codes], captured[0], labels, codes, evidence)
-    k["cls"] = np.array([lb.cls for lb in labels], dtype=object)[codes]
-    k["cls2"] = np.array([lb.cls2 for lb in labels], dtype=object)[codes]
-    k["cls_evidence"] = evidence
+    # object columns while the checks below rewrite them (each read of a string column would build
+    # every Python string again), pandas' string columns once they are final
+    _set_text(k, "cls", np.array([lb.cls for lb in labels], dtype=object)[codes])
+    _set_text(k, "cls2", np.array([lb.cls2 for lb in labels], dtype=object)[codes])
+    _set_text(k, "cls_evidence", evidence)
     verify_experts(ts, table)
     promote_kv(ts, steps, table, graph_ops=graph_ops)
+    for c in ("cls", "cls2", "cls_evidence"):
+        codes, uniq = factorize_text(k[c].to_numpy(dtype=object))
+        k[c] = string_column(codes, uniq)
+
+
+def _set_text(k: pd.DataFrame, col: str, values: np.ndarray) -> None:
+    """Set an object column (pandas 3 would convert an object array of str to its string dtype)."""
+    k[col] = pd.Series(values, index=k.index, dtype=object, copy=False)
 
 
 CAPTURED_NOTE = "op from graph capture trace"
@@ -539,8 +549,8 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None) -> None:
         if res is not None:
             ev[r] = f"{ev[r]}; {res[1]}" if res[0] == cls[r] else f"{res[0]}: {res[1]}; was {cls[r]} by {ev[r]}"
             cls[r] = res[0]
-    k["cls"] = cls
-    k["cls_evidence"] = ev
+    _set_text(k, "cls", cls)
+    _set_text(k, "cls_evidence", ev)
 
 
 # --- KV-cache evidence --------------------------------------------------------------------------
@@ -816,8 +826,8 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
     consumer = table.promote.get("consumer")
     if consumer is not None:
         _promote_consumers(k, consumer, ctx, inputs, cls, ev, is_kernel)
-    k["cls"] = cls
-    k["cls_evidence"] = ev
+    _set_text(k, "cls", cls)
+    _set_text(k, "cls_evidence", ev)
 
 
 _LOW_FLOAT = ("Float8", "Float4")
