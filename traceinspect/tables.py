@@ -16,7 +16,12 @@ import pandas as pd
 def factorize_text(values: Any) -> tuple[np.ndarray, np.ndarray]:
     """(codes, uniques) of a column of hashable Python objects (str, bytes, None), codes in order of
     first appearance as :func:`pandas.factorize` numbers them; None is a value of its own here."""
-    arr = values.to_numpy(dtype=object) if isinstance(values, (pd.Series, pd.Index)) else values
+    if isinstance(values, (pd.Series, pd.Index)):
+        if values.dtype != object:  # pandas' own string storage factorizes fast (and has no objects yet)
+            codes, uniques = pd.factorize(values, use_na_sentinel=False)
+            return codes.astype(np.int64, copy=False), np.asarray(uniques, dtype=object)
+        values = values.to_numpy(dtype=object)
+    arr = values
     seen: dict[Any, int] = {}
     setdefault = seen.setdefault
     codes = np.fromiter((setdefault(v, len(seen)) for v in arr), dtype=np.int64, count=len(arr))

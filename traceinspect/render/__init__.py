@@ -43,8 +43,8 @@ def launching_ops(kernels: Any) -> dict[str, str]:
     CUDA-graph replays). ``kernels`` is the analysis' kernels table."""
     if kernels is None or not len(kernels) or "op_name" not in kernels.columns:
         return {}
-    ops = kernels["op_name"].astype(str).to_numpy(dtype=object)
-    linked = ops != ""
+    ops = kernels["op_name"]
+    linked = (ops.astype(str) != "").to_numpy(dtype=bool)
     if not linked.any():
         return {}
     # counted on integer codes of the two text columns; ties go to the op name that sorts first

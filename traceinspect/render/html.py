@@ -33,6 +33,7 @@ from traceinspect.render.palette import (
     severity_color,
     text_color,
 )
+from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -1006,7 +1007,7 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
     _add_rule_text(a, findings)
     breakdown, order = class_breakdown_svg(doc)
     timeline = timeline_svg(a)
-    tl_classes = sorted(set(a.kernels["cls"].astype(str))) if len(a.kernels) else []
+    tl_classes = sorted({str(c) for c in factorize_text(a.kernels["cls"])[1]}) if len(a.kernels) else []
     gemm, gemm_reason, gemm_classes, gemm_note = gemm_scatter_svg(doc)
     coll, coll_reason = collectives_svg(doc)
     cpath, cpath_reason, cpath_classes = critical_path_svg(doc)
