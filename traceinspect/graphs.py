@@ -64,6 +64,7 @@ class CaptureTrace:
     ops: pd.DataFrame  # the capture trace's cpu_ops (model.py columns, with ``parent``)
     reason: str = ""  # why the trace is unusable ('' if usable)
     path: Path | None = None
+    parsed: Any = None  # the ParsedRank read from the file (None when it could not be read)
     # replay signature -> (captured op rows, op paths, reason); reason '' when matched
     alignments: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray, str]] = field(default_factory=dict)
 
@@ -142,10 +143,10 @@ def _op_cat(op_name: str, op_path: str) -> int:
     return _CAT_OTHER
 
 
-def _unusable(path: Path, reason: str, ops: pd.DataFrame | None = None) -> CaptureTrace:
+def _unusable(path: Path, reason: str, parsed: Any = None) -> CaptureTrace:
     empty = np.array([], dtype=np.int64)
     return CaptureTrace(empty, empty, empty, empty, np.array([], dtype=object),
-                        ops if ops is not None else pd.DataFrame(), reason, path)
+                        parsed.cpu_ops if parsed is not None else pd.DataFrame(), reason, path, parsed=parsed)
 
 
 def load_capture(path: Path, rank: int) -> CaptureTrace:
@@ -180,7 +181,7 @@ def load_capture(path: Path, rank: int) -> CaptureTrace:
     work = rt[(kind != "") & (window >= 0)]
     wkind = kind[work.index.to_numpy()]
     if not len(work):
-        return _unusable(path, f"capture trace {path.name} records no captured kernel launches", pr.cpu_ops)
+        return _unusable(path, f"capture trace {path.name} records no captured kernel launches", pr)
     syn = pd.DataFrame({
         "rank": rank, "kind": pd.Categorical(wkind, categories=["kernel", "memcpy", "memset"]),
         "name": work["name"].to_numpy(), "ts": work["ts"].to_numpy(), "dur": 0.0, "end": work["ts"].to_numpy(),
@@ -200,7 +201,8 @@ def load_capture(path: Path, rank: int) -> CaptureTrace:
     cats = np.array([_op_cat(n, p) for n, p in zip(k["op_name"].to_numpy(dtype=object), paths, strict=True)],
                     dtype=np.int64)
     return CaptureTrace(np.array([_KIND_CODE[x] for x in wkind], dtype=np.int64), cats,
-                        window[work.index.to_numpy()], k["op_idx"].to_numpy(), paths, tset.cpu_ops, path=path)
+                        window[work.index.to_numpy()], k["op_idx"].to_numpy(), paths, tset.cpu_ops, path=path,
+                        parsed=pr)
 
 
 def _compatible(ck: np.ndarray, cc: np.ndarray, rk: np.ndarray, rc: np.ndarray) -> np.ndarray:

@@ -543,7 +543,14 @@ class MetricContext:
         """Per rank, the parsed CUDA-graph capture trace (``ParsedRank``), when one was found."""
         if self._capture_shapes is None:
             out: dict[int, Any] = {}
+            graph_ops = getattr(self.a, "graph_ops", None)
+            read = graph_ops.captures if graph_ops is not None else {}
             for rank, path in sorted(self.a.trace.capture_traces.items()):
+                cap = read.get(rank)
+                if cap is not None and cap.path == path:  # the graphs stage read it already
+                    if cap.parsed is not None:
+                        out[rank] = cap.parsed
+                    continue
                 try:
                     from traceinspect.load.parse import parse_file
 
