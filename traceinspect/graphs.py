@@ -30,6 +30,7 @@ import pandas as pd
 
 from traceinspect.measure.gemm import GEMM_CLASSES, op_handler
 from traceinspect.model import TraceSet
+from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
     from traceinspect.classify import ClassTable
@@ -291,17 +292,17 @@ def _name_categories(rk: pd.DataFrame, table: ClassTable | None) -> tuple[np.nda
     """Kind codes and name-only kernel categories (GEMM / collective / other) of replayed events."""
     from traceinspect.classify import classify_name
 
-    kinds = rk["kind"].astype(str).to_numpy(dtype=object)
-    names = rk["name"].astype(str).to_numpy(dtype=object)
-    memo: dict[tuple[str, str], int] = {}
-    cat = np.empty(len(rk), dtype=np.int64)
-    for i, key in enumerate(zip(names, kinds, strict=True)):
-        c = memo.get(key)
-        if c is None:
-            cls = classify_name(key[0], "", key[1], table=table).cls
-            c = memo[key] = _CAT_GEMM if cls in GEMM_CLASSES else _CAT_COMM if cls == "comm" else _CAT_OTHER
-        cat[i] = c
-    kind = np.array([_KIND_CODE.get(x, 0) for x in kinds], dtype=np.int64)
+    # decided once per distinct (name, kind), on integer codes of the two columns
+    nc, names = factorize_text(rk["name"].to_numpy(dtype=object))
+    kc, kinds = factorize_text(rk["kind"].astype(object).to_numpy(dtype=object))
+    pairs, inverse = np.unique(nc * max(len(kinds), 1) + kc, return_inverse=True)
+    cats = []
+    for p in pairs.tolist():
+        cls = classify_name(str(names[p // len(kinds)]), "", str(kinds[p % len(kinds)]), table=table).cls
+        cats.append(_CAT_GEMM if cls in GEMM_CLASSES else _CAT_COMM if cls == "comm" else _CAT_OTHER)
+    cat = np.asarray(cats, dtype=np.int64)[inverse.ravel()] if len(rk) else np.empty(0, dtype=np.int64)
+    kind = np.array([_KIND_CODE.get(str(x), 0) for x in kinds], dtype=np.int64)[kc] if len(rk) else \
+        np.empty(0, dtype=np.int64)
     return kind, cat
 
 
@@ -365,6 +366,8 @@ def recover_graph_ops(ts: TraceSet, table: ClassTable | None = None) -> GraphOps
             unmatched = unmatched[unmatched.str.startswith(NOT_MATCHED)]
             why_rank = str(unmatched.mode().iloc[0]) if len(unmatched) else ""
         ranks[rank] = RankStatus(rank, status, why_rank, n_replays, matched, str(path))
+    # text columns stay object (as in GraphOps.empty): pandas 3 would convert every row of them
     table_out = pd.DataFrame({"rank": rank_col.astype(np.int64), "replay": launch, "cap_op": cap_op,
-                              "cap_op_path": cap_path, "reason": reason}, index=rep.index)
+                              "cap_op_path": pd.Series(cap_path, index=rep.index, dtype=object),
+                              "reason": pd.Series(reason, index=rep.index, dtype=object)}, index=rep.index)
     return GraphOps(table_out, captures, ranks)
