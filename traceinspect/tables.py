@@ -1,8 +1,10 @@
-"""Column helpers shared by the stages: factorizing text columns and building string columns.
+"""Column helpers shared by the stages: factorizing text columns and building categorical ones.
 
 pandas 3 factorizes an object array of ``str`` by first converting it to its Arrow-backed string type,
 which costs ~0.4 us per row; the text columns of a trace (kernel and op names) hold few distinct
 values, each usually one shared object, for which a dictionary lookup per row is several times faster.
+The text columns the stages add (link: rt_name, op_name, op_path; classify: cls, cls2, cls_evidence)
+are categoricals, so that selecting rows of the ~1e6-row kernel table moves integer codes.
 """
 
 from __future__ import annotations
@@ -37,21 +39,16 @@ def unique_text(values: Any) -> list[Any]:
     return list(dict.fromkeys(arr.tolist() if isinstance(arr, np.ndarray) else arr))
 
 
-_INFERS_STR = pd.Series(["x"]).dtype != object
-
-
-def string_column(codes: np.ndarray, uniques: np.ndarray) -> Any:
-    """The column ``uniques[codes]`` in the dtype pandas gives string data (``str`` on pandas 3,
-    built from a dictionary instead of one conversion per row; object before)."""
-    if _INFERS_STR:
-        try:
-            import pyarrow as pa
-
-            d = pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)),
-                                               pa.array(list(uniques), type=pa.large_string()))
-            return pd.array(d.dictionary_decode(), dtype="str")
-        except Exception:  # noqa: BLE001 - any pyarrow/pandas mismatch: the plain way below
-            pass
-    out = np.empty(len(codes), dtype=object)
-    out[:] = uniques[codes] if len(uniques) else ""
-    return out
+def string_column(codes: np.ndarray, uniques: np.ndarray) -> pd.Categorical:
+    """The column ``uniques[codes]`` as a categorical with the distinct strings sorted: filtering and
+    grouping a categorical moves integer codes, not strings (the tables have ~1e6 rows and few
+    distinct values per text column), and it sorts as its strings do."""
+    uniq = np.asarray(uniques, dtype=object)
+    if not len(uniq):
+        return pd.Categorical.from_codes(np.zeros(0, dtype=np.int64), categories=pd.Index([], dtype=object))
+    text = np.array([str(u) for u in uniq], dtype=object)
+    order = np.argsort(text, kind="stable")
+    cats = np.unique(text[order])  # equal texts share one category
+    rank = np.empty(len(uniq), dtype=np.int64)
+    rank[order] = np.searchsorted(cats, text[order])
+    return pd.Categorical.from_codes(rank[np.asarray(codes, dtype=np.int64)], categories=pd.Index(cats, dtype=object))
