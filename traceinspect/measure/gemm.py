@@ -679,6 +679,19 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=CALL_COLUMNS)
 
 
+def _name_matches(names: pd.Series, pattern: re.Pattern[str]) -> np.ndarray:
+    """Whether each name matches ``pattern``, searched once per distinct name."""
+    arr = names.to_numpy(dtype=object)
+    hit = {n: bool(pattern.search(str(n))) for n in unique_text(arr)}
+    return np.fromiter((hit[n] for n in arr.tolist()), dtype=bool, count=len(arr))
+
+
+def _obj(values: Any) -> pd.Series:
+    """A text column kept object: the calls table has a row per GEMM / memory call (~1e6 under graph
+    replay) and pandas 3 would convert every string of it to its own string type."""
+    return pd.Series(np.asarray(values, dtype=object), dtype=object, copy=False)
+
+
 def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarray, shape: list[Shape | None],
           reason: np.ndarray, us: np.ndarray, moe: np.ndarray) -> pd.DataFrame:
     """Calls rows for the kernels at positions ``pos`` of ``src``, one Shape (or None) each."""
@@ -692,12 +705,12 @@ def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarra
     rs = [r or (s.note if s is not None else "") for r, s in zip(reason, shape, strict=True)]
     out = pd.DataFrame({
         "rank": src["rank"][pos], "step": src["step"][pos], "kernel": src["kernel"][pos],
-        "name": col["name"][pos], "cls": cls,
-        "op_name": col["op_name"][pos], "kind": kind, "batch": attr("batch"), "groups": attr("groups"),
-        "m": attr("m"), "n": attr("n"), "k": attr("k"), "dtype": attr("dtype"), "flops": attr("flops"),
+        "name": _obj(col["name"][pos]), "cls": _obj(cls),
+        "op_name": _obj(col["op_name"][pos]), "kind": _obj(kind), "batch": attr("batch"), "groups": attr("groups"),
+        "m": attr("m"), "n": attr("n"), "k": attr("k"), "dtype": _obj(attr("dtype")), "flops": attr("flops"),
         "bytes": attr("bytes"), "us": np.asarray(us, dtype=float), "tflops": np.nan, "gbps": np.nan,
         "pct_peak": np.nan, "pct_bw": np.nan,
-        "shape_source": np.where(known, col["source"][pos], "unknown"), "reason": rs,
+        "shape_source": _obj(np.where(known, col["source"][pos], "unknown")), "reason": _obj(rs),
         "moe": np.asarray(moe, dtype=bool), "peak_tflops": np.nan,
     })
     return out[CALL_COLUMNS]
@@ -709,12 +722,13 @@ def _copy_events(k: pd.DataFrame) -> pd.DataFrame:
     n = len(mc)
     return pd.DataFrame({
         "rank": mc["rank"].to_numpy(), "step": mc["step"].to_numpy(), "kernel": mc.index.to_numpy(),
-        "name": mc["name"].to_numpy(dtype=object), "cls": mc["cls"].astype(str).to_numpy(),
-        "op_name": mc["op_name"].to_numpy(dtype=object), "kind": ["memory"] * n, "batch": [None] * n,
+        "name": _obj(mc["name"].to_numpy(dtype=object)), "cls": _obj(mc["cls"].astype(str).to_numpy(dtype=object)),
+        "op_name": _obj(mc["op_name"].to_numpy(dtype=object)), "kind": _obj(["memory"] * n), "batch": [None] * n,
         "groups": [None] * n, "m": [None] * n, "n": [None] * n, "k": [None] * n,
         "dtype": [None] * n, "flops": [None] * n, "bytes": mc["bytes"].to_numpy(dtype=float),
         "us": mc["dur"].to_numpy(dtype=float), "tflops": np.nan, "gbps": np.nan, "pct_peak": np.nan,
-        "pct_bw": np.nan, "shape_source": ["shapes"] * n, "reason": [""] * n, "moe": np.zeros(n, dtype=bool),
+        "pct_bw": np.nan, "shape_source": _obj(["shapes"] * n), "reason": _obj([""] * n),
+        "moe": np.zeros(n, dtype=bool),
         "peak_tflops": np.nan,
     })[CALL_COLUMNS]
 
@@ -736,7 +750,7 @@ def _rates(calls: pd.DataFrame, spec: GpuSpec | None) -> None:
     calls["peak_tflops"] = peak
     calls["pct_peak"] = np.where(calls["kind"].to_numpy() == "gemm", 100.0 * tf / peak, np.nan)
     bw = spec.mem_bw_gbps if spec and spec.mem_bw_gbps else np.nan
-    host = calls["name"].str.contains(_HOST_LINK).to_numpy()
+    host = _name_matches(calls["name"], _HOST_LINK)
     calls["pct_bw"] = np.where(host, np.nan, 100.0 * gb / bw)
 
 
@@ -792,7 +806,7 @@ def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
     shorts = {x: short_name(x) for x in unique_text(m["name"])}
     m["family"] = m["cls"].astype(str) + ": " + m["name"].map(shorts)
     m["bytes"] = m["bytes"].astype(float)
-    m["host"] = m["name"].str.contains(_HOST_LINK)
+    m["host"] = _name_matches(m["name"], _HOST_LINK)
     agg = m.groupby(["family", "cls"], sort=False).agg(
         calls=("us", "size"), bytes=("bytes", "sum"), us=("us", "sum"), host=("host", "any"),
         dtypes=("dtype", lambda s: sorted({x for x in s if isinstance(x, str) and x}))).reset_index()
