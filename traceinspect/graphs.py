@@ -316,7 +316,7 @@ def recover_graph_ops(ts: TraceSet, table: ClassTable | None = None) -> GraphOps
     replay = k["graph_replay"].to_numpy(dtype=bool)
     if not replay.any():
         return GraphOps.empty()
-    rep = k[replay]
+    rep = k.loc[replay, ["rank", "rt_idx", "ts", "name", "kind"]]  # the columns read below
     n = len(rep)
     cap_op = np.full(n, -1, dtype=np.int64)
     cap_path = np.full(n, "", dtype=object)

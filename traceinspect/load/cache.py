@@ -68,7 +68,6 @@ def _read_table(path: Path) -> pd.DataFrame:
     """One cached table with the dtypes a parse gives: object columns, ``kind`` categorical."""
     import numpy as np
     import pandas as pd
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     schema = pq.read_schema(path)
@@ -90,8 +89,6 @@ def _read_table(path: Path) -> pd.DataFrame:
         arr = np.concatenate(parts) if parts else np.empty(0, dtype=object)
         if name == "kind":
             data[name] = pd.Categorical(arr, categories=GPU_KINDS)
-        elif pa.types.is_string(col.type.value_type) and name not in ("name",):
-            data[name] = pd.array(arr, dtype="str") if len(arr) else pd.array([], dtype="str")
         else:  # a Series keeps it object (a bare array of str would be converted to str dtype)
             data[name] = pd.Series(arr, dtype=object, copy=False)
     return pd.DataFrame(data, copy=False)

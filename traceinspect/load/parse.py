@@ -476,7 +476,7 @@ class _Builder:
                 dropped += int(n - ok.sum())
                 data = {k: (v[ok] if not isinstance(v, pd.Categorical) else v[ok]) for k, v in data.items()}
             data["end"] = data["ts"] + data["dur"]
-            for c in ("name", "input_dims", "input_types", "concrete"):
+            for c in ("name", "grid", "block", "input_dims", "input_types", "concrete"):
                 if c in data:  # object columns stay object (a bare array of str would become str dtype)
                     data[c] = pd.Series(data[c], dtype=object, copy=False)
             return pd.DataFrame({c: data[c] for c in columns if c != "rank"}, copy=False)
