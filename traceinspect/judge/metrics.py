@@ -848,8 +848,8 @@ class MetricContext:
         peak = pd.to_numeric(g.get("peak_tflops"), errors="coerce")
         g["peak_us"] = (peak * g["us"]).where(peak.notna(), np.nan)
         g["peak_known_us"] = g["us"].where(peak.notna(), 0.0)
-        g["dtype"] = g["dtype"].fillna("").astype(str)
-        g["op_name"] = g["op_name"].fillna("").astype(str)
+        g["dtype"] = g["dtype"].fillna("").astype(object)
+        g["op_name"] = g["op_name"].fillna("").astype(object)
         keys = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "is_moe", "known"]
         for c in ("m", "n", "k"):
             g[c] = g[c].fillna(-1.0)
