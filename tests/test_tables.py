@@ -37,3 +37,15 @@ def test_factorize_text_keeps_none_and_bytes() -> None:
     assert codes.tolist() == [0, 1, 0, 2, 1]
     assert list(uniq) == [b"[[1, 2]]", None, b"[]"]
     assert factorize_text(np.array([], dtype=object))[0].tolist() == []
+
+
+def test_ranks_with_different_strings_stack_into_one_categorical() -> None:
+    from traceinspect.load import _concat
+
+    a = pd.DataFrame({"op_name": string_column(np.array([0, 1, 0]), np.array(["b", "a"], dtype=object))})
+    b = pd.DataFrame({"op_name": string_column(np.array([0, 1]), np.array(["c", "a"], dtype=object))})
+    out = _concat([a, b], [0, 1])
+    assert isinstance(out["op_name"].dtype, pd.CategoricalDtype)
+    assert out["op_name"].tolist() == ["b", "a", "b", "c", "a"]
+    assert list(out["op_name"].cat.categories) == ["a", "b", "c"]  # sorted: sorts as its strings do
+    assert out["rank"].tolist() == [0, 0, 0, 1, 1]

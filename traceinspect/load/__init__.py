@@ -265,6 +265,11 @@ def _concat(frames: list[pd.DataFrame], ranks: list[int],
         elif c == "kind":
             codes = np.concatenate([p.cat.codes.to_numpy() for p in parts])
             cols[c] = pd.Categorical.from_codes(codes, categories=GPU_KINDS)
+        elif isinstance(parts[0].dtype, pd.CategoricalDtype):  # the link columns: union of the ranks' strings
+            from pandas.api.types import union_categoricals
+
+            cols[c] = union_categoricals([p.array for p in parts], sort_categories=True) if len(parts) > 1 \
+                else parts[0].array
         elif isinstance(parts[0].dtype, np.dtype):
             arr = np.concatenate([p.to_numpy() for p in parts]) if len(parts) > 1 else parts[0].to_numpy()
             # a Series keeps object columns object (a bare array of str would be converted to str dtype)
