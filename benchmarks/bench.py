@@ -15,6 +15,7 @@ is its own ``ru_maxrss``. Checks (exit 1 when one is missed, unless --smoke):
   (``TraceAnalysis(trace_dir=...)``) on the same file;
 * peak RSS of that ingest, and of every ingest in the size series, <= uncompressed JSON + 200 MB;
 * N ranks: ``traceinspect report`` (analyze + HTML) < 3x the time of ``gzip -dc`` over the same files;
+* (reported, not checked) the same N-rank run on CUDA-graph decode traces, with their capture traces;
 * cost grows linearly with size (1x, 2x, 4x, 8x): the CPU seconds per MB of the last step (4x -> 8x)
   are at most 1.5x those of the first steps (1x -> 4x); the same for ranks (1, 2, 4, 8 files). CPU
   time, because wall time also counts whatever else the machine runs (the load average is recorded).
@@ -30,6 +31,7 @@ import gzip
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -41,6 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SOURCE = ROOT / "fixtures" / "kv-full-cast-eager"
+GRAPH_SOURCE = ROOT / "fixtures" / "kv-full-cast-graph"
 HTA_VENV = Path("/tmp/htavenv/bin/python")
 
 RATIO_HTA = 20.0
@@ -220,6 +223,13 @@ def make_set(src_dir: Path, dst: Path, size_mb: float, ranks: int, gen: Path) ->
         info = json.loads(si.read_text())
         info["tp_size"] = ranks
         (dst / "server_info.json").write_text(json.dumps(info))
+    caps = sorted((src_dir / "graph_capture_profile").glob("*-TP-*.json*"))
+    if caps:  # CUDA-graph capture traces: rank r gets the fixture's rank r % (fixture ranks)
+        cdir = dst / "graph_capture_profile"
+        cdir.mkdir(exist_ok=True)
+        for r in range(ranks):
+            c = caps[r % len(caps)]
+            shutil.copyfile(c, cdir / re.sub(r"-TP-\d+", f"-TP-{r}", c.name))
     return total
 
 
@@ -298,6 +308,8 @@ def check_linear(results: dict, failures: list[str], key: str, what: str,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="fixture directory to replicate")
+    ap.add_argument("--graph-source", type=Path, default=GRAPH_SOURCE,
+                    help="CUDA-graph fixture for the informational end-to-end run ('' to skip)")
     ap.add_argument("--size-mb", type=float, default=100.0, help="uncompressed size of one rank file")
     ap.add_argument("--ranks", type=int, default=8, help="rank files of the end-to-end run")
     ap.add_argument("--scale", default="1,2,4,8", help="size multiples of the linearity series")
@@ -406,6 +418,19 @@ def main(argv: list[str] | None = None) -> int:
         if e2e and e2e["report_s"] > RATIO_GZIP * e2e["gzip_dc_s"]:
             failures.append(f"{args.ranks} ranks: analyze + report took {e2e['ratio_to_gzip']:.2f}x gzip -dc "
                             f"(target < {RATIO_GZIP:.0f}x)")
+        # the same end-to-end run on CUDA-graph decode traces (with their capture traces): reported, not checked
+        if str(args.graph_source) and args.graph_source.is_dir():
+            d = work / "graph"
+            total = make_set(args.graph_source, d, args.size_mb, args.ranks, gen / "graph")
+            files = sorted(d.glob("*.trace.json.gz"))
+            log(f"CUDA-graph traces, {args.ranks} ranks x {args.size_mb:g} MB: gzip -dc, then traceinspect report")
+            gz, gz_cpu = gunzip_time(files)
+            rep, rep_cpu = report_time(d, work / "report-graph.html")
+            results["end_to_end_graph"] = {
+                "source": str(args.graph_source), "ranks": args.ranks, "json_mb": round(total / 1e6, 1),
+                "gzip_dc_s": round(gz, 3), "report_s": round(rep, 3), "ratio_to_gzip": round(rep / gz, 2),
+                "gzip_dc_cpu_s": round(gz_cpu, 3), "report_cpu_s": round(rep_cpu, 3)}
+            shutil.rmtree(d, ignore_errors=True)
         rs = results["ranks_scaling"]
         if len(rs) >= 3:
             check_linear(results, failures, "ranks", "report CPU cost per rank grows with ranks",
