@@ -32,6 +32,15 @@ def factorize_text(values: Any) -> tuple[np.ndarray, np.ndarray]:
     return codes, uniques
 
 
+def text_values(col: pd.Series) -> np.ndarray:
+    """The column as an object array of ``str`` (what ``.astype(str)`` gives), taken from the categories
+    of a categorical instead of converting every row."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        cats = np.array([str(c) for c in col.cat.categories] + ["nan"], dtype=object)
+        return cats[col.cat.codes.to_numpy()]  # code -1 (missing) -> the last slot, "nan"
+    return np.asarray(col.astype(str).to_numpy(dtype=object), dtype=object)
+
+
 def unique_text(values: Any) -> list[Any]:
     """Distinct values of a column of hashable Python objects, in order of first appearance (what
     :func:`pandas.unique` gives, without converting the strings first)."""

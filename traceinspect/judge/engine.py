@@ -20,6 +20,7 @@ from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, evaluate_explain
 from traceinspect.judge.rules import SEVERITY_RANK, Rule, RuleSet
 from traceinspect.judge.saferegex import search
+from traceinspect.tables import text_values, unique_text
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -153,18 +154,18 @@ class _Subjects:
                 return [], "no kernels in the analysed steps"
             mask = np.ones(len(k), dtype=bool)
             if sel.classes:
-                mask &= k["cls"].astype(str).isin(sel.classes).to_numpy()
+                mask &= np.isin(text_values(k["cls"]), list(sel.classes))
             if sel.kinds:
-                mask &= k["kind"].astype(str).isin(sel.kinds).to_numpy()
+                mask &= np.isin(text_values(k["kind"]), list(sel.kinds))
             if sel.graph is not None:
                 mask &= (k["graph_replay"].to_numpy() == sel.graph)
             if sel.name is not None or sel.not_name is not None:
                 mask &= M.name_mask(k["name"], sel.name, sel.not_name)
             if sel.op is not None or sel.not_op is not None:
-                path = k["op_path"].astype(str) if "op_path" in k.columns else k["op_name"].astype(str)
+                path = text_values(k["op_path"] if "op_path" in k.columns else k["op_name"])
                 uniq = {p: ((sel.op is None or search(sel.op, p)) and
-                            (sel.not_op is None or not search(sel.not_op, p))) for p in path.unique()}
-                mask &= path.map(uniq).to_numpy(dtype=bool)
+                            (sel.not_op is None or not search(sel.not_op, p))) for p in unique_text(path)}
+                mask &= np.fromiter((uniq[p] for p in path.tolist()), dtype=bool, count=len(path))
             subs = ctx.kernel_subjects(mask, sel.group_by)
             return subs, (None if subs else "no kernel matched the selector")
         if sel.scope == "gemm":

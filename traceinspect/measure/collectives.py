@@ -37,6 +37,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from traceinspect.tables import text_values
+
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
@@ -278,7 +280,7 @@ def _groups(a: Analysis) -> list[list[int]]:
 def _comm_mask(k: pd.DataFrame) -> np.ndarray:
     if "cls" not in k.columns:
         return np.zeros(len(k), dtype=bool)
-    return ((k["cls"].astype(str) == "comm") & (k["kind"].astype(str) == "kernel")).to_numpy()
+    return (text_values(k["cls"]) == "comm") & (text_values(k["kind"]) == "kernel")
 
 
 def _span_kinds(a: Analysis, comm: pd.DataFrame) -> list[str | None]:
@@ -731,7 +733,7 @@ def _activities(a: Analysis, sel: pd.DataFrame, res: Collectives) -> pd.DataFram
                                        + (["cls"] if "cls" in k.columns else [])].copy()
     if "cls" not in act.columns:
         act["cls"] = "unknown"
-    act["cls"] = act["cls"].astype(str)
+    act["cls"] = pd.Series(text_values(act["cls"]), index=act.index, dtype=object)
     act["pos"] = pos_of_step.reindex(act["step"]).to_numpy().astype(np.int64)
     off = act["rank"].map(res.offsets_applied).fillna(0.0).to_numpy()
     act["ts"] = act["ts"].to_numpy() - off

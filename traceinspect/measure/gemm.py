@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
-from traceinspect.tables import factorize_text, unique_text
+from traceinspect.tables import factorize_text, text_values, unique_text
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -530,7 +530,7 @@ def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
     return {
         "kernel": kk.index.to_numpy(), "rank": kk["rank"].to_numpy(), "step": kk["step"].to_numpy(),
         "ts": kk["ts"].to_numpy(dtype=float), "name": kk["name"].to_numpy(dtype=object),
-        "cls": kk["cls"].astype(str).to_numpy(dtype=object), "dur": kk["dur"].to_numpy(dtype=float),
+        "cls": text_values(kk["cls"]), "dur": kk["dur"].to_numpy(dtype=float),
         "inst": inst, "source": source, "why": why, "op_name": op_name, "op_path": op_path, "dims": dims,
         "types": types, "conc": conc,
     }
@@ -722,7 +722,7 @@ def _copy_events(k: pd.DataFrame) -> pd.DataFrame:
     n = len(mc)
     return pd.DataFrame({
         "rank": mc["rank"].to_numpy(), "step": mc["step"].to_numpy(), "kernel": mc.index.to_numpy(),
-        "name": _obj(mc["name"].to_numpy(dtype=object)), "cls": _obj(mc["cls"].astype(str).to_numpy(dtype=object)),
+        "name": _obj(mc["name"].to_numpy(dtype=object)), "cls": _obj(text_values(mc["cls"])),
         "op_name": _obj(mc["op_name"].to_numpy(dtype=object)), "kind": _obj(["memory"] * n), "batch": [None] * n,
         "groups": [None] * n, "m": [None] * n, "n": [None] * n, "k": [None] * n,
         "dtype": [None] * n, "flops": [None] * n, "bytes": mc["bytes"].to_numpy(dtype=float),

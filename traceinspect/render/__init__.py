@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from traceinspect.tables import factorize_text
+from traceinspect.tables import factorize_text, text_values
 
 
 def fmt_us(v: float | None) -> str:
@@ -44,7 +44,7 @@ def launching_ops(kernels: Any) -> dict[str, str]:
     if kernels is None or not len(kernels) or "op_name" not in kernels.columns:
         return {}
     ops = kernels["op_name"]
-    linked = (ops.astype(str) != "").to_numpy(dtype=bool)
+    linked = text_values(ops) != ""
     if not linked.any():
         return {}
     # counted on integer codes of the two text columns; ties go to the op name that sorts first
