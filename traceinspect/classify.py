@@ -35,7 +35,7 @@ import yaml
 from traceinspect.errors import RuleError
 from traceinspect.model import TraceSet
 from traceinspect.resources import rules_dir
-from traceinspect.tables import factorize_text, string_column, unique_text
+from traceinspect.tables import factorize_text, string_column, text_values, unique_text
 
 if TYPE_CHECKING:
     from traceinspect.graphs import GraphOps
@@ -403,9 +403,8 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
         return
     # one label per distinct (name, op path, kind): the three columns are factorized on their own (the
     # op path stays in pandas' string storage) and the codes combined into one integer key
-    names = k["name"] if k["name"].dtype == object and not k["name"].isna().any() else k["name"].astype(str)
-    names = names.to_numpy(dtype=object)
-    name_codes, _ = factorize_text(names)
+    names = text_values(k["name"])
+    name_codes, _ = factorize_text(k["name"] if isinstance(k["name"].dtype, pd.CategoricalDtype) else names)
     if "op_path" in k:
         ops = k["op_path"].fillna("")
         captured = _captured_rows(k, graph_ops)
@@ -429,14 +428,28 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
         _note_captured(table, names, kind_uniq[kind_codes], captured[0], labels, codes, evidence)
     # object columns while the checks below rewrite them (each read of a string column would build
     # every Python string again), pandas' string columns once they are final
-    _set_text(k, "cls", np.array([lb.cls for lb in labels], dtype=object)[codes])
-    _set_text(k, "cls2", np.array([lb.cls2 for lb in labels], dtype=object)[codes])
+    per_label = {"cls": np.array([lb.cls for lb in labels], dtype=object),
+                 "cls2": np.array([lb.cls2 for lb in labels], dtype=object),
+                 "cls_evidence": np.array([lb.evidence for lb in labels], dtype=object)}
+    _set_text(k, "cls", per_label["cls"][codes])
+    _set_text(k, "cls2", per_label["cls2"][codes])
     _set_text(k, "cls_evidence", evidence)
     verify_experts(ts, table)
     promote_kv(ts, steps, table, graph_ops=graph_ops)
-    for c in ("cls", "cls2", "cls_evidence"):
-        codes, uniq = factorize_text(k[c].to_numpy(dtype=object))
-        k[c] = string_column(codes, uniq)
+    for c, uniq in per_label.items():
+        k[c] = _categorical(k[c].to_numpy(dtype=object), codes, uniq)
+
+
+def _categorical(values: np.ndarray, codes: np.ndarray, uniq: np.ndarray) -> pd.Categorical:
+    """``values`` as a categorical, given that most rows still hold ``uniq[codes]`` (the label of their
+    name): only the rows the evidence checks rewrote are factorized."""
+    changed = np.nonzero(values != uniq[codes])[0]
+    if len(changed):
+        new_codes, new_uniq = factorize_text(values[changed])
+        codes = codes.copy()
+        codes[changed] = len(uniq) + new_codes
+        uniq = np.concatenate([uniq, new_uniq])
+    return string_column(codes, uniq)
 
 
 def _set_text(k: pd.DataFrame, col: str, values: np.ndarray) -> None:
@@ -794,7 +807,8 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
         if promo.name is not None and cand.any():
             uniq = unique_text(names[cand])
             ok = {n for n in uniq if promo.name.search(n)}
-            cand &= np.fromiter((n in ok for n in names), dtype=bool, count=len(names))
+            at = np.nonzero(cand)[0]  # the name test only where the class test passed
+            cand[at] = np.fromiter((n in ok for n in names[at].tolist()), dtype=bool, count=len(at))
         rows = np.nonzero(cand)[0]
         if not len(rows):
             continue
@@ -854,7 +868,8 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     cand = np.isin(cls, promo.sources) & is_kernel
     if promo.name is not None and cand.any():
         ok = {n for n in unique_text(names[cand]) if promo.name.search(n)}
-        cand &= np.fromiter((n in ok for n in names), dtype=bool, count=len(names))
+        at = np.nonzero(cand)[0]
+        cand[at] = np.fromiter((n in ok for n in names[at].tolist()), dtype=bool, count=len(at))
     if not cand.any():
         return
     idx = np.nonzero(is_kernel)[0]
@@ -866,13 +881,17 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     where = np.full(len(k), -1, dtype=np.int64)
     where[order] = np.arange(len(order))
     op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
-    for r in np.nonzero(cand)[0]:
-        i = where[r]
+    rows = np.nonzero(cand)[0]
+    # Python lists: the loop reads single elements, and a numpy scalar read costs ~10x more
+    pos = where[rows].tolist()
+    order_l, rank_l, stream_l = order.tolist(), rank_s.tolist(), stream_s.tolist()
+    n_lane = len(order_l)
+    for r, i in zip(rows.tolist(), pos, strict=True):
         for step in (1, 2):
             j = i + step
-            if j >= len(order) or rank_s[j] != rank_s[i] or stream_s[j] != stream_s[i]:
+            if j >= n_lane or rank_l[j] != rank_l[i] or stream_l[j] != stream_l[i]:
                 break
-            nxt = order[j]
+            nxt = order_l[j]
             target = promo.next.get(cls[nxt])
             if target is None:
                 continue

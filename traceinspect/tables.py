@@ -34,10 +34,12 @@ def factorize_text(values: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def text_values(col: pd.Series) -> np.ndarray:
     """The column as an object array of ``str`` (what ``.astype(str)`` gives), taken from the categories
-    of a categorical instead of converting every row."""
+    of a categorical instead of converting every row; an object column of strings is returned as is."""
     if isinstance(col.dtype, pd.CategoricalDtype):
         cats = np.array([str(c) for c in col.cat.categories] + ["nan"], dtype=object)
         return cats[col.cat.codes.to_numpy()]  # code -1 (missing) -> the last slot, "nan"
+    if col.dtype == object and not col.isna().any():  # already Python strings (the loader's columns)
+        return col.to_numpy(dtype=object)
     return np.asarray(col.astype(str).to_numpy(dtype=object), dtype=object)
 
 

@@ -62,6 +62,7 @@ def load_rank_file(path: str | Path, use_cache: bool = True) -> tuple[str, int, 
 def _link_rank(p: ParsedRank) -> None:
     """Link one rank's tables where they were parsed (the work is per rank; see link_tables)."""
     from traceinspect.link import link_tables
+    from traceinspect.tables import factorize_text, string_column
 
     tables = (p.kernels, p.runtime, p.cpu_ops)
     for t in tables:
@@ -69,6 +70,9 @@ def _link_rank(p: ParsedRank) -> None:
     p.link_dups = link_tables(*tables)
     for t in tables:
         del t["rank"]
+    # kernel names as a categorical (made here, in the parse worker): the analysis groups and filters
+    # the kernel table by name many times
+    p.kernels["name"] = string_column(*factorize_text(p.kernels["name"].to_numpy(dtype=object)))
     p.linked = True
 
 
