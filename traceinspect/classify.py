@@ -758,11 +758,19 @@ def _recurrence(k: pd.DataFrame, rows: np.ndarray, ctx: _KvContext) -> dict[tupl
     return out
 
 
+def _rank_time_order(rank: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """Row order by (rank, start time), equal keys in row order: ``np.lexsort((ts, rank))``, skipped
+    when the rows are already in that order (as the loader leaves them)."""
+    if len(rank) < 2 or (np.all(rank[1:] >= rank[:-1])
+                         and np.all((ts[1:] >= ts[:-1]) | (rank[1:] != rank[:-1]))):
+        return np.arange(len(rank))
+    return np.lexsort((ts, rank))
+
+
 def _adjacent(k: pd.DataFrame, sub: pd.DataFrame) -> set[tuple[Any, Any]]:
     """(rank, name) pairs of ``sub`` (rows of ``k``) with two occurrences in one step and no other kernel
     of the rank between them on its GPU timeline (ordered by start time)."""
-    rank_all = k["rank"].to_numpy()
-    order = np.lexsort((k["ts"].to_numpy(), rank_all))  # stable: equal starts keep row order
+    order = _rank_time_order(k["rank"].to_numpy(), k["ts"].to_numpy())
     pos = np.empty(len(k), dtype=np.int64)
     pos[order] = np.arange(len(k))  # rank boundaries never make two positions of one rank adjacent
     rows = k.index.get_indexer(sub.index)
@@ -873,9 +881,13 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     if not cand.any():
         return
     idx = np.nonzero(is_kernel)[0]
-    stream = k["stream"].to_numpy()[idx] if "stream" in k else np.zeros(len(idx))
+    stream = k["stream"].to_numpy()[idx] if "stream" in k else np.zeros(len(idx), dtype=np.int64)
     rank = k["rank"].to_numpy()[idx]
-    lane = np.lexsort((k["ts"].to_numpy()[idx], stream, rank))
+    # by (rank, stream, ts): a stable sort by (rank, stream) of the rows in (rank, ts) order
+    by_time = _rank_time_order(rank, k["ts"].to_numpy()[idx])
+    s_codes = pd.factorize(stream[by_time], sort=True)[0]
+    lane = by_time[np.argsort(rank[by_time].astype(np.int64) * (int(s_codes.max(initial=0)) + 1) + s_codes,
+                              kind="stable")]
     order = idx[lane]
     rank_s, stream_s = rank[lane], stream[lane]
     where = np.full(len(k), -1, dtype=np.int64)
