@@ -49,3 +49,10 @@ def test_ranks_with_different_strings_stack_into_one_categorical() -> None:
     assert out["op_name"].tolist() == ["b", "a", "b", "c", "a"]
     assert list(out["op_name"].cat.categories) == ["a", "b", "c"]  # sorted: sorts as its strings do
     assert out["rank"].tolist() == [0, 0, 0, 1, 1]
+
+
+def test_factorize_text_keeps_tuples_whole() -> None:
+    keys = [("aten::mm", b"[[16, 2048]]", b"[]", b"[]"), ("aten::mm", b"[[8, 2048]]", b"[]", b"[]"),
+            ("aten::mm", b"[[16, 2048]]", b"[]", b"[]")]
+    codes, uniq = factorize_text(keys)
+    assert codes.tolist() == [0, 1, 0] and uniq.shape == (2,) and uniq[1] == keys[1]

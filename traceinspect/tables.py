@@ -28,7 +28,8 @@ def factorize_text(values: Any) -> tuple[np.ndarray, np.ndarray]:
     setdefault = seen.setdefault
     codes = np.fromiter((setdefault(v, len(seen)) for v in arr), dtype=np.int64, count=len(arr))
     uniques = np.empty(len(seen), dtype=object)
-    uniques[:] = list(seen)
+    for i, v in enumerate(seen):  # one by one: tuples must stay elements, not become rows
+        uniques[i] = v
     return codes, uniques
 
 

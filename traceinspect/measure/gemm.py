@@ -616,19 +616,22 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         codes, uniq = pd.factorize(inst[has])
         _, first = np.unique(codes, return_index=True)
         fi = np.nonzero(has)[0][first]
+        # instances recorded with the same op and shapes (every replay of a captured op, every layer)
+        # are modelled once
+        key_codes, keys = factorize_text(list(zip(col["op_name"][fi].tolist(), col["dims"][fi].tolist(),
+                                                  col["types"][fi].tolist(), col["conc"][fi].tolist(), strict=True)))
         cache = ShapeCache()
-        u_kind = np.full(len(uniq), "", dtype=object)
-        u_shapes = np.full(len(uniq), None, dtype=object)
-        u_reason = np.full(len(uniq), "", dtype=object)
-        handlers: dict[str, Any] = {}
-        for j, i in enumerate(fi):
-            nm = col["op_name"][i]
-            h = handlers[nm] if nm in handlers else handlers.setdefault(nm, op_handler(nm))
+        k_kind = np.full(len(keys), "", dtype=object)
+        k_shapes = np.full(len(keys), None, dtype=object)
+        k_reason = np.full(len(keys), "", dtype=object)
+        for j, (nm, dims, types, conc) in enumerate(keys):
+            h = op_handler(nm)
             if h is None:
-                u_reason[j] = f"op {nm} has no FLOP/byte model"
+                k_reason[j] = f"op {nm} has no FLOP/byte model"
                 continue
-            u_kind[j] = h[0]
-            u_shapes[j], u_reason[j] = cache.get(nm, col["dims"][i], col["types"][i], col["conc"][i])
+            k_kind[j] = h[0]
+            k_shapes[j], k_reason[j] = cache.get(nm, dims, types, conc)
+        u_kind, u_shapes, u_reason = k_kind[key_codes], k_shapes[key_codes], k_reason[key_codes]
         hkind[has] = u_kind[codes]
         shapes[has] = u_shapes[codes]
         reason[has] = u_reason[codes]
@@ -695,8 +698,23 @@ def _obj(values: Any) -> pd.Series:
 def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarray, shape: list[Shape | None],
           reason: np.ndarray, us: np.ndarray, moe: np.ndarray) -> pd.DataFrame:
     """Calls rows for the kernels at positions ``pos`` of ``src``, one Shape (or None) each."""
-    def attr(a: str) -> list[Any]:
-        return [getattr(s, a) if s is not None else None for s in shape]
+    # calls share few distinct Shape objects (one per op and shapes): read each attribute once per
+    # distinct object and spread it with integer codes
+    slot: dict[int, int] = {}
+    distinct: list[Shape | None] = []
+    codes = np.empty(len(shape), dtype=np.int64)
+    for i, s in enumerate(shape):
+        j = slot.get(id(s))
+        if j is None:
+            j = slot[id(s)] = len(distinct)
+            distinct.append(s)
+        codes[i] = j
+
+    def attr(a: str) -> np.ndarray:
+        vals = np.empty(len(distinct), dtype=object)
+        for j, s in enumerate(distinct):
+            vals[j] = getattr(s, a) if s is not None else None
+        return vals[codes]
 
     cls = col["cls"][pos]
     known = np.array([s is not None for s in shape], dtype=bool)
