@@ -618,8 +618,13 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         fi = np.nonzero(has)[0][first]
         # instances recorded with the same op and shapes (every replay of a captured op, every layer)
         # are modelled once
-        key_codes, keys = factorize_text(list(zip(col["op_name"][fi].tolist(), col["dims"][fi].tolist(),
-                                                  col["types"][fi].tolist(), col["conc"][fi].tolist(), strict=True)))
+        parts = [factorize_text(col[c][fi]) for c in ("op_name", "dims", "types", "conc")]
+        key = np.zeros(len(fi), dtype=np.int64)
+        for codes_c, uniq_c in parts:  # combined pairwise, so the integer key never grows past len(fi)
+            key = pd.factorize(key * len(uniq_c) + codes_c)[0]
+        key_codes = key
+        _, at = np.unique(key, return_index=True)  # the first call of each distinct key
+        keys = [tuple(u[c[i]] for c, u in parts) for i in at.tolist()]
         cache = ShapeCache()
         k_kind = np.full(len(keys), "", dtype=object)
         k_shapes = np.full(len(keys), None, dtype=object)
