@@ -61,3 +61,43 @@ def test_analysis_same_with_and_without_the_second_process() -> None:
         doc.pop("generated_at", None)
     assert a["collectives"] == b["collectives"] and a["critical_path"] == b["critical_path"]
     assert a["findings"] == b["findings"]
+
+
+def _beside_in_daemon(q) -> None:  # noqa: ANN001 - a multiprocessing queue
+    pid, sq = Beside(_pid_and_square, 7).result()
+    q.put((pid == os.getpid(), sq))
+
+
+@needs_fork
+def test_a_daemon_process_runs_it_itself() -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_beside_in_daemon, args=(q,), daemon=True)  # daemons may not have children
+    p.start()
+    here, sq = q.get(timeout=60)
+    p.join(timeout=60)
+    assert here and sq == 49
+
+
+def _analyze_in_daemon(q, fix: str) -> None:  # noqa: ANN001 - a multiprocessing queue
+    from traceinspect.analysis import analyze
+
+    q.put(len(analyze([fix], use_cache=False).findings))
+
+
+@needs_fork
+def test_analysis_inside_a_daemon_process() -> None:
+    import multiprocessing as mp
+
+    fix = os.path.join(os.path.dirname(__file__), "..", "fixtures", "slow-rank-eager")
+    if not os.path.isdir(fix):
+        pytest.skip("fixture not present")
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_analyze_in_daemon, args=(q, fix), daemon=True)
+    p.start()
+    n = q.get(timeout=300)
+    p.join(timeout=60)
+    assert n >= 1

@@ -46,7 +46,7 @@ class Beside(Generic[T]):
         proc = ctx.Process(target=_child, args=(send, fn, args), daemon=True)
         try:
             proc.start()
-        except OSError:  # no process to spare: run it here later
+        except (OSError, AssertionError):  # no process to spare, or this one is a daemon: run it here later
             recv.close()
             send.close()
             return

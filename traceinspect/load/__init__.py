@@ -112,14 +112,17 @@ def _progress(paths: list[Path], quiet: bool | None) -> tuple[Callable[[int], No
 
 def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool,
                  advance: Callable[[int], None]) -> list[tuple[str, int, ParsedRank]]:
+    import multiprocessing as mp
+
     jobs = jobs if jobs is not None else min(len(paths), os.cpu_count() or 1)
+    if mp.current_process().daemon:  # a daemon (a pool worker, say) may not start processes
+        jobs = 1
     if jobs <= 1 or len(paths) <= 1:
         out = []
         for i, p in enumerate(paths):
             out.append(load_rank_file(p, use_cache))
             advance(i)
         return out
-    import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
