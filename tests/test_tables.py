@@ -56,3 +56,27 @@ def test_factorize_text_keeps_tuples_whole() -> None:
             ("aten::mm", b"[[16, 2048]]", b"[]", b"[]")]
     codes, uniq = factorize_text(keys)
     assert codes.tolist() == [0, 1, 0] and uniq.shape == (2,) and uniq[1] == keys[1]
+
+
+def test_combine_codes_numbers_combinations_in_order_of_appearance() -> None:
+    from traceinspect.tables import combine_codes
+
+    a = np.array([2, 0, 2, 1, 0, 2])
+    b = np.array([5, 3, 5, 3, 3, 4])
+    ref = pd.factorize(pd.MultiIndex.from_arrays([a, b]))[0]
+    np.testing.assert_array_equal(combine_codes(a, b), ref)
+    assert combine_codes(np.array([], dtype=np.int64)).tolist() == []
+
+
+def test_per_distinct_tests_each_value_once() -> None:
+    from traceinspect.tables import per_distinct
+
+    seen: list[str] = []
+
+    def test(v: str) -> bool:
+        seen.append(v)
+        return v.startswith("nccl")
+
+    arr = np.array(["ncclA", "gemm", "ncclA", "gemm", "x"], dtype=object)
+    assert per_distinct(pd.Series(arr), test).tolist() == [True, False, True, False, False]
+    assert sorted(seen) == ["gemm", "ncclA", "x"]

@@ -35,7 +35,14 @@ import yaml
 from traceinspect.errors import RuleError
 from traceinspect.model import TraceSet
 from traceinspect.resources import rules_dir
-from traceinspect.tables import factorize_text, string_column, text_values, unique_text
+from traceinspect.tables import (
+    combine_codes,
+    factorize_text,
+    per_distinct,
+    string_column,
+    text_values,
+    unique_text,
+)
 
 if TYPE_CHECKING:
     from traceinspect.graphs import GraphOps
@@ -401,8 +408,8 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
         for c in ("cls", "cls2", "cls_evidence"):
             k[c] = pd.Series([], dtype=object)
         return
-    # one label per distinct (name, op path, kind): the three columns are factorized on their own (the
-    # op path stays in pandas' string storage) and the codes combined into one integer key
+    # one label per distinct (name, op path, kind): the three columns are factorized on their own and
+    # their codes combined
     names = text_values(k["name"])
     name_codes, _ = factorize_text(k["name"] if isinstance(k["name"].dtype, pd.CategoricalDtype) else names)
     if "op_path" in k:
@@ -418,19 +425,18 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
         op_codes, op_uniq = np.zeros(n, dtype=np.int64), np.array([""], dtype=object)
     kinds = k["kind"].astype(object).fillna("kernel") if "kind" in k else pd.Series("kernel", index=k.index)
     kind_codes, kind_uniq = pd.factorize(kinds.to_numpy(dtype=object))
-    key = (name_codes.astype(np.int64) * len(op_uniq) + op_codes) * len(kind_uniq) + kind_codes
-    codes, _ = pd.factorize(key)
+    codes = combine_codes(name_codes, op_codes, kind_codes)
     _, first = np.unique(codes, return_index=True)
     op_uniq, kind_uniq = np.asarray(op_uniq, dtype=object), np.asarray(kind_uniq, dtype=object)
     labels = [table.classify(names[i], str(op_uniq[op_codes[i]]), str(kind_uniq[kind_codes[i]])) for i in first]
-    evidence = np.array([lb.evidence for lb in labels], dtype=object)[codes]
-    if captured is not None:
-        _note_captured(table, names, kind_uniq[kind_codes], captured[0], labels, codes, evidence)
-    # object columns while the checks below rewrite them (each read of a string column would build
-    # every Python string again), pandas' string columns once they are final
     per_label = {"cls": np.array([lb.cls for lb in labels], dtype=object),
                  "cls2": np.array([lb.cls2 for lb in labels], dtype=object),
                  "cls_evidence": np.array([lb.evidence for lb in labels], dtype=object)}
+    evidence = per_label["cls_evidence"][codes]
+    if captured is not None:
+        _note_captured(table, names, kind_uniq[kind_codes], captured[0], labels, codes, evidence)
+    # object columns while the checks below rewrite them (a categorical would need every new value as
+    # a category first), categoricals once they are final
     _set_text(k, "cls", per_label["cls"][codes])
     _set_text(k, "cls2", per_label["cls2"][codes])
     _set_text(k, "cls_evidence", evidence)
@@ -813,10 +819,8 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
             continue
         cand = np.isin(cls, promo.sources) & is_kernel
         if promo.name is not None and cand.any():
-            uniq = unique_text(names[cand])
-            ok = {n for n in uniq if promo.name.search(n)}
             at = np.nonzero(cand)[0]  # the name test only where the class test passed
-            cand[at] = np.fromiter((n in ok for n in names[at].tolist()), dtype=bool, count=len(at))
+            cand[at] = per_distinct(names[at], promo.name.search)
         rows = np.nonzero(cand)[0]
         if not len(rows):
             continue
@@ -875,9 +879,8 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     names = k["name"].to_numpy(dtype=object)
     cand = np.isin(cls, promo.sources) & is_kernel
     if promo.name is not None and cand.any():
-        ok = {n for n in unique_text(names[cand]) if promo.name.search(n)}
         at = np.nonzero(cand)[0]
-        cand[at] = np.fromiter((n in ok for n in names[at].tolist()), dtype=bool, count=len(at))
+        cand[at] = per_distinct(names[at], promo.name.search)
     if not cand.any():
         return
     idx = np.nonzero(is_kernel)[0]

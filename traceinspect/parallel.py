@@ -3,7 +3,7 @@
 After loading, the analysis runs in one process; the stages that do not depend on each other (GEMM
 efficiency and the collectives analysis) can use a second core. The child inherits the analysis
 through ``fork`` (nothing is copied up front) and sends back only its result. Where ``fork`` is
-unavailable, or with one CPU or ``--jobs 1``, the stage simply runs in this process; a child that fails
+unavailable, in a daemon process, or with one CPU or ``--jobs 1``, the stage simply runs in this process; a child that fails
 in any way is also retried here, so errors read exactly as in a serial run.
 """
 
@@ -46,7 +46,7 @@ class Beside(Generic[T]):
         proc = ctx.Process(target=_child, args=(send, fn, args), daemon=True)
         try:
             proc.start()
-        except (OSError, AssertionError):  # no process to spare, or this one is a daemon: run it here later
+        except OSError:  # no process to spare: run it here later
             recv.close()
             send.close()
             return
@@ -79,4 +79,5 @@ def _can_fork(jobs: int | None) -> bool:
         return False
     import multiprocessing as mp
 
-    return "fork" in mp.get_all_start_methods()
+    # a daemon (a pool or dask worker, say) may not start processes
+    return "fork" in mp.get_all_start_methods() and not mp.current_process().daemon

@@ -9,6 +9,7 @@ are categoricals, so that selecting rows of the ~1e6-row kernel table moves inte
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,25 @@ def unique_text(values: Any) -> list[Any]:
     :func:`pandas.unique` gives, without converting the strings first)."""
     arr = values.to_numpy(dtype=object) if isinstance(values, (pd.Series, pd.Index)) else values
     return list(dict.fromkeys(arr.tolist() if isinstance(arr, np.ndarray) else arr))
+
+
+def combine_codes(*codes: np.ndarray) -> np.ndarray:
+    """One code per distinct combination of several integer code columns (each >= 0), numbered in order
+    of first appearance; combined pairwise, so the intermediate keys never outgrow the row count."""
+    key = np.zeros(len(codes[0]) if codes else 0, dtype=np.int64)
+    for c in codes:
+        c = np.asarray(c, dtype=np.int64)
+        key = pd.factorize(key * (int(c.max(initial=0)) + 1) + c)[0].astype(np.int64, copy=False)
+    return key
+
+
+def per_distinct(values: Any, test: Callable[[Any], Any]) -> np.ndarray:
+    """``bool(test(value))`` for every row of a column, calling ``test`` once per distinct value (a regex
+    over ~1e6 kernel names that hold a few hundred distinct ones)."""
+    arr = values.to_numpy(dtype=object) if isinstance(values, (pd.Series, pd.Index)) else \
+        np.asarray(values, dtype=object)
+    hit = {v: bool(test(v)) for v in unique_text(arr)}
+    return np.fromiter((hit[v] for v in arr.tolist()), dtype=bool, count=len(arr))
 
 
 def string_column(codes: np.ndarray, uniques: np.ndarray) -> pd.Categorical:

@@ -19,8 +19,7 @@ import numpy as np
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, evaluate_explain
 from traceinspect.judge.rules import SEVERITY_RANK, Rule, RuleSet
-from traceinspect.judge.saferegex import search
-from traceinspect.tables import text_values, unique_text
+from traceinspect.tables import text_values
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -162,10 +161,7 @@ class _Subjects:
             if sel.name is not None or sel.not_name is not None:
                 mask &= M.name_mask(k["name"], sel.name, sel.not_name)
             if sel.op is not None or sel.not_op is not None:
-                path = text_values(k["op_path"] if "op_path" in k.columns else k["op_name"])
-                uniq = {p: ((sel.op is None or search(sel.op, p)) and
-                            (sel.not_op is None or not search(sel.not_op, p))) for p in unique_text(path)}
-                mask &= np.fromiter((uniq[p] for p in path.tolist()), dtype=bool, count=len(path))
+                mask &= M.name_mask(k["op_path"] if "op_path" in k.columns else k["op_name"], sel.op, sel.not_op)
             subs = ctx.kernel_subjects(mask, sel.group_by)
             return subs, (None if subs else "no kernel matched the selector")
         if sel.scope == "gemm":
@@ -254,13 +250,8 @@ def _judge(rule: Rule, sub: M.Subject, env: dict[str, Any], missing: dict[str, s
 
 
 def _num(v: Any) -> float | None:
-    if isinstance(v, (bool, np.bool_)) or v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
+    """A finite float, or None (booleans are not numbers here)."""
+    return None if isinstance(v, (bool, np.bool_)) else M._f(v)
 
 
 def _default_impact(sub: M.Subject) -> float | None:

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.judge.saferegex import search
-from traceinspect.tables import unique_text
+from traceinspect.tables import per_distinct
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -1078,15 +1078,10 @@ def _first(row: dict[str, Any], *keys: str) -> Any:
 
 
 def name_mask(names: pd.Series, include: Any, exclude: Any) -> np.ndarray:
-    """Boolean mask of kernel names matching ``include`` and not ``exclude`` (compiled regexes or
-    None), evaluated once per distinct name."""
-    uniq = unique_text(names)
-    ok = {}
-    for nm in uniq:
+    """Boolean mask of names (kernel names, op paths) matching ``include`` and not ``exclude`` (compiled
+    regexes or None), evaluated once per distinct name."""
+    def good(nm: Any) -> bool:
         s = str(nm)
-        good = include is None or search(include, s)
-        if good and exclude is not None and search(exclude, s):
-            good = False
-        ok[nm] = good
-    arr = names.to_numpy(dtype=object)
-    return np.fromiter((ok[x] for x in arr.tolist()), dtype=bool, count=len(arr))
+        return bool((include is None or search(include, s)) and not (exclude is not None and search(exclude, s)))
+
+    return per_distinct(names, good)

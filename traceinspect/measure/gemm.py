@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
-from traceinspect.tables import factorize_text, text_values, unique_text
+from traceinspect.tables import combine_codes, factorize_text, per_distinct, text_values, unique_text
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -619,11 +619,8 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         # instances recorded with the same op and shapes (every replay of a captured op, every layer)
         # are modelled once
         parts = [factorize_text(col[c][fi]) for c in ("op_name", "dims", "types", "conc")]
-        key = np.zeros(len(fi), dtype=np.int64)
-        for codes_c, uniq_c in parts:  # combined pairwise, so the integer key never grows past len(fi)
-            key = pd.factorize(key * len(uniq_c) + codes_c)[0]
-        key_codes = key
-        _, at = np.unique(key, return_index=True)  # the first call of each distinct key
+        key_codes = combine_codes(*(c for c, _ in parts))
+        _, at = np.unique(key_codes, return_index=True)  # the first call of each distinct key
         keys = [tuple(u[c[i]] for c, u in parts) for i in at.tolist()]
         cache = ShapeCache()
         k_kind = np.full(len(keys), "", dtype=object)
@@ -685,13 +682,6 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         parts.append(_rows(src, col, pi, [None] * len(pi), rs, dur[pi], moe[pi]))
     parts = [p for p in parts if len(p)]
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=CALL_COLUMNS)
-
-
-def _name_matches(names: pd.Series, pattern: re.Pattern[str]) -> np.ndarray:
-    """Whether each name matches ``pattern``, searched once per distinct name."""
-    arr = names.to_numpy(dtype=object)
-    hit = {n: bool(pattern.search(str(n))) for n in unique_text(arr)}
-    return np.fromiter((hit[n] for n in arr.tolist()), dtype=bool, count=len(arr))
 
 
 def _obj(values: Any) -> pd.Series:
@@ -773,7 +763,7 @@ def _rates(calls: pd.DataFrame, spec: GpuSpec | None) -> None:
     calls["peak_tflops"] = peak
     calls["pct_peak"] = np.where(calls["kind"].to_numpy() == "gemm", 100.0 * tf / peak, np.nan)
     bw = spec.mem_bw_gbps if spec and spec.mem_bw_gbps else np.nan
-    host = _name_matches(calls["name"], _HOST_LINK)
+    host = per_distinct(calls["name"], lambda n: _HOST_LINK.search(str(n)))
     calls["pct_bw"] = np.where(host, np.nan, 100.0 * gb / bw)
 
 
@@ -829,7 +819,7 @@ def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
     shorts = {x: short_name(x) for x in unique_text(m["name"])}
     m["family"] = m["cls"].astype(str) + ": " + m["name"].map(shorts)
     m["bytes"] = m["bytes"].astype(float)
-    m["host"] = _name_matches(m["name"], _HOST_LINK)
+    m["host"] = per_distinct(m["name"], lambda n: _HOST_LINK.search(str(n)))
     agg = m.groupby(["family", "cls"], sort=False).agg(
         calls=("us", "size"), bytes=("bytes", "sum"), us=("us", "sum"), host=("host", "any"),
         dtypes=("dtype", lambda s: sorted({x for x in s if isinstance(x, str) and x}))).reset_index()
