@@ -763,86 +763,61 @@ def _step_graph(act: pd.DataFrame) -> tuple[_Graph, int, int, float, float]:
     t1 = float(act["end"].max())
     src = G.node(0.0, "start", None, "step start")
     xnode: dict[int, int] = {}
-    # the graph's columns, appended to directly: a step has ~10k nodes and this loop is the hot one
-    W, C, R, L, E = G.weight, G.cls, G.rank, G.label, G.edges
     act = act.sort_values(["rank", "ts", "end"], kind="stable")
     bounds = np.flatnonzero(np.r_[True, np.diff(act["rank"].to_numpy()) != 0, True])
     # Python lists: the loops below read every element, and a numpy scalar read costs ~10x more
-    ranks = act["rank"].to_numpy().tolist()
-    TS, END = act["ts"].to_numpy().tolist(), act["end"].to_numpy().tolist()
-    DUR, STREAM = act["dur"].to_numpy().tolist(), act["stream"].to_numpy().tolist()
-    CLS, NAME = act["cls"].to_numpy(dtype=object).tolist(), act["name"].to_numpy(dtype=object).tolist()
-    LAUNCH, LAUNCH_END = act["launch"].to_numpy().tolist(), act["launch_end"].to_numpy().tolist()
-    INST, TRANSFER = act["instance"].to_numpy().tolist(), act["transfer_us"].to_numpy().tolist()
-    RESID = act["residual_wait"].to_numpy().tolist()
+    col = {c: act[c].to_numpy(dtype=object if c in ("cls", "name") else None).tolist()
+           for c in ("rank", "ts", "end", "dur", "stream", "cls", "name", "launch", "launch_end", "instance",
+                     "transfer_us", "residual_wait")}
     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-        r = int(ranks[lo])
-        ts, end, name = TS[lo:hi], END[lo:hi], NAME[lo:hi]
-        launch, launch_end = LAUNCH[lo:hi], LAUNCH_END[lo:hi]
+        r = int(col["rank"][lo])
+        ts, end, dur, stream = col["ts"][lo:hi], col["end"][lo:hi], col["dur"][lo:hi], col["stream"][lo:hi]
+        cls, name = col["cls"][lo:hi], col["name"][lo:hi]
+        launch, launch_end = col["launch"][lo:hi], col["launch_end"][lo:hi]
+        inst, transfer, resid = col["instance"][lo:hi], col["transfer_us"][lo:hi], col["residual_wait"][lo:hi]
         n = hi - lo
         n_in = [0] * n
         n_out = [0] * n
         for j in range(n):
-            i = lo + j
-            if INST[i] >= 0:
-                a_node = len(W)
-                W.append(max(float(RESID[i]), 0.0))
-                C.append("comm_wait")
-                R.append(r)
-                L.append(str(NAME[i]))
-                x = xnode.get(int(INST[i]))
+            if inst[j] >= 0:
+                a_node = G.node(resid[j], "comm_wait", r, str(name[j]))
+                x = xnode.get(int(inst[j]))
                 if x is None:
-                    x = xnode[int(INST[i])] = len(W)
-                    W.append(max(float(TRANSFER[i]), 0.0))
-                    C.append("comm")
-                    R.append(None)
-                    L.append(str(NAME[i]))
-                E.append((a_node, x))
+                    x = xnode[int(inst[j])] = G.node(transfer[j], "comm", None, str(name[j]))
+                G.edge(a_node, x)
                 n_in[j], n_out[j] = a_node, x
             else:
-                n_in[j] = n_out[j] = len(W)
-                W.append(max(float(DUR[i]), 0.0))
-                C.append(str(CLS[i]))
-                R.append(r)
-                L.append(str(NAME[i]))
+                n_in[j] = n_out[j] = G.node(dur[j], str(cls[j]), r, str(name[j]))
         # stream order
         last_on: dict[int, int] = {}
-        for j, st in enumerate(STREAM[lo:hi]):
-            p = last_on.get(st)
+        for j in range(n):
+            p = last_on.get(stream[j])
             if p is not None:
-                E.append((n_out[p], n_in[j]))
-            last_on[st] = j
+                G.edge(n_out[p], n_in[j])
+            last_on[stream[j]] = j
         # the rank's GPU timeline: the latest activity that ended before j starts precedes j; an
         # idle GPU before j whose launch came late is host time on this rank
         pending: list[tuple[float, int]] = []
         best, best_end = -1, -math.inf
         run_end = -math.inf
         for j in range(n):
-            tj = ts[j]
-            while pending and pending[0][0] <= tj + ORDER_TOL_US:
+            while pending and pending[0][0] <= ts[j] + ORDER_TOL_US:
                 e, i = heapq.heappop(pending)
                 if e > best_end:
                     best, best_end = i, e
             pred = src if best < 0 else n_out[best]
             idle_from = max(run_end, t0)
-            gap = tj - idle_from
-            if gap > 0:
-                host = _host_part(gap, launch[j], launch_end[j], idle_from)
-                idle = gap - host if gap > IDLE_MIN_US else 0.0
-                for w, c in ((idle, "idle"), (host, "host")):
-                    if w > 0:
-                        h = len(W)
-                        W.append(float(w))
-                        C.append(c)
-                        R.append(r)
-                        L.append(f"{c} before {name[j]}")
-                        E.append((pred, h))
-                        pred = h
-            if pred != n_in[j]:
-                E.append((pred, n_in[j]))
+            gap = ts[j] - idle_from
+            host = _host_part(gap, launch[j], launch_end[j], idle_from) if gap > 0 else 0.0
+            idle = gap - host if gap > IDLE_MIN_US else 0.0
+            for w, c in ((idle, "idle"), (host, "host")):
+                if w > 0:
+                    h = G.node(w, c, r, f"{c} before {name[j]}")
+                    G.edge(pred, h)
+                    pred = h
+            G.edge(pred, n_in[j])
             heapq.heappush(pending, (end[j], j))
-            if end[j] > run_end:
-                run_end = end[j]
+            run_end = max(run_end, end[j])
     sink = G.node(0.0, "end", None, "step end")
     return G, src, sink, t0, t1
 
