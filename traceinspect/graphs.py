@@ -30,7 +30,7 @@ import pandas as pd
 
 from traceinspect.measure.gemm import GEMM_CLASSES, op_handler
 from traceinspect.model import TraceSet
-from traceinspect.tables import factorize_text
+from traceinspect.tables import combine_codes, factorize_text
 
 if TYPE_CHECKING:
     from traceinspect.classify import ClassTable
@@ -295,12 +295,13 @@ def _name_categories(rk: pd.DataFrame, table: ClassTable | None) -> tuple[np.nda
     # decided once per distinct (name, kind), on integer codes of the two columns
     nc, names = factorize_text(rk["name"].to_numpy(dtype=object))
     kc, kinds = factorize_text(rk["kind"].astype(object).to_numpy(dtype=object))
-    pairs, inverse = np.unique(nc * max(len(kinds), 1) + kc, return_inverse=True)
+    pair = combine_codes(nc, kc)
+    _, first = np.unique(pair, return_index=True)
     cats = []
-    for p in pairs.tolist():
-        cls = classify_name(str(names[p // len(kinds)]), "", str(kinds[p % len(kinds)]), table=table).cls
+    for i in first.tolist():
+        cls = classify_name(str(names[nc[i]]), "", str(kinds[kc[i]]), table=table).cls
         cats.append(_CAT_GEMM if cls in GEMM_CLASSES else _CAT_COMM if cls == "comm" else _CAT_OTHER)
-    cat = np.asarray(cats, dtype=np.int64)[inverse.ravel()] if len(rk) else np.empty(0, dtype=np.int64)
+    cat = np.asarray(cats, dtype=np.int64)[pair] if len(rk) else np.empty(0, dtype=np.int64)
     kind = np.array([_KIND_CODE.get(str(x), 0) for x in kinds], dtype=np.int64)[kc] if len(rk) else \
         np.empty(0, dtype=np.int64)
     return kind, cat

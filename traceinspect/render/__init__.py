@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from traceinspect.tables import factorize_text, text_values
+from traceinspect.tables import combine_codes, factorize_text, text_values
 
 
 def fmt_us(v: float | None) -> str:
@@ -50,10 +50,11 @@ def launching_ops(kernels: Any) -> dict[str, str]:
     # counted on integer codes of the two text columns; ties go to the op name that sorts first
     nc, nu = factorize_text(kernels["name"].to_numpy(dtype=object)[linked])
     oc, ou = factorize_text(ops[linked])
-    pairs, n = np.unique(nc * len(ou) + oc, return_counts=True)
+    pair = combine_codes(nc, oc)
+    _, first, n = np.unique(pair, return_index=True, return_counts=True)
     best: dict[str, tuple[int, str]] = {}
-    for p, c in zip(pairs.tolist(), n.tolist(), strict=True):
-        name, op = str(nu[p // len(ou)]), str(ou[p % len(ou)])
+    for i, c in zip(first.tolist(), n.tolist(), strict=True):
+        name, op = str(nu[nc[i]]), str(ou[oc[i]])
         b = best.get(name)
         if b is None or c > b[0] or (c == b[0] and op < b[1]):
             best[name] = (c, op)
