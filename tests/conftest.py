@@ -14,6 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
+# public traces that other systems wrote: ``shared/`` lies beside the checkout (TRACEINSPECT_SHARED overrides)
+SHARED = Path(os.environ.get("TRACEINSPECT_SHARED", ROOT.parent / "shared"))
+REAL_TRACES = SHARED / "real-traces"
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -27,6 +30,16 @@ def fixture_dir(name: str) -> Path:
     if not d.is_dir():
         pytest.skip(f"fixture {name} is not present")
     return d
+
+
+def real_trace(name: str) -> Path:
+    """A trace (file or directory) under ``shared/real-traces``: skipped when absent, failed under CI."""
+    p = REAL_TRACES / name
+    if not p.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"real trace {p} is missing")
+        pytest.skip(f"real trace {name} is not present")
+    return p
 
 
 def manifest(name: str) -> dict:
