@@ -269,12 +269,13 @@ def test_layer_count_inferred_from_attention() -> None:
     classify_kernels(ts, st)
     ev = ts.kernels.loc[ts.kernels["name"] == KV_CAST, "cls_evidence"].iloc[0]
     assert ts.kernels.loc[ts.kernels["name"] == KV_CAST, "cls"].eq("kv_cast").all()
-    assert "inferred" in ev and "BatchDecode" in ev
+    assert "trace_structure" in ev and "checked: attention 4 per step" in ev
 
 
 def test_no_promotion_without_evidence() -> None:
-    ts, st = _trace(graph=True, kv_mode="full", with_model_info=False)
-    classify_kernels(ts, st)  # no layer count, no attention kernels, no ops: nothing to go on
+    # one layer: no layer count in server_info, no repeating block, no attention kernels, no ops
+    ts, st = _trace(graph=True, kv_mode="full", layers=1, with_model_info=False)
+    classify_kernels(ts, st)
     assert (ts.kernels.loc[ts.kernels["name"] == KV_CAST, "cls"] == "dtype_cast").all()
 
 

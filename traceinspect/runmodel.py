@@ -244,12 +244,13 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
         if v is not None:
             f[name] = Fact(v, "server_info", "high", f"server_info.{name}={v}")
             continue
-        nums = {getattr(r, attr) for r in ts.ranks if getattr(r, attr) is not None}
+        nums = {getattr(r, attr, None) for r in ts.ranks} - {None}
         if nums:
             f[name] = Fact(max(nums) + 1, "file_names", "medium",
                            f"highest -{attr.upper()}-<n> in the rank file names + 1 = {max(nums) + 1}")
         elif name == "tp_size":
-            f[name] = Fact(ts.n_ranks, "file_names", "low", f"{ts.n_ranks} rank file(s), no TP number in their names")
+            n = len(ts.ranks)
+            f[name] = Fact(n, "file_names", "low", f"{n} rank file(s), no TP number in their names")
         else:
             f[name] = Fact(1, "default", "low", f"no {name} in server_info, none in the rank file names")
 
@@ -308,7 +309,9 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
     # the batch: step annotations of the analysed steps
     from traceinspect.steps import select_steps
 
-    analysed = select_steps(steps, phase) if steps is not None and len(steps) else None
+    analysed = steps
+    if steps is not None and len(steps) and {"included", "phase"} <= set(steps.columns):
+        analysed = select_steps(steps, phase)
     bs = analysed["bs"] if analysed is not None and "bs" in analysed else pd.Series(dtype=float)
     bs = bs[bs >= 0]
     f["batch"] = (Fact(float(np.median(bs)), "trace_structure", "high", "median bs=N of the step annotations")
@@ -358,7 +361,7 @@ def _kv_row(ts: TraceSet, graph_ops: GraphOps | None, pool: int | None,
     the KV pool's row count (a cast of the pool widens it; the pool's own storage is the narrowest)."""
     if not pool:
         return None
-    frames: list[tuple[str, pd.DataFrame]] = [("shapes", ts.cpu_ops)]
+    frames: list[tuple[str, pd.DataFrame]] = [("shapes", getattr(ts, "cpu_ops", None))]
     if graph_ops is not None:
         frames += [("capture_trace", c.ops) for _, c in sorted(graph_ops.captures.items()) if c.ops is not None]
     needle = f"[{pool}".encode()
