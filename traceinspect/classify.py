@@ -448,6 +448,7 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
         run = decide_run(ts, steps, graph_ops, user, phase)
     verify_experts(ts, table, run)
     promote_kv(ts, steps, table, graph_ops=graph_ops, run=run)
+    mark_experts(ts, steps, run, graph_ops)
     for c, uniq in per_label.items():
         k[c] = _categorical(k[c].to_numpy(dtype=object), codes, uniq)
     return run
@@ -565,6 +566,97 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel 
             ev[r] = f"{ev[r]}; {res[1]}" if res[0] == cls[r] else f"{res[0]}: {res[1]}; was {cls[r]} by {ev[r]}"
             cls[r] = res[0]
     _set_text(k, "cls", cls)
+    _set_text(k, "cls_evidence", ev)
+
+
+# --- expert GEMMs from the structure ----------------------------------------------------------
+
+DENSE_GEMM_CLASSES = ("bf16_gemm", "fp8_gemm", "fp4_gemm")
+MIN_EXPERTS = 4  # a GEMM shape repeated this often per layer (experts unknown) is an expert loop
+
+
+def mark_experts(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, graph_ops: GraphOps | None = None) -> None:
+    """GEMMs of a MoE built from plain GEMMs become ``moe_gemm``: a GEMM shape (op, N, K, dtype) that
+    runs once per expert in every layer (per-expert ``mm`` loop: calls per layer = the experts on this
+    rank, or at least MIN_EXPERTS when the expert count is unknown), or a batched GEMM whose batch is the
+    expert count (``bmm`` over ``[experts, rows, hidden]``) and whose K or N is the hidden size. Shapes
+    come from the launching op (eager) or the op recovered from the capture trace (graph replay)."""
+    from traceinspect.measure.gemm import ShapeCache
+
+    k = ts.kernels
+    layers = run.value("layers")
+    if not len(k) or "cls" not in k or layers is None:
+        return
+    cls = k["cls"].to_numpy(dtype=object)
+    cand = np.isin(cls, DENSE_GEMM_CLASSES)
+    if "kind" in k:
+        cand &= (k["kind"] == "kernel").to_numpy()
+    if "step" in k:
+        cand &= (k["step"] >= 0).to_numpy()
+    if not cand.any():
+        return
+    experts, hidden = run.value("experts"), run.value("hidden_size")
+    ep = run.value("ep_size") or 1
+    local = experts // ep if experts and ep > 1 and experts % ep == 0 else experts
+    op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
+    captured, cap_op, _ = _captured_ops(k, graph_ops)
+    rows = np.nonzero(cand)[0]
+    cache = ShapeCache()
+    frames: dict[int, pd.DataFrame] = {-1: ts.cpu_ops}
+    if graph_ops is not None:
+        frames.update({int(r): c.ops.reset_index(drop=True) for r, c in graph_ops.captures.items()
+                       if c.ops is not None and len(c.ops)})
+    cols: dict[int, tuple[np.ndarray, ...]] = {}
+    for src, f in frames.items():
+        if f is not None and len(f) and "input_dims" in f:
+            cols[src] = (f["name"].to_numpy(dtype=object), f["input_dims"].to_numpy(dtype=object),
+                         f["input_types"].to_numpy(dtype=object) if "input_types" in f else np.full(len(f), None),
+                         f["concrete"].to_numpy(dtype=object) if "concrete" in f else np.full(len(f), None))
+    ranks, step = k["rank"].to_numpy(), k["step"].to_numpy()
+    use_cap = captured[rows] & (cap_op[rows] >= 0)
+    src_col = np.where(use_cap, ranks[rows], -1).astype(np.int64)
+    o_col = np.where(use_cap, cap_op[rows], op_idx[rows]).astype(np.int64)
+    pairs, inverse = np.unique(np.stack([src_col, o_col], axis=1), axis=0, return_inverse=True)
+    pair_key: list[tuple[Any, ...] | None] = []  # one shape decode per distinct (source, op)
+    for src, o in pairs.tolist():
+        c = cols.get(src)
+        if c is None or o < 0 or o >= len(c[0]):
+            pair_key.append(None)
+            continue
+        shapes, _ = cache.get(str(c[0][o]), c[1][o], c[2][o], c[3][o])
+        sh = shapes[0] if len(shapes) == 1 and shapes[0].kind == "gemm" else None
+        pair_key.append(None if sh is None else (str(c[0][o]), sh.n, sh.k, sh.batch, sh.dtype))
+    by_key: dict[tuple[Any, ...], list[int]] = {}
+    for r, p in zip(rows.tolist(), inverse.reshape(-1).tolist(), strict=True):
+        key = pair_key[p]
+        if key is not None:
+            by_key.setdefault(key, []).append(r)
+    ev = k["cls_evidence"].to_numpy(dtype=object).copy()
+    new_cls = cls.copy()
+    exp_src = run.describe("experts")
+    for (op, n, kk, batch, _dtype), members in by_key.items():
+        m = np.asarray(members)
+        per_step = pd.Series(1, index=pd.MultiIndex.from_arrays([ranks[m], step[m]])).groupby(level=[0, 1]).size()
+        per_layer = float(per_step.median()) / layers
+        hid = hidden is None or hidden in (n, kk)
+        why = None
+        if batch and batch > 1:
+            if local and batch == local and hidden is not None and hid:
+                why = (f"batched GEMM {op} with batch {batch} = the experts on this rank ({exp_src}) and "
+                       f"{'K' if kk == hidden else 'N'} = hidden size {hidden}")
+        elif local:
+            if 0.5 * local <= per_layer <= local + 1e-9 and hid:
+                why = (f"{per_layer:g} {op} calls per layer with N={n} K={kk} = one per expert "
+                       f"({local} on this rank: {exp_src}; {layers} layers)")
+        elif per_layer >= MIN_EXPERTS and float(per_layer).is_integer() and hid and per_step.nunique() == 1:
+            why = (f"{per_layer:g} {op} calls per layer with N={n} K={kk} in every step: one per expert "
+                   f"(expert count unknown; {layers} layers)")
+        if why is None:
+            continue
+        for r in members:
+            ev[r] = f"moe_gemm: {why}; was {new_cls[r]} by {ev[r]}"
+            new_cls[r] = "moe_gemm"
+    _set_text(k, "cls", new_cls)
     _set_text(k, "cls_evidence", ev)
 
 

@@ -43,7 +43,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 FACTS = ("layers", "kv_pool_tokens", "kv_cache_dtype", "page_size", "kv_row_bytes", "experts", "top_k",
-         "vocab_size", "tp_size", "pp_size", "ep_size", "batch")
+         "hidden_size", "vocab_size", "tp_size", "pp_size", "ep_size", "batch")
 USER_KEYS = {"layers": "layers", "experts": "experts", "top-k": "top_k"}  # traceinspect.toml [model] -> fact
 USER_FLAGS = {"layers": "--layers", "experts": "--experts", "top_k": "--top-k"}
 CONFIG_NAME = "traceinspect.toml"
@@ -54,6 +54,9 @@ EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_
                "n_experts")
 TOPK_KEYS = ("num_experts_per_tok", "moe_top_k", "moe_topk", "top_k", "num_experts_per_token")
 VOCAB_KEYS = ("vocab_size",)
+HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd")
+ROUTER_TOPK = ("aten::topk",)  # the op whose input is the router's [tokens, experts] logits
+ROUTER_GEMMS = {"aten::mm": (1, 1), "aten::matmul": (1, -1), "aten::linear": (1, 0), "aten::addmm": (2, 1)}
 # blocks of server_info.json that hold model-config fields, strongest first
 MODEL_BLOCKS = ("model_config", "hf_config", "model_info")
 # kernel classes that run a fixed number of times in every layer (the layer-count cross-check)
@@ -267,14 +270,21 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
         else:
             f["layers"] = layers_from_structure(ts.kernels, sel)
 
-    for name, keys in (("experts", EXPERT_KEYS), ("top_k", TOPK_KEYS), ("vocab_size", VOCAB_KEYS)):
+    routing = _routing(ts, steps, graph_ops, f["layers"].value)
+    for name, keys in (("experts", EXPERT_KEYS), ("top_k", TOPK_KEYS), ("hidden_size", HIDDEN_KEYS),
+                       ("vocab_size", VOCAB_KEYS)):
         if name in user:
             f[name] = Fact(user[name][0], "user", "high", user[name][1])
             continue
         v, how = model_int(si, keys)
-        f[name] = Fact(v, "server_info", "high", how) if v is not None else _undecided(
-            f"no {' / '.join(keys[:3])} in server_info.json (model_info / model_config)"
-            + (f"; give it with {USER_FLAGS[name]}" if name in USER_FLAGS else ""))
+        if v is not None:
+            f[name] = Fact(v, "server_info", "high", how)
+        elif name in routing:
+            f[name] = routing[name]
+        else:
+            f[name] = _undecided(f"no {' / '.join(keys[:3])} in server_info.json (model_info / model_config)"
+                                 + (" nor router top-k shapes in the trace" if name in ("experts", "top_k") else "")
+                                 + (f"; give it with {USER_FLAGS[name]}" if name in USER_FLAGS else ""))
 
     # the KV pool
     tok = _pos_int(si.get("max_total_num_tokens"))
@@ -391,6 +401,110 @@ def _kv_row(ts: TraceSet, graph_ops: GraphOps | None, pool: int | None,
         if best is not None:
             return best
     return None
+
+
+# ----------------------------------------------------------------------------- MoE routing from shapes
+
+
+def _concrete_int(raw: Any, i: int) -> int | None:
+    c = dims(raw)
+    if c is None or i >= len(c):
+        return None
+    try:
+        return int(c[i])
+    except (TypeError, ValueError):
+        return None
+
+
+def _routing(ts: TraceSet, steps: pd.DataFrame | None, graph_ops: GraphOps | None,
+             layers: int | None) -> dict[str, Fact]:
+    """Experts, top-k and hidden size from the router's recorded shapes: an ``aten::topk`` over
+    ``[tokens, E]`` with k = K that runs once per layer per forward (eager steps, or one capture of
+    the CUDA-graph capture trace); the hidden size is the K of the GEMM whose N is E (the router)."""
+    frames: list[tuple[str, pd.DataFrame, float]] = []
+    ops = getattr(ts, "cpu_ops", None)
+    if ops is not None and len(ops) and "name" in ops:
+        inside, n_steps = _in_steps(ops[ops["name"].isin(ROUTER_TOPK)], steps)
+        if n_steps:
+            frames.append(("shapes", pd.concat([inside, ops[ops["name"].isin(list(ROUTER_GEMMS))]]), float(n_steps)))
+    if graph_ops is not None:
+        for _, cap in sorted(graph_ops.captures.items()):
+            if cap.ops is None or not len(cap.ops):
+                continue
+            windows = len(set(cap.window.tolist()) - {-1}) if len(cap.window) else 0
+            frames.append(("capture_trace", cap.ops, float(max(windows, 1))))
+            break  # one rank's capture says it
+    for source, frame, forwards in frames:
+        if "name" not in frame or "input_dims" not in frame:
+            continue
+        topk = frame[frame["name"].isin(ROUTER_TOPK)]
+        if not len(topk):
+            continue
+        groups: dict[tuple[int, int], int] = {}
+        for raw, conc in zip(topk["input_dims"].tolist(), topk["concrete"].tolist() if "concrete" in topk
+                             else [None] * len(topk), strict=True):
+            d = dims(raw)
+            k = _concrete_int(conc, 1)
+            if not d or not isinstance(d[0], list) or len(d[0]) != 2 or k is None:
+                continue
+            e = d[0][-1]
+            if isinstance(e, int) and 1 < k < e:
+                groups[(e, k)] = groups.get((e, k), 0) + 1
+        best = None
+        for (e, k), c in sorted(groups.items(), key=lambda kv: -kv[1]):
+            per = c / forwards
+            if (layers is not None and abs(per - layers) < 0.5) or (layers is None and per >= MIN_LAYERS - 0.5):
+                best = (e, k, per)
+                break
+        if best is None:
+            continue
+        e, k, per = best
+        what = "CUDA-graph capture" if source == "capture_trace" else "step"
+        how = (f"aten::topk over [tokens, {e}] with k={k}, {per:.0f} per {what}"
+               + (f" = once per layer ({layers} layers)" if layers is not None else ""))
+        out = {"experts": Fact(e, source, "medium", how), "top_k": Fact(k, source, "medium", how)}
+        hidden = _router_hidden(frame, e)
+        if hidden is not None:
+            out["hidden_size"] = Fact(hidden[0], source, "medium", hidden[1])
+        return out
+    return {}
+
+
+def _router_hidden(frame: pd.DataFrame, experts: int) -> tuple[int, str] | None:
+    """K of the most frequent GEMM whose N is the expert count (the router's [tokens, H] x [H, E])."""
+    counts: dict[int, int] = {}
+    for name, (b_arg, n_axis) in ROUTER_GEMMS.items():
+        sub = frame.loc[frame["name"] == name, "input_dims"]
+        for raw in sub.tolist():
+            d = dims(raw)
+            if not d or len(d) <= b_arg or not isinstance(d[b_arg], list) or len(d[b_arg]) != 2:
+                continue
+            b = d[b_arg]
+            n, k = (b[0], b[1]) if n_axis == 0 else (b[1], b[0])
+            if n == experts and isinstance(k, int) and k > 0:
+                counts[k] = counts.get(k, 0) + 1
+    if not counts:
+        return None
+    k = max(counts, key=counts.__getitem__)
+    return k, f"K of the router GEMM (N = {experts} experts), {counts[k]} call(s)"
+
+
+def _in_steps(ops: pd.DataFrame, steps: pd.DataFrame | None) -> tuple[pd.DataFrame, int]:
+    """The ops that start inside the CPU window of an analysable step, and how many such steps."""
+    s = _structure_steps(steps)
+    if s is None or not len(ops) or not {"cpu_start", "cpu_end", "rank"} <= set(s.columns) or "rank" not in ops:
+        return ops.iloc[:0], 0
+    s = s[s["cpu_start"].notna() & s["cpu_end"].notna()]
+    keep = np.zeros(len(ops), dtype=bool)
+    o_rank, o_ts = ops["rank"].to_numpy(), ops["ts"].to_numpy(dtype=float)
+    for rank, g in s.groupby("rank"):
+        g = g.sort_values("cpu_start")
+        s0, s1 = g["cpu_start"].to_numpy(dtype=float), g["cpu_end"].to_numpy(dtype=float)
+        mine = np.nonzero(o_rank == rank)[0]
+        pos = np.searchsorted(s0, o_ts[mine], side="right") - 1
+        ok = (pos >= 0) & (o_ts[mine] <= s1[np.maximum(pos, 0)])
+        keep[mine[ok]] = True
+    return ops[keep], len(s)
 
 
 # ----------------------------------------------------------------------------- layers from the trace
