@@ -150,15 +150,38 @@ class _Case:
 
 
 def _cases(rs: Any) -> tuple[list[_Case], list[str]]:
+    """Every rule on every trace set any rule names: its own ``tests`` say what it must do there; a
+    set whose manifest.json plants the rule (``planted``) must make it fire; elsewhere it only has to
+    run without error (``runs``)."""
     cases, problems = [], []
+    declared: dict[tuple[str, Path], str] = {}
+    sets: dict[Path, str] = {}
     for r in rs:
         for kind in ("fires", "silent"):
             written = r.tests.get(kind, [])
             for w, p in zip(written, r.test_paths(kind), strict=True):
-                cases.append(_Case(r.id, kind, p, w))
+                declared[(r.id, p)] = kind
+                sets.setdefault(p, w)
             if not written:
                 problems.append(f"{r.id}: names no fixture it must {'fire on' if kind == 'fires' else 'stay silent on'}")
+    for p, w in sets.items():
+        planted = _planted(p)
+        for r in rs:
+            kind = declared.get((r.id, p)) or ("fires" if r.id in planted else "runs")
+            cases.append(_Case(r.id, kind, p, w))
     return cases, problems
+
+
+def _planted(path: Path) -> set[str]:
+    """Rule ids a trace set's manifest.json says were planted in it (none when it has no manifest)."""
+    import json
+
+    try:
+        man = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    planted = man.get("planted") if isinstance(man, dict) else None
+    return {str(x) for x in planted} if isinstance(planted, list) else set()
 
 
 @rules_cmd.command("test")
@@ -170,8 +193,9 @@ def _cases(rs: Any) -> tuple[list[_Case], list[str]]:
 @click.option("--jobs", "-j", type=int, default=None, help="Parallel rank parsers (default: CPUs).")
 def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, allow_missing: bool,
              jobs: int | None) -> None:
-    """Run every rule's own fixtures: it must fire on each `tests.fires` trace set and stay silent on
-    each `tests.silent` one (like `semgrep --test`). Exit 1 if any check fails."""
+    """Run every rule on every trace set the rules name: a rule must fire on each of its `tests.fires`
+    sets and on every set whose manifest.json plants it, stay silent on each of its `tests.silent`
+    sets (like `semgrep --test`), and run without error everywhere else. Exit 1 if any check fails."""
     from rich.markup import escape
 
     from traceinspect.analysis import Options, analyze
@@ -215,6 +239,17 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
             mine = [o for o in outcomes if o.rule == c.rule]
             fired = [o for o in mine if o.status == "fired"]
             errors = [o for o in mine if o.status == "error"]
+            if c.expect == "runs":
+                if errors:
+                    failed += 1
+                    con.print(f"[red]FAIL[/red] {c.rule} errored on {escape(c.written)}: "
+                              f"{escape('; '.join(errors[0].reasons))}")
+                else:
+                    passed += 1
+                    status = "fired" if fired else ("undecided" if any(o.status == "undecided" for o in mine)
+                                                    else "silent")
+                    con.print(f"[dim]RAN [/dim] {c.rule} on {escape(c.written)}: {status}")
+                continue
             ok = not errors and (bool(fired) if c.expect == "fires" else not fired)
             if ok:
                 passed += 1
