@@ -21,7 +21,7 @@ TRITON_KV_WRITE = "_fwd_set_mla_kv_buffer_kernel"
 STEP = re.compile(r"^(step\[|ProfilerStep#)", re.IGNORECASE)
 
 
-def make_variant(src: Path, dst: Path, *, model_info: bool = True, capture: bool = True,
+def make_variant(src: Path, dst: Path, *, model_info: bool = True, server_info: bool = True, capture: bool = True,
                  triton_kv_write: bool = False, shapes: bool = True, rename_op: tuple[str, str] | None = None) -> Path:
     """A copy of a fixture set changed the way real sets differ from ours: server_info.json as SGLang
     returns it (no model_info block), no capture traces, the KV write done by a Triton kernel, no
@@ -30,7 +30,8 @@ def make_variant(src: Path, dst: Path, *, model_info: bool = True, capture: bool
     si = json.loads((src / "server_info.json").read_text())
     if not model_info:
         si.pop("model_info", None)
-    (dst / "server_info.json").write_text(json.dumps(si))
+    if server_info:
+        (dst / "server_info.json").write_text(json.dumps(si))
     for p in sorted(src.glob("*-TP-*.trace.json.gz")):
         def edit(doc: dict) -> None:
             for e in doc["traceEvents"]:
@@ -115,6 +116,22 @@ def test_gather_then_cast_stays_silent_without_model_info(name: str, tmp_module:
     doc = _analysed(name, tmp_module, model_info=False, triton_kv_write=True)["doc"]
     assert _kv(doc) == []
     assert not [u for u in doc["undecided"] if u["rule"] == "kv-full-pool-cast"]
+
+
+@pytest.mark.parametrize("name", FULL + GATHER)
+def test_without_server_info_the_pool_comes_from_shapes(name: str, tmp_module: str) -> None:
+    """No server_info.json at all: the pool is the per-layer tensor that is indexed and cast (recorded
+    shapes, or the capture trace's); the rule fires on the full-pool sets only."""
+    r = _analysed(name, tmp_module, server_info=False)
+    doc, man = r["doc"], manifest(name)
+    pool = doc["run"]["facts"]["kv_pool_tokens"]
+    assert pool["value"] == man["kv_pool_tokens"] and pool["source"] in ("shapes", "capture_trace"), pool
+    fs = _kv(doc)
+    if name in FULL:
+        assert len(fs) == 1 and abs(fs[0]["share"] - raw_cast_share(r["dir"])) <= 0.03
+        assert fs[0]["evidence"]["layers"] == man["layers"]
+    else:
+        assert fs == []
 
 
 def test_graph_cast_is_judged_on_capture_trace_shapes(tmp_module: str) -> None:

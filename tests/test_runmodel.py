@@ -69,20 +69,30 @@ def test_each_source_wins_where_it_should(tmp_path: Path) -> None:
     assert (rm.value("experts"), rm.source("experts")) == (16, "shapes")
     assert (rm.value("top_k"), rm.source("top_k")) == (8, "shapes")
     assert (rm.value("hidden_size"), rm.source("hidden_size")) == (2048, "shapes")
-    # no server_info at all: the KV pool is undecided and says how to supply it; TP from the file names
+    # no server_info at all: the pool is the per-layer tensor that is both indexed and cast; TP from the names
     d = copy_set(fixture_dir(name), tmp_path / "bare")
+    (d / "server_info.json").unlink()
+    rm = run_model(d)
+    assert (rm.value("kv_pool_tokens"), rm.source("kv_pool_tokens")) == (524288, "shapes")
+    assert (rm.value("kv_row_bytes"), rm.value("kv_cache_dtype")) == (576, "float8_e4m3fn")
+    assert (rm.value("tp_size"), rm.source("tp_size")) == (2, "file_names")
+    assert (rm.value("page_size"), rm.source("page_size"), rm.facts["page_size"].confidence) == (1, "default", "low")
+    # CUDA-graph replay, no capture trace, no server_info: undecided, and it says how to supply it
+    d = copy_set(fixture_dir("kv-full-cast-graph"), tmp_path / "bare-graph")
     (d / "server_info.json").unlink()
     rm = run_model(d)
     assert rm.value("kv_pool_tokens") is None and "traceinspect capture" in rm.missing("kv_pool_tokens")
     assert rm.value("kv_row_bytes") is None
-    assert (rm.value("tp_size"), rm.source("tp_size")) == (2, "file_names")
-    assert (rm.value("page_size"), rm.source("page_size"), rm.facts["page_size"].confidence) == (1, "default", "low")
 
 
 def test_capture_trace_shapes_give_the_kv_row_of_graph_sets(tmp_path: Path) -> None:
     d = _set(tmp_path, "kv-full-cast-graph", lambda si: si.pop("model_info"), capture=True)
     rm = run_model(d)
     assert (rm.value("kv_row_bytes"), rm.source("kv_row_bytes")) == (576, "capture_trace")
+    (d / "server_info.json").unlink()
+    rm = run_model(d)
+    assert (rm.value("kv_pool_tokens"), rm.source("kv_pool_tokens")) == (524288, "capture_trace")
+    assert rm.source("kv_row_bytes") == "capture_trace"
     assert (rm.value("experts"), rm.source("experts")) == (16, "capture_trace")
     assert (rm.value("layers"), rm.source("layers")) == (4, "trace_structure")
 

@@ -690,6 +690,7 @@ class _KvContext:
     layers: int | None
     layers_src: str
     included: np.ndarray  # per kernel row: in an included step
+    pool_src: str = ""  # where the pool size came from
     steps_per_rank: dict[int, int] = field(default_factory=dict)  # included steps per rank
 
     def pool_rows(self, rows: int) -> bool:
@@ -712,7 +713,7 @@ def _context(ts: TraceSet, steps: pd.DataFrame, run: RunModel) -> _KvContext:
         per_rank = {int(r): int(c) for r, c in steps[inc_steps].groupby("rank").size().items()}
     return _KvContext(pool=run.value("kv_pool_tokens"), page=run.value("page_size") or 1,
                       kv_dtype=run.kv_torch_dtype, layers=run.value("layers"), layers_src=run.describe("layers"),
-                      included=included, steps_per_rank=per_rank)
+                      included=included, steps_per_rank=per_rank, pool_src=run.describe("kv_pool_tokens"))
 
 
 def _json(raw: Any) -> Any:
@@ -1051,8 +1052,8 @@ def _pool_evidence(inputs: _OpInputs, o: int, ctx: _KvContext, target: str) -> s
     # report the KV-dtype tensor (the cast's source) when there is one
     j, shape, dtype = next((h for h in hits if h[2] == ctx.kv_dtype), hits[0])
     pad = shape[0] - (ctx.pool or 0)
-    return (f"{inputs.names[j]} input {shape} {dtype or '?'}: {shape[0]} rows = KV pool "
-            f"(server_info max_total_num_tokens={ctx.pool}{f' + {pad} padding' if pad else ''})")
+    return (f"{inputs.names[j]} input {shape} {dtype or '?'}: {shape[0]} rows = KV pool of {ctx.pool} tokens"
+            f"{f' + {pad} padding' if pad else ''} ({ctx.pool_src})")
 
 
 def _pool_row_shapes(ops: pd.DataFrame, ctx: _KvContext) -> set[tuple[int, ...]]:

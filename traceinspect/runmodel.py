@@ -288,10 +288,14 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
 
     # the KV pool
     tok = _pos_int(si.get("max_total_num_tokens"))
-    f["kv_pool_tokens"] = (Fact(tok, "server_info", "high", f"server_info.max_total_num_tokens={tok}")
-                           if tok is not None else
-                           _undecided("no server_info.json with max_total_num_tokens (save it with "
-                                      "`traceinspect capture`, or pass --server-info FILE)"))
+    if tok is not None:
+        f["kv_pool_tokens"] = Fact(tok, "server_info", "high", f"server_info.max_total_num_tokens={tok}")
+    else:
+        pool = _pool_from_shapes(ts, steps, graph_ops, f["layers"].value)
+        f["kv_pool_tokens"] = pool if pool is not None else _undecided(
+            "no server_info.json with max_total_num_tokens (save it with `traceinspect capture`, or pass "
+            "--server-info FILE), and no per-layer KV-dtype tensor both indexed and cast in the recorded shapes")
+        tok = f["kv_pool_tokens"].value
     page = _pos_int(si.get("page_size"))
     f["page_size"] = (Fact(page, "server_info", "high", f"server_info.page_size={page}") if page is not None
                       else Fact(1, "default", "low", "no page_size in server_info: 1 assumed"))
@@ -395,12 +399,84 @@ def _kv_row(ts: TraceSet, graph_ops: GraphOps | None, pool: int | None,
                     continue
                 t = types[j] if j < len(types) and isinstance(types[j], str) else None
                 b = tensor_bytes(d[1:], t)
-                if b and (best is None or b < best[0]):
-                    dt = t.replace("c10::", "").lower() if t else None
+                dt = t.replace("c10::", "").lower() if t else None
+                # the narrowest; of equal width, a float dtype over a byte view of the same storage
+                if b and (best is None or (b, not (dt or "").startswith("float")) <
+                          (best[0], not (best[1] or "").startswith("float"))):
                     best = (b, dt, source, f"{d} {t or '?'}")
         if best is not None:
             return best
     return None
+
+
+# ----------------------------------------------------------------------------- KV pool from shapes
+
+POOL_INDEXERS = {"aten::index_select": 0, "aten::index": 0, "aten::gather": 0, "aten::take": 0,
+                 "aten::index_put_": 0, "aten::index_put": 0, "aten::index_copy_": 0, "aten::index_copy": 0,
+                 "aten::scatter_": 0, "aten::scatter": 0}  # op -> the argument that is the indexed tensor
+CAST_OPS = ("aten::copy_",)
+LOW_BITS = ("float8", "unsigned char", "char", "signed char", "float4")
+
+
+def _pool_from_shapes(ts: TraceSet, steps: pd.DataFrame | None, graph_ops: GraphOps | None,
+                      layers: int | None) -> Fact | None:
+    """The KV pool's row count from recorded shapes, without server_info: the largest tensor that is
+    indexed or scattered into once per layer or more (a gather of the rows in use, a KV write) and whose
+    row shape is that of a dtype cast from an 8-bit dtype (the pool, or the rows gathered from it, cast to
+    the compute dtype) that also runs once per layer."""
+    for source, frame, forwards in _shape_frames(ts, steps, graph_ops, tuple(POOL_INDEXERS) + CAST_OPS):
+        indexed: dict[tuple[int, ...], int] = {}
+        cast_rows: dict[tuple[int, ...], int] = {}
+        for name, raw, types in zip(frame["name"].tolist(), frame["input_dims"].tolist(),
+                                    frame["input_types"].tolist(), strict=True):
+            d, t = dims(raw), dims(types) or []
+            if not d:
+                continue
+            if name in CAST_OPS:
+                if len(d) < 2 or len(t) < 2 or not isinstance(d[1], list) or len(d[1]) < 2 or t[0] == t[1]:
+                    continue
+                if isinstance(t[1], str) and t[1].replace("c10::", "").lower().startswith(LOW_BITS):
+                    key = tuple(d[1][1:])
+                    cast_rows[key] = cast_rows.get(key, 0) + 1
+            else:
+                a = POOL_INDEXERS[name]
+                if a < len(d) and isinstance(d[a], list) and len(d[a]) >= 2 and all(isinstance(x, int) for x in d[a]):
+                    key = tuple(d[a])
+                    indexed[key] = indexed.get(key, 0) + 1
+        need = max(layers or MIN_LAYERS, MIN_LAYERS) * forwards - 0.5
+        rows = {r for r, c in cast_rows.items() if c >= need}
+        cands = [(shape[0], shape) for shape, c in indexed.items() if c >= need and shape[1:] in rows]
+        if not cands:
+            continue
+        n, shape = max(cands)
+        what = "CUDA-graph capture" if source == "capture_trace" else "step"
+        return Fact(n, source, "medium",
+                    f"rows of {list(shape)}: indexed {indexed[shape] / forwards:g} times per {what} and of the row "
+                    f"shape {list(shape[1:])} that 8-bit casts read once per layer (no server_info "
+                    "max_total_num_tokens)")
+    return None
+
+
+def _shape_frames(ts: TraceSet, steps: pd.DataFrame | None, graph_ops: GraphOps | None,
+                  names: tuple[str, ...]) -> list[tuple[str, pd.DataFrame, float]]:
+    """(source, the recorded ops named ``names`` of one forward set, forwards it spans): the eager ops
+    inside the analysable steps, then one rank's CUDA-graph capture trace."""
+    out: list[tuple[str, pd.DataFrame, float]] = []
+    ops = getattr(ts, "cpu_ops", None)
+    cols = ["name", "input_dims", "input_types"]
+    if ops is not None and len(ops) and set(cols) <= set(ops.columns):
+        inside, n = _in_steps(ops[ops["name"].isin(names)], steps)
+        if n and len(inside):
+            out.append(("shapes", inside[cols], float(n)))
+    if graph_ops is not None:
+        for _, cap in sorted(graph_ops.captures.items()):
+            c = cap.ops
+            if c is None or not len(c) or not set(cols) <= set(c.columns):
+                continue
+            windows = len(set(cap.window.tolist()) - {-1}) if len(cap.window) else 0
+            out.append(("capture_trace", c.loc[c["name"].isin(names), cols], float(max(windows, 1))))
+            break  # one rank's capture says it
+    return out
 
 
 # ----------------------------------------------------------------------------- MoE routing from shapes
