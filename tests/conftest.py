@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,36 @@ def raw_events(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         return json.load(f)["traceEvents"]
+
+
+STEP_SPAN = re.compile(r"^step\[", re.IGNORECASE)
+PROFILER_STEP = re.compile(r"^ProfilerStep#\d+$")
+
+
+def raw_cast_share(d: Path) -> float:
+    """The planted KV cast kernels' share (``direct_copy_kernel_cuda`` with ``LoadWithCast``) of the GPU
+    time of a set's analysed steps, from the raw events with the standard library: a kernel belongs to
+    the step span (SGLang's step[...], else ProfilerStep#N) that holds its launch (correlation); the
+    first and last step of each rank are left out."""
+    cast = total = 0.0
+    for p in sorted(d.glob("*.trace.json*")):
+        ev = raw_events(p)
+        marks = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("user_annotation", "cpu_op", "Operator")]
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in marks if STEP_SPAN.match(str(e.get("name", "")))] or \
+            [(e["ts"], e["ts"] + e["dur"]) for e in marks if PROFILER_STEP.match(str(e.get("name", "")))]
+        spans = sorted(spans)[1:-1]
+        launch = {e["args"]["correlation"]: e["ts"] for e in ev
+                  if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+        for e in ev:
+            if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+                continue
+            t = launch.get(e.get("args", {}).get("correlation"))
+            if t is None or not any(a <= t <= b for a, b in spans):
+                continue
+            total += e["dur"]
+            if "direct_copy_kernel_cuda" in e["name"] and "LoadWithCast" in e["name"]:
+                cast += e["dur"]
+    return cast / total
 
 
 def copy_set(src: Path, dst: Path) -> Path:

@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 import shutil
 from functools import cache
 from pathlib import Path
 
 import pytest
-from conftest import fixture_dir, manifest, raw_events, rewrite_trace, run_cli
+from conftest import fixture_dir, manifest, raw_cast_share, rewrite_trace, run_cli
 
 FULL = ["kv-full-cast-eager", "kv-full-cast-graph"]
 GATHER = ["kv-gather-cast-eager", "kv-gather-cast-graph"]
 KV_WRITE = "index_elementwise_kernel<128, 4, at::native::index_copy_kernel_impl"
 TRITON_KV_WRITE = "_fwd_set_mla_kv_buffer_kernel"
-STEP = re.compile(r"^(step\[|ProfilerStep#)", re.IGNORECASE)
 
 
 def make_variant(src: Path, dst: Path, *, model_info: bool = True, server_info: bool = True, capture: bool = True,
@@ -47,29 +45,6 @@ def make_variant(src: Path, dst: Path, *, model_info: bool = True, server_info: 
     if capture and cap.is_dir():
         shutil.copytree(cap, dst / cap.name)
     return dst
-
-
-def raw_cast_share(d: Path) -> float:
-    """The planted cast kernels' share of the GPU time of the analysed steps, from the raw events with
-    the standard library: kernels belong to the step span that holds their launch (correlation), the
-    first and last step of each rank are left out."""
-    cast = total = 0.0
-    for p in sorted(d.glob("*-TP-*.trace.json.gz")):
-        ev = raw_events(p)
-        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev
-                       if e.get("cat") == "user_annotation" and STEP.match(str(e.get("name", ""))))[1:-1]
-        launch = {e["args"]["correlation"]: e["ts"] for e in ev
-                  if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-        for e in ev:
-            if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
-                continue
-            t = launch.get(e.get("args", {}).get("correlation"))
-            if t is None or not any(a <= t <= b for a, b in spans):
-                continue
-            total += e["dur"]
-            if "direct_copy_kernel_cuda" in e["name"] and "LoadWithCast" in e["name"]:
-                cast += e["dur"]
-    return cast / total
 
 
 @cache
