@@ -25,7 +25,16 @@ from markupsafe import Markup, escape
 
 from traceinspect import __version__
 from traceinspect.fileio import write_text_atomic
-from traceinspect.render import fmt_pct, fmt_us, kernel_label, launching_ops, short_name
+from traceinspect.render import (
+    fmt_bytes,
+    fmt_count,
+    fmt_pct,
+    fmt_us,
+    kernel_label,
+    kernel_labels,
+    launching_ops,
+    short_name,
+)
 from traceinspect.render.palette import (
     IDLE_STROKE,
     PATH_COLORS,
@@ -33,6 +42,7 @@ from traceinspect.render.palette import (
     severity_color,
     text_color,
 )
+from traceinspect.render.story import Open, saving_share, saving_text, step_share, story
 from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
@@ -125,6 +135,8 @@ def _fmt_value(key: str, v: Any) -> str:
             return f"{float(v):.1f}%"
         if "bytes" in k:
             return _fmt_bytes(float(v))
+        if k.endswith("per_step") or k.startswith("calls") or k in ("layers", "shapes", "names", "gaps"):
+            return fmt_count(float(v))
         if isinstance(v, (int, np.integer)) or (float(v).is_integer() and abs(v) < 1e15):
             return f"{int(v):,}"
         if abs(float(v)) >= 1000:
@@ -133,12 +145,7 @@ def _fmt_value(key: str, v: Any) -> str:
     return str(v)
 
 
-def _fmt_bytes(v: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(v) < 1024 or unit == "TiB":
-            return f"{v:,.0f} {unit}" if unit == "B" else f"{v:,.1f} {unit}"
-        v /= 1024
-    return f"{v:,.1f} TiB"
+_fmt_bytes = fmt_bytes  # one unit system everywhere (decimal MB/GB, see traceinspect.units)
 
 
 def _bar_axis(n_rows: int, vmax: float, left: int, right: int, bar_h: int, gap: int,
@@ -215,36 +222,29 @@ class Headline:
     rule: str | None = None
     anchor: str | None = None
     others: list[dict[str, Any]] = field(default_factory=list)
+    open: list[Open] = field(default_factory=list)
+    basis: str = ""
 
 
-def _headline(doc: dict[str, Any], findings: list[dict[str, Any]], step_us: float | None) -> Headline:
-    if findings:
-        f = findings[0]
-        saving = f.get("est_saving_us_per_step")
+def _headline(doc: dict[str, Any], findings: list[dict[str, Any]]) -> Headline:
+    """The banner: the lead finding of :func:`~traceinspect.render.story.story` (the one every output
+    leads with), the others after it, and the classes or rules the findings leave open."""
+    st = story(doc)
+    if st.lead is not None:
+        f = st.lead
         title = str(f.get("title") or f.get("rule") or "finding")
-        if _isnum(saving):
-            of = f" ({fmt_pct(saving / step_us)} of the {fmt_us(step_us)} {doc['steps']['phase']} step)" \
-                if _isnum(step_us) and step_us else ""
-            detail = f"Estimated saving: {fmt_us(float(saving))} per step{of}."
-        else:
-            detail = "Estimated saving: not available (the rule gives no estimate)."
+        detail = (f"Estimated saving: {st.saving}." if st.saving
+                  else "Estimated saving: not available (the rule gives no estimate).")
         sev = str(f.get("severity") or "info")
         others = []
         for i, o in enumerate(findings[1:], start=1):
-            sv = o.get("est_saving_us_per_step")
             others.append({"anchor": f"f-{i}", "severity": str(o.get("severity") or "info"),
                            "color": severity_color(str(o.get("severity") or "info")),
                            "title": str(o.get("title") or o.get("rule") or ""),
-                           "saving": fmt_us(float(sv)) if _isnum(sv) else None})
-        return Headline(sev, severity_color(sev), title, detail, str(f.get("rule") or ""), "f-0", others)
-    classes = doc.get("classes") or {}
-    if classes:
-        top, v = max(classes.items(), key=lambda kv: kv[1].get("share") or 0)
-        text = (f"No findings. The largest class is {top}: {fmt_pct(v.get('share'))} of GPU kernel time, "
-                f"{fmt_us(v.get('us_per_step'))} per step.")
-    else:
-        text = "No findings, and no classified kernel time."
-    return Headline("none", "#2e7d32", text, "")
+                           "saving": saving_text(o, doc)})
+        return Headline(sev, severity_color(sev), title, detail, str(f.get("rule") or ""), "f-0", others,
+                        st.open, st.basis)
+    return Headline("none", "#2e7d32", st.quiet, "", open=st.open, basis=st.basis)
 
 
 # --------------------------------------------------------------------------------------------- charts
@@ -676,7 +676,7 @@ def _path_color(c: str) -> str:
 
 # --------------------------------------------------------------------------------------------- context
 
-def _finding_view(i: int, f: dict[str, Any], step_us: float | None, labels: dict[Any, str]) -> dict[str, Any]:
+def _finding_view(i: int, f: dict[str, Any], doc: dict[str, Any], labels: dict[Any, str]) -> dict[str, Any]:
     sev = str(f.get("severity") or "info")
     saving = f.get("est_saving_us_per_step")
     refs = []
@@ -696,10 +696,9 @@ def _finding_view(i: int, f: dict[str, Any], step_us: float | None, labels: dict
         "color": severity_color(sev), "title": str(f.get("title") or f.get("rule") or ""),
         "message": str(f.get("message") or ""),
         "saving": fmt_us(float(saving)) if _isnum(saving) else None,
-        "saving_of_step": fmt_pct(saving / step_us) if _isnum(saving) and _isnum(step_us) and step_us else None,
+        "saving_of_step": fmt_pct(saving_share(f, doc)) if _isnum(saving) else None,
         "share": fmt_pct(f.get("share")) if _isnum(f.get("share")) else None,
         "impact": fmt_us(float(ev["impact_us_per_step"])) if _isnum(ev.get("impact_us_per_step")) else None,
-        "share_of": str(ev.get("share_of") or "").split(" (")[0],
         "ranks": ", ".join(str(labels.get(r, r)) for r in ranks) if isinstance(ranks, list) and ranks else
         ("all" if ranks is None else str(ranks)),
         "evidence": _evidence_view(f.get("evidence") or {}),
@@ -827,24 +826,29 @@ def _short_float(v: float) -> str:
 
 def _class_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
-    for c, v in sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("share") or 0)):
+    for c, v in sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("us_per_step") or 0)):
+        share = step_share(v.get("us_per_step"), doc)
         rows.append({"cls": c, "color": class_color(c), "us": v.get("us_per_step"), "us_t": fmt_us(v.get("us_per_step")),
-                     "share": v.get("share"), "share_t": fmt_pct(v.get("share")),
+                     "share": share, "share_t": fmt_pct(share),
                      "calls": v.get("calls_per_step"),
-                     "calls_t": _short_float(v["calls_per_step"]) if _isnum(v.get("calls_per_step")) else "n/a"})
+                     "calls_t": fmt_count(v["calls_per_step"]) if _isnum(v.get("calls_per_step")) else "n/a"})
     return rows
 
 
 def _top_kernel_rows(doc: dict[str, Any], ops: dict[str, str]) -> list[dict[str, Any]]:
     rows = []
-    for i, k in enumerate(doc.get("top_kernels") or []):
+    per = max(int(_get(doc, "steps", "count") or 1), 1) * max(len(doc.get("ranks") or []), 1)
+    kernels = doc.get("top_kernels") or []
+    labels = kernel_labels([str(k.get("name", "")) for k in kernels], 72)
+    for i, k in enumerate(kernels):
         op = ops.get(str(k.get("name", "")), "")
-        rows.append({"i": i + 1, "name": str(k.get("name", "")), "short": kernel_label(str(k.get("name", "")), 72),
+        share = step_share(k["us"] / per, doc) if _isnum(k.get("us")) else None
+        rows.append({"i": i + 1, "name": str(k.get("name", "")), "short": labels[str(k.get("name", ""))],
                      "op": op, "op_short": short_name(op, 34) if op else "–",
                      "cls": str(k.get("cls", "")), "color": class_color(str(k.get("cls", ""))),
                      "calls": k.get("calls"), "us": k.get("us"), "us_t": fmt_us(k.get("us")),
                      "mean": k.get("mean_us"), "mean_t": fmt_us(k.get("mean_us")),
-                     "share": k.get("share"), "share_t": fmt_pct(k.get("share"))})
+                     "share": share, "share_t": fmt_pct(share)})
     return rows
 
 
@@ -877,6 +881,7 @@ def _memory_view(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]
         return [], "no memory-bound kernel with known bytes moved (needs recorded shapes)"
     per = max(int(_get(doc, "steps", "count") or 1), 1) * max(len(doc.get("ranks") or []), 1)
     rows = []
+    labels = kernel_labels([str(r.get("family") or "") for r in mem[:20] if isinstance(r, dict)], 70)
     for r in mem[:20]:
         if not isinstance(r, dict):
             continue
@@ -885,7 +890,7 @@ def _memory_view(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]
         fam = str(r.get("family") or "")
         dtypes = r.get("dtypes")
         rows.append({
-            "name": fam, "short": kernel_label(fam, 70), "cls": str(r.get("cls") or ""),
+            "name": fam, "short": labels.get(fam, kernel_label(fam, 70)), "cls": str(r.get("cls") or ""),
             "color": class_color(str(r.get("cls") or "")),
             "dtypes": ", ".join(str(d) for d in dtypes) if isinstance(dtypes, list) else str(dtypes or ""),
             "calls": calls,
@@ -1002,8 +1007,8 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
     doc = doc if doc is not None else a.to_json()
     steps = doc.get("steps") or {}
     step_us = steps.get("median_us")
-    # the judge's order (largest estimated saving first): the headline is the first finding
-    findings = [dict(f) for f in doc.get("findings") or []]
+    # the one order of every output (severity, then estimated saving): the headline is the first finding
+    findings = [dict(f) for f in story(doc).findings]
     _add_rule_text(a, findings)
     breakdown, order = class_breakdown_svg(doc)
     timeline = timeline_svg(a)
@@ -1013,13 +1018,13 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
     cpath, cpath_reason, cpath_classes = critical_path_svg(doc)
     busy = [r.get("gpu_busy_us") for r in doc.get("ranks") or [] if _isnum(r.get("gpu_busy_us"))]
     idle = [r.get("idle_us") for r in doc.get("ranks") or [] if _isnum(r.get("idle_us"))]
-    top_cls = max((doc.get("classes") or {}).items(), key=lambda kv: kv[1].get("share") or 0, default=None)
+    top_cls = max((doc.get("classes") or {}).items(), key=lambda kv: kv[1].get("us_per_step") or 0, default=None)
     keynums = [
         (f"{steps.get('phase', 'decode')} step (median)", fmt_us(step_us), f"p90 {fmt_us(steps.get('p90_us'))}"),
         ("GPU busy per step", fmt_us(float(np.median(busy))) if busy else "n/a",
          f"idle {fmt_us(float(np.median(idle)))}" if idle else ""),
         ("largest class", top_cls[0] if top_cls else "n/a",
-         f"{fmt_pct(top_cls[1].get('share'))} of kernel time" if top_cls else ""),
+         f"{fmt_pct(step_share(top_cls[1].get('us_per_step'), doc))} of the step time" if top_cls else ""),
         ("findings", str(len(findings)),
          ", ".join(f"{n} {s}" for s in ("critical", "warning", "info")
                    if (n := sum(1 for f in findings if f.get("severity") == s)))),
@@ -1028,12 +1033,12 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
         "doc": doc,
         "title": f"traceinspect report · {_get(doc, 'run', 'model') or 'unknown model'}",
         "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "headline": _headline(doc, findings, step_us),
+        "headline": _headline(doc, findings),
         "keynums": keynums,
         "glance_svg": glance_svg(doc),
         "meta": _meta_rows(doc),
         "files": _files_view(doc),
-        "findings": [_finding_view(i, f, step_us, {r.get("rank"): r.get("label") for r in doc.get("ranks") or []})
+        "findings": [_finding_view(i, f, doc, {r.get("rank"): r.get("label") for r in doc.get("ranks") or []})
                      for i, f in enumerate(findings)],
         "breakdown_svg": breakdown,
         "breakdown_legend": _legend_html(order, {c: (doc["classes"][c].get("share")) for c in order}),
