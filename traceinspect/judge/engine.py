@@ -85,7 +85,7 @@ def _round(x: Any) -> Any:
             return int(x)
         if abs(x) >= 100:
             return round(x, 1)
-        return float(f"{x:.4g}")
+        return float(f"{x:.6g}")  # enough digits that a share prints as the message printed it
     return x
 
 
