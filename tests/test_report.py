@@ -66,9 +66,11 @@ def assert_self_contained(html: str) -> None:
     assert not re.search(r"@import|url\(\s*['\"]?(https?:)?//", html, re.I)
     assert not re.search(r"\b(src|srcset|xlink:href)=\"(https?:)?//", html, re.I)
     assert not re.search(r"\ssrc=", html, re.I)
-    # links are in-page anchors or clickable references (<a href>), never loaded by the page itself
+    # links are in-page anchors, clickable references (<a href>) or CSV downloads carried in the page
+    # itself (data: URLs), never loaded by the page itself
     for tag, url in re.findall(r"<(\w+)[^>]*\shref=\"([^\"]*)\"", html):
-        assert tag == "a" and (url.startswith("#") or url.startswith(("https://", "http://"))), (tag, url)
+        assert tag == "a" and (url.startswith("#") or url.startswith(("https://", "http://", "data:text/csv;"))), (
+            tag, url[:80])
 
 
 # ----------------------------------------------------------------------------- escaping units
@@ -294,11 +296,14 @@ def test_injected_names_are_escaped_everywhere(tmp_path: Path) -> None:
         assert EVIL_OP in set(a.kernels["op_name"])
         if EVIL_OP in top_ops:
             assert htmllib.escape(EVIL_OP, quote=False) in html
-    # exactly the page's own scripts: the JSON blob and the table sorter
-    assert len(re.findall(r"<script\b", html)) == 2
-    blob = re.search(r'<script type="application/json" id="traceinspect-analysis">(.*?)</script>', html, re.S)
-    assert "<" not in blob.group(1)
-    assert EVIL_KERNEL in json.dumps(json.loads(blob.group(1)))  # the value survives, escaped
+    # exactly the page's own scripts: the JSON blob, the timeline data and the page's code
+    assert len(re.findall(r"<script\b", html)) == 3
+    for sid in ("traceinspect-analysis", "timeline-data"):
+        blob = re.search(rf'<script type="application/json" id="{sid}">(.*?)</script>', html, re.S)
+        assert "<" not in blob.group(1)
+        assert EVIL_KERNEL in json.dumps(json.loads(blob.group(1)))  # the value survives, escaped
+    # the CSV downloads carry the names percent-encoded
+    assert all("<" not in u and '"' not in u for u in re.findall(r'href="(data:[^"]*)"', html))
 
     text = render_markdown(a, doc)
     assert "<script>" not in text and "<b>" not in text and "<i>" not in text
@@ -309,7 +314,7 @@ def test_injected_names_are_escaped_everywhere(tmp_path: Path) -> None:
         assert md(EVIL_OP) in text
     for ln in text.splitlines():
         if ln.startswith("| ") and "bold" in ln:
-            header = "| kernel | launched by | class | share |"
+            header = "| kernel | launched by | class | share of the step |"
             assert len(re.findall(r"(?<!\\)\|", ln)) == len(re.findall(r"\|", header))
 
     raw = encode(build_trace(a, doc))
