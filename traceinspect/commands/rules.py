@@ -159,12 +159,12 @@ def _cases(rs: Any) -> tuple[list[_Case], list[str]]:
     declared: dict[tuple[str, Path], str] = {}
     sets: dict[Path, str] = {}
     for r in rs:
-        for kind in ("fires", "silent"):
+        for kind in ("fires", "silent", "undecided"):
             written = r.tests.get(kind, [])
             for w, p in zip(written, r.test_paths(kind), strict=True):
                 declared[(r.id, p)] = kind
                 sets.setdefault(p, w)
-            if not written:
+            if not written and kind != "undecided":
                 problems.append(f"{r.id}: names no fixture it must {'fire on' if kind == 'fires' else 'stay silent on'}")
     for p, w in sets.items():
         planted = _planted(p)
@@ -197,7 +197,8 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
              jobs: int | None) -> None:
     """Run every rule on every trace set the rules name: a rule must fire on each of its `tests.fires`
     sets and on every set whose manifest.json plants it, stay silent on each of its `tests.silent`
-    sets (like `semgrep --test`), and run without error everywhere else. Exit 1 if any check fails."""
+    sets (like `semgrep --test`), be undecided (and not fire) on each of its `tests.undecided` sets
+    (evidence missing there), and run without error everywhere else. Exit 1 if any check fails."""
     from rich.markup import escape
 
     from traceinspect.analysis import Options, analyze
@@ -252,7 +253,9 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
                                                     else "silent")
                     con.print(f"[dim]RAN [/dim] {c.rule} on {escape(c.written)}: {status}")
                 continue
-            ok = not errors and (bool(fired) if c.expect == "fires" else not fired)
+            undecided = [o for o in mine if o.status == "undecided"]
+            ok = not errors and (bool(fired) if c.expect == "fires" else
+                                 not fired and bool(undecided) if c.expect == "undecided" else not fired)
             if ok:
                 passed += 1
                 detail = ""
@@ -264,7 +267,8 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
                 con.print(f"[green]PASS[/green] {c.rule} {c.expect} on {escape(c.written)}{detail}")
             else:
                 failed += 1
-                con.print(f"[red]FAIL[/red] {c.rule} should have {'fired' if c.expect == 'fires' else 'stayed silent'}"
+                should = {"fires": "fired", "undecided": "been undecided"}.get(c.expect, "stayed silent")
+                con.print(f"[red]FAIL[/red] {c.rule} should have {should}"
                           f" on {escape(c.written)}")
                 for o in errors or fired or mine:
                     msg = o.finding.message if o.finding is not None else "; ".join(o.reasons)
