@@ -74,7 +74,7 @@ def test_expert_gemms_are_moe_gemm_with_the_planted_m(name: str) -> None:
     moe = doc["classes"].get("moe_gemm")
     assert moe is not None, doc["classes"]
     planted = (man.get("planted_kernels") or {}).get("expert_gemm") or {}
-    if "per_step" in planted:
+    if "per_step" in planted and "moe_form" in man:  # the TP1 matrix counts expert GEMM kernels per step
         assert moe["calls_per_step"] == planted["per_step"], (moe, planted)
 
 
