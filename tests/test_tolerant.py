@@ -225,3 +225,17 @@ def test_rocm_traces_from_the_field_are_read() -> None:
         streamed = parse.parse_file(p)
         assert len(streamed.kernels) > 100 and (streamed.kernels["bytes"] > 0).any()
         _same_tables(streamed, parse.parse_bytes_whole(parse.read_bytes(p), p))
+
+
+def test_forward_markers_of_python_functions_are_kept_in_event_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ``execute_model`` python_function events become annotations (no other python_function
+    does), in the same order whether the file is read in pieces or whole."""
+    p = real_trace("hyukjlee__traceMap__trace_file__examples__1_h100_1000isl_10osl_32con.pt.trace.json.gz")
+    monkeypatch.setattr(parse, "PIECE", 1 << 18)
+    streamed = parse.parse_file(p)
+    names = streamed.annotations["name"]
+    marked = names[names.str.endswith("): execute_model")]
+    assert len(marked) == 22 and set(marked) == {"vllm/v1/worker/gpu_worker.py(263): execute_model",
+                                                 "vllm/v1/worker/gpu_model_runner.py(1002): execute_model"}
+    assert not names.str.contains(r"\): (?!execute_model$)").any()
+    _same_tables(streamed, parse.parse_bytes_whole(parse.read_bytes(p), p))

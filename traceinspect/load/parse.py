@@ -39,7 +39,10 @@ same values as the fast path wherever that one succeeds:
 * Which events. An entry of ``traceEvents`` that is not an object is dropped (reason
   ``not_object``). Only ``ph == "X"`` events whose ``cat`` (a string, matched case-insensitively)
   names a kind in ``_KIND`` are used; ``ph`` or ``cat`` that is not a string leaves the event
-  unused (not counted). ``tid``: a number whose value is an integer within int64 is that integer;
+  unused (not counted). A ``python_function`` event goes into the annotations table only when its
+  name, after the last ``"): "`` (the whole name when there is none), is in
+  ``PY_FORWARD_FUNCTIONS`` (vLLM's ``gpu_model_runner.py(1002): execute_model``); it is checked
+  (and a non-string name dropped, reason ``name``) like any used event. ``tid``: a number whose value is an integer within int64 is that integer;
   a string of the form ``-?[0-9]+`` (leading zeros allowed) within int64 is that integer, any
   other string is CRC-32 of its UTF-8 bytes & 0x7FFFFFFF; any other value (or none) is 0.
 * Needed fields of a used event, else the event is dropped and counted by reason: ``name`` a
@@ -139,8 +142,16 @@ _KIND = {
     "operator": "cpu_op",
     "user_annotation": "annotation",
     "gpu_user_annotation": "gpu_annotation",
+    "python_function": "python_function",  # only forward markers are kept, as annotations
 }
 _KINDS = ("kernel", "memcpy", "memset", "runtime", "cpu_op", "annotation", "gpu_annotation")
+# python_function events (with_stack captures) kept, as annotations, when the function name (after
+# the last "): ") is one of these: a serving engine's forward (vLLM's worker and model runner)
+PY_FORWARD_FUNCTIONS = frozenset({"execute_model"})
+
+
+def _py_marker(name: str) -> bool:
+    return name.rpartition("): ")[2] in PY_FORWARD_FUNCTIONS
 GPU_KINDS = ["kernel", "memcpy", "memset"]
 
 _DECODER = msgspec.json.Decoder(_Trace)
@@ -393,6 +404,7 @@ class _Builder:
         self.gpu_dropped = 0
         self.bytes_memo: dict[bytes, bytes | None] = {b"": None}
         self.str_memo: dict[bytes, str] = {b"": ""}
+        self.py_memo: dict[str, bool] = {}
 
     def add(self, events: list[_Event]) -> None:
         if isinstance(events, _Salvaged):
@@ -403,17 +415,29 @@ class _Builder:
         else:
             self.n_events += len(events)
         groups: dict[str, list[_Event]] = {k: [] for k in _KINDS}
+        memo, ann = self.py_memo, groups["annotation"].append
+
+        def py_app(ev: _Event) -> None:  # a forward marker joins the annotations in event order
+            keep = memo.get(ev.name)
+            if keep is None:
+                keep = memo[ev.name] = _py_marker(ev.name)
+            if keep:
+                ann(ev)
+
+        def appender(kind: str | None) -> Callable[[_Event], None] | None:
+            return None if kind is None else py_app if kind == "python_function" else groups[kind].append
+
         appenders: dict[str, Callable[[_Event], None] | None] = {}
         route = self.route
         for cat, kind in route.items():
-            appenders[cat] = groups[kind].append if kind else None
+            appenders[cat] = appender(kind)
         get_app = appenders.get
         for ev in events:
             if ev.ph == "X":
                 app = get_app(ev.cat, _MISSING)
                 if app is _MISSING:
                     kind = route.setdefault(ev.cat, _KIND.get(ev.cat.lower()))
-                    app = appenders[ev.cat] = groups[kind].append if kind else None
+                    app = appenders[ev.cat] = appender(kind)
                 if app is not None:
                     app(ev)
         for kind, evs in groups.items():
