@@ -58,12 +58,14 @@ STEP_SPAN = re.compile(r"^step\[", re.IGNORECASE)
 PROFILER_STEP = re.compile(r"^ProfilerStep#\d+$")
 
 
-def raw_cast_share(d: Path) -> float:
-    """The planted KV cast kernels' share (``direct_copy_kernel_cuda`` with ``LoadWithCast``) of the GPU
-    time of a set's analysed steps, from the raw events with the standard library: a kernel belongs to
-    the step span (SGLang's step[...], else ProfilerStep#N) that holds its launch (correlation); the
-    first and last step of each rank are left out."""
+def raw_cast_shares(d: Path) -> tuple[float, float]:
+    """The planted KV cast kernels (``direct_copy_kernel_cuda`` with ``LoadWithCast``) of a set's analysed
+    steps, from the raw events with the standard library: (their share of the GPU time, their time per
+    rank per step over the step time). A kernel belongs to the step span (SGLang's step[...], else
+    ProfilerStep#N) that holds its launch (correlation); the first and last step of each rank are left
+    out; the step time is the median over aligned steps of the slowest rank's GPU span."""
     cast = total = 0.0
+    spans_by_rank: list[list[float]] = []
     for p in sorted(d.glob("*.trace.json*")):
         ev = raw_events(p)
         marks = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("user_annotation", "cpu_op", "Operator")]
@@ -72,16 +74,30 @@ def raw_cast_share(d: Path) -> float:
         spans = sorted(spans)[1:-1]
         launch = {e["args"]["correlation"]: e["ts"] for e in ev
                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+        first = [float("inf")] * len(spans)
+        last = [float("-inf")] * len(spans)
         for e in ev:
             if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
                 continue
             t = launch.get(e.get("args", {}).get("correlation"))
-            if t is None or not any(a <= t <= b for a, b in spans):
+            i = next((j for j, (a, b) in enumerate(spans) if t is not None and a <= t <= b), None)
+            if i is None:
                 continue
+            first[i], last[i] = min(first[i], e["ts"]), max(last[i], e["ts"] + e["dur"])
             total += e["dur"]
             if "direct_copy_kernel_cuda" in e["name"] and "LoadWithCast" in e["name"]:
                 cast += e["dur"]
-    return cast / total
+        spans_by_rank.append([b - a for a, b in zip(first, last, strict=True)])
+    n = min(len(s) for s in spans_by_rank)
+    tp = sorted(max(s[i] for s in spans_by_rank) for i in range(n))
+    step_us = tp[n // 2] if n % 2 else (tp[n // 2 - 1] + tp[n // 2]) / 2
+    per_step = cast / sum(len(s) for s in spans_by_rank)
+    return cast / total, per_step / step_us
+
+
+def raw_cast_share(d: Path) -> float:
+    """The planted KV cast kernels' share of the GPU time of a set's analysed steps (raw events)."""
+    return raw_cast_shares(d)[0]
 
 
 def copy_set(src: Path, dst: Path) -> Path:

@@ -11,7 +11,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from conftest import fixture_dir, manifest, raw_cast_share, rewrite_trace, run_cli
+from conftest import fixture_dir, manifest, raw_cast_shares, rewrite_trace, run_cli
 
 FULL = ["kv-full-cast-eager", "kv-full-cast-graph"]
 GATHER = ["kv-gather-cast-eager", "kv-gather-cast-graph"]
@@ -80,9 +80,10 @@ def test_full_pool_cast_fires_without_model_info(name: str, triton: bool, tmp_mo
     ev = fs[0]["evidence"]
     assert ev["layers"] == man["layers"] and ev["layers_source"] == "trace_structure"
     assert ev["calls_per_step"] == man["planted_kernels"]["kv_cast"]["per_step"]
-    truth = raw_cast_share(r["dir"])
-    # the finding's share is of the step time; its evidence share is of the GPU time
-    assert abs(fs[0]["evidence"]["share"] - truth) <= 0.03, (fs[0]["evidence"]["share"], truth)
+    gpu, step = raw_cast_shares(r["dir"])
+    # the finding's share is of the step time; the kv_cast class's share is of the GPU time
+    assert abs(fs[0]["share"] - step) <= 0.03, (fs[0]["share"], step)
+    assert abs(doc["classes"]["kv_cast"]["share"] - gpu) <= 0.03, (doc["classes"]["kv_cast"]["share"], gpu)
     if triton:  # the unfamiliar KV write is not taken for anything it is not
         assert not any(k["cls"] == "kv_cast" for k in doc["top_kernels"] if TRITON_KV_WRITE in k["name"])
 
@@ -104,7 +105,9 @@ def test_without_server_info_the_pool_comes_from_shapes(name: str, tmp_module: s
     assert pool["value"] == man["kv_pool_tokens"] and pool["source"] in ("shapes", "capture_trace"), pool
     fs = _kv(doc)
     if name in FULL:
-        assert len(fs) == 1 and abs(fs[0]["evidence"]["share"] - raw_cast_share(r["dir"])) <= 0.03
+        gpu, step = raw_cast_shares(r["dir"])
+        assert len(fs) == 1 and abs(fs[0]["share"] - step) <= 0.03
+        assert abs(doc["classes"]["kv_cast"]["share"] - gpu) <= 0.03
         assert fs[0]["evidence"]["layers"] == man["layers"]
     else:
         assert fs == []

@@ -4,6 +4,7 @@ it produces. ``Analysis.to_json()`` is the versioned public contract (``traceins
 from __future__ import annotations
 
 import gc
+import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from traceinspect.load import load_trace_set
 from traceinspect.measure.time import class_step_time, class_totals, percentile, top_kernels
 from traceinspect.model import TraceSet
 from traceinspect.runmodel import RunModel, user_facts
-from traceinspect.steps import build_steps, select_steps
+from traceinspect.steps import RunKind, build_steps, resolve_phase, run_kind, select_steps
 
 if TYPE_CHECKING:
     from traceinspect.judge import Finding
@@ -39,7 +40,7 @@ SCHEMA = "traceinspect.analysis/1"
 class Options:
     """What an analysis was asked to do (also recorded in the JSON)."""
 
-    phase: str = "decode"
+    phase: str = "auto"  # decode | prefill | all | auto (decode, else the one phase the trace holds)
     server_info: str | Path | None = None
     gpu: str | None = None  # GPU spec override: a name in rules/gpus.yaml or a YAML file
     rules: Sequence[str | Path] = ()
@@ -74,10 +75,17 @@ class Analysis:
     run_model: RunModel = field(default_factory=RunModel)  # layers, KV pool, experts, ... (one place)
     gaps: Gaps = field(default_factory=Gaps)  # rules that could not decide, large classes nothing explains
     rule_set: Any = None  # the rules the findings were judged with (their texts go into the report)
+    run_kind: RunKind | None = None  # decode, prefill, mixed or training, decided once (steps.run_kind)
 
     @property
     def phase(self) -> str:
         return self.options.phase
+
+    @property
+    def rule_phase(self) -> str:
+        """The steps rules are scoped by: the analysed phase, or ``training`` in a training run (whose
+        steps no inference advice fits)."""
+        return "training" if self.run_kind is not None and self.run_kind.kind == "training" else self.phase
 
     @property
     def n_ranks(self) -> int:
@@ -160,6 +168,8 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: Any) -> Analysis:
     link(ts)
     steps = build_steps(ts)
     recovered = recover_graph_ops(ts)
+    opts.phase, notes = resolve_phase(steps, opts.phase)
+    ts.warnings += notes
     user = user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
     run_model = classify_kernels(ts, steps, graph_ops=recovered, user=user, phase=opts.phase)
     selected = select_steps(steps, opts.phase)
@@ -173,7 +183,7 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: Any) -> Analysis:
     result = Analysis(
         trace=ts, options=opts, steps=steps, selected=selected, kernels=kernels,
         class_steps=class_step_time(kernels), class_totals=class_totals(kernels), graph_ops=recovered,
-        run_model=run_model,
+        run_model=run_model, run_kind=run_kind(ts, steps),
     )
     _measure_and_judge(result, rule_set)
     return result
@@ -250,8 +260,44 @@ def _run_meta(a: Analysis) -> dict[str, Any]:
         "cuda_graph": bool(a.kernels["graph_replay"].mean() > 0.5) if len(a.kernels) else False,
         "cuda_runtime_version": info.cuda_runtime_version,
         "cuda_driver_version": info.cuda_driver_version,
+        **(a.run_kind.to_json() if a.run_kind is not None else {"kind": None, "kind_evidence": "not decided"}),
         "facts": rm.to_json(),
     }
+
+
+# server_info keys that describe the moment, not the configuration (left out of server_config)
+_VOLATILE = re.compile(r"throughput|utilization|timestamp|_time$|^time|uptime|num_running|num_queue|"
+                       r"queue_|memory_usage|^status$|^load", re.I)
+
+
+def server_config(si: dict[str, Any] | None) -> dict[str, Any]:
+    """The server's resolved configuration: the scalar keys of server_info (nested ``internal_states``
+    of newer SGLang flattened in from its first entry), without the keys that change from one moment to
+    the next (throughput, queue lengths, times). ``diff`` and ``gate`` list the keys that differ."""
+    si = si or {}
+    out: dict[str, Any] = {}
+    states = si.get("internal_states")
+    if isinstance(states, list) and states and isinstance(states[0], dict):
+        out.update({k: v for k, v in states[0].items() if isinstance(v, (str, int, float, bool)) or v is None})
+    for k, v in si.items():
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            out[k] = v
+    return {k: out[k] for k in sorted(out) if not _VOLATILE.search(k)}
+
+
+def _rank_samples(a: Analysis) -> list[dict[str, Any]]:
+    """One entry per analysed step of each rank: the rank's GPU span and its time per class. The gate
+    pools these across ranks for classes whose time on one rank does not depend on the others."""
+    sel = a.selected
+    cs = a.class_steps
+    wide = (cs.pivot_table(index="step", columns="cls", values="us", aggfunc="sum", fill_value=0.0, observed=True)
+            if len(cs) else pd.DataFrame())
+    out = []
+    for step_id, rank, span in zip(sel.index.tolist(), sel["rank"].tolist(), sel["span_us"].tolist(), strict=True):
+        row = wide.loc[step_id] if step_id in wide.index else {}
+        out.append({"rank": int(rank), "step_us": _num(span),
+                    "classes": {str(c): _num(v) for c, v in dict(row).items() if v}})
+    return out
 
 
 def _timeline_step(a: Analysis) -> dict[str, Any]:
@@ -322,11 +368,14 @@ def to_json(a: Analysis) -> dict[str, Any]:
             "p90_us": _num(percentile(samples["step_us"], 90)),
             "source": step_sources[0] if len(step_sources) == 1 else step_sources,
             "found": {str(k): int(v) for k, v in a.steps.groupby("phase").size().items()},
+            "analysed": {str(k): int(v) for k, v in a.selected.groupby("phase").size().items()},
             "excluded_edge": int(a.steps["edge"].sum()),
             "samples": [{"step_us": _num(r["step_us"]),
                          "classes": {c[6:]: _num(v) for c, v in r.items() if c.startswith("class.")}}
                         for _, r in samples.iterrows()],
+            "rank_samples": _rank_samples(a),
         },
+        "server_config": server_config(a.server_info),
         "classes": classes,
         "top_kernels": [{"name": r.name, "cls": r.cls, "calls": int(r.calls), "us": _num(r.us),
                          "mean_us": _num(r.mean_us), "share": _num(r.share, 6)}

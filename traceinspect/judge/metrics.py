@@ -46,8 +46,9 @@ SYNC_CALLS = frozenset({
 DTOH = re.compile(r"DtoH|Device\s*->\s*(?:Host|Pinned|Pageable)", re.IGNORECASE)
 CAST_DST = re.compile(r"direct_copy_kernel_cuda.*?lambda\((?:c10::)?(\w+)\)")
 CLASS_IDS_FALLBACK = (
-    "fp4_gemm", "fp8_gemm", "bf16_gemm", "moe_gemm", "moe_dispatch", "attention", "kv_write", "kv_cast",
-    "dtype_cast", "comm", "norm", "activation", "rotary", "quantize", "sampling", "memcpy", "elementwise", "other",
+    "fp4_gemm", "fp8_gemm", "bf16_gemm", "fp32_gemm", "conv", "moe_gemm", "moe_dispatch", "attention", "kv_write",
+    "kv_cast", "dtype_cast", "comm", "norm", "activation", "rotary", "quantize", "sampling", "memcpy", "elementwise",
+    "other",
 )
 
 

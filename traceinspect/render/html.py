@@ -53,7 +53,6 @@ _URL = re.compile(r"https?://[^\s<>\"')\]]+")
 TIMELINE_WIDTH = 1120
 # kernels a report timeline carries (over all lanes): keeps the report of a long multi-rank step small
 TIMELINE_KERNEL_BUDGET = 150_000
-TITLE_NAME_WIDTH = 90
 
 
 # --------------------------------------------------------------------------------------------- escaping
@@ -270,8 +269,8 @@ def class_breakdown_svg(doc: dict[str, Any]) -> tuple[Markup, list[str]]:
         for c, us in segs:
             w = us * scale
             fill = class_color(c)
-            share = us / total if total else 0
-            tip = f"{r.get('label')} · {c}: {fmt_us(us)} per step ({fmt_pct(share)} of kernel time)"
+            share = step_share(us, doc) or 0.0
+            tip = f"{r.get('label')} · {c}: {fmt_us(us)} per step ({fmt_pct(share)} of the step time)"
             kids = [el("title", None, tip)]
             out.append(el("rect", {"x": x, "y": y, "width": max(w, 0.0), "height": bar_h, "fill": fill}, *kids))
             if w > 34:
@@ -311,24 +310,26 @@ def glance_svg(doc: dict[str, Any]) -> Markup:
     for c, us in classes:
         w = us / total * width
         fill = class_color(c)
+        share = step_share(us, doc) or 0.0
         out.append(el("rect", {"x": x, "y": 0, "width": w, "height": h, "fill": fill},
-                      el("title", None, f"{c}: {fmt_us(us)} per step ({fmt_pct(us / total)})")))
-        label = f"{c} {fmt_pct(us / total, 0)}"
+                      el("title", None, f"{c}: {fmt_us(us)} per step ({fmt_pct(share)} of the step time)")))
+        label = f"{c} {fmt_pct(share, 0)}"
         if w > 7 * len(label) + 10:
             out.append(el("text", {"x": x + 6, "y": h / 2 + 4.5, "fill": text_color(fill), "class": "seg",
                                    "font-size": "12.5"}, label))
         elif w > 7 * 4 + 6:
             out.append(el("text", {"x": x + 4, "y": h / 2 + 4.5, "fill": text_color(fill), "class": "seg"},
-                          fmt_pct(us / total, 0)))
+                          fmt_pct(share, 0)))
         x += w
     if idle_us > 0:
         w = idle_us / total * width
         out.append(el("rect", {"x": x + 0.5, "y": 0.5, "width": max(w - 1, 0.0), "height": h - 1,
                                "fill": "url(#glance-hatch)", "stroke": IDLE_STROKE},
-                      el("title", None, f"GPU idle inside the step: {fmt_us(idle_us)} ({fmt_pct(idle_us / total)})")))
+                      el("title", None, f"GPU idle inside the step: {fmt_us(idle_us)} "
+                                        f"({fmt_pct(step_share(idle_us, doc))} of the step time)")))
         if w > 70:
             out.append(el("text", {"x": x + 6, "y": h / 2 + 4.5, "class": "seg", "fill": "#444"},
-                          f"idle {fmt_pct(idle_us / total, 0)}"))
+                          f"idle {fmt_pct(step_share(idle_us, doc), 0)}"))
     defs = el("defs", None, el("pattern", {"id": "glance-hatch", "width": 6, "height": 6,
                                            "patternUnits": "userSpaceOnUse", "patternTransform": "rotate(45)"},
                                el("rect", {"width": 6, "height": 6, "fill": "#ffffff"}),
@@ -351,11 +352,6 @@ class TimelineInfo:
     @property
     def json(self) -> Markup:
         return script_json(self.data)
-
-
-def representative_steps(a: Analysis) -> tuple[int | None, dict[int, int]]:
-    """The aligned step position drawn (see :meth:`Analysis.representative_step`) and its rows."""
-    return a.representative_step()
 
 
 def _shapes_of(a: Analysis, k: pd.DataFrame) -> np.ndarray:
@@ -783,12 +779,6 @@ def _files_view(doc: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def _short_float(v: float) -> str:
-    """12.0 -> '12', 12.25 -> '12.2' (one decimal only when there is one)."""
-    text = f"{v:,.1f}"
-    return text[:-2] if text.endswith(".0") else text
-
-
 def _class_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for c, v in sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("us_per_step") or 0)):
@@ -797,23 +787,6 @@ def _class_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
                      "share": share, "share_t": fmt_pct(share),
                      "calls": v.get("calls_per_step"),
                      "calls_t": fmt_count(v["calls_per_step"]) if _isnum(v.get("calls_per_step")) else "n/a"})
-    return rows
-
-
-def _top_kernel_rows(doc: dict[str, Any], ops: dict[str, str]) -> list[dict[str, Any]]:
-    rows = []
-    per = max(int(_get(doc, "steps", "count") or 1), 1) * max(len(doc.get("ranks") or []), 1)
-    kernels = doc.get("top_kernels") or []
-    labels = kernel_labels([str(k.get("name", "")) for k in kernels], 72)
-    for i, k in enumerate(kernels):
-        op = ops.get(str(k.get("name", "")), "")
-        share = step_share(k["us"] / per, doc) if _isnum(k.get("us")) else None
-        rows.append({"i": i + 1, "name": str(k.get("name", "")), "short": labels[str(k.get("name", ""))],
-                     "op": op, "op_short": short_name(op, 34) if op else "–",
-                     "cls": str(k.get("cls", "")), "color": class_color(str(k.get("cls", ""))),
-                     "calls": k.get("calls"), "us": k.get("us"), "us_t": fmt_us(k.get("us")),
-                     "mean": k.get("mean_us"), "mean_t": fmt_us(k.get("mean_us")),
-                     "share": share, "share_t": fmt_pct(share)})
     return rows
 
 
