@@ -65,6 +65,7 @@ class Analysis:
     findings: list[Finding] = field(default_factory=list)
     graph_ops: GraphOps | None = None  # CPU ops of CUDA-graph replays, from the capture traces
     rule_set: Any = None  # the rules the findings were judged with (their texts go into the report)
+    replay: Any = None  # the what-if replayer (traceinspect.measure.replay), built on first use
 
     @property
     def phase(self) -> str:

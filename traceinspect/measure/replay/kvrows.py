@@ -1,0 +1,95 @@
+"""The KV rows a decode step reads: the row count of the ops that gather rows out of a pool-shaped
+tensor, from recorded shapes (eager) or the CUDA-graph capture trace (graph replays)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from traceinspect.tables import text_values
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+
+GATHER_OP = re.compile(r"^aten::(index_select|index|gather|take|embedding)$")
+
+
+def _pool_rows(a: Analysis) -> tuple[float | None, str]:
+    si = a.server_info
+    v = si.get("max_total_num_tokens")
+    if isinstance(v, (int, float)) and v > 0:
+        return float(v), "server_info max_total_num_tokens"
+    k = a.kernels
+    casts = k[text_values(k["cls"]) == "kv_cast"] if len(k) else k
+    ops = a.trace.cpu_ops
+    rows = []
+    for oi in casts["op_idx"].to_numpy()[:64] if len(casts) else []:
+        if oi >= 0:
+            d = _dims(ops["input_dims"].iloc[int(oi)])
+            if d and len(d[0]) >= 2:
+                rows.append(d[0][0])
+    if rows:
+        return float(np.median(rows)), "rows of the tensor the KV cast reads"
+    return None, "no server_info max_total_num_tokens and no recorded shapes of the KV cast"
+
+
+def _dims(raw: object) -> list[list[int]]:
+    if raw is None:
+        return []
+    try:
+        val = json.loads(raw)
+    except (TypeError, ValueError):
+        return []
+    return [x for x in val if isinstance(x, list) and all(isinstance(y, int) for y in x)] if isinstance(val, list) \
+        else []
+
+
+def _active_in(ops: pd.DataFrame, pool: float) -> list[int]:
+    out: list[int] = []
+    if not len(ops):
+        return out
+    names = ops["name"].to_numpy(dtype=object)
+    dims = ops["input_dims"].to_numpy(dtype=object)
+    for nm, raw in zip(names, dims, strict=True):
+        if not GATHER_OP.match(str(nm)):
+            continue
+        d = _dims(raw)
+        if not d or len(d[0]) < 2 or d[0][0] != pool:
+            continue
+        later = [x[0] for x in d[1:] if x and 0 < x[0] < pool]
+        if later:
+            out.append(later[0])
+    return out
+
+
+def active_kv_rows(a: Analysis) -> tuple[float | None, float | None, str]:
+    """(active rows per step, pool rows, source or the reason it cannot be decided)."""
+    pool, psrc = _pool_rows(a)
+    if pool is None:
+        return None, None, psrc
+    sel = a.selected
+    ops = a.trace.cpu_ops
+    found: list[int] = []
+    src = ""
+    if len(ops) and len(sel):
+        for r, g in sel.groupby("rank"):
+            lo, hi = float(g["cpu_start"].min()), float(g["cpu_end"].max())
+            if not (np.isfinite(lo) and np.isfinite(hi)):
+                continue
+            o = ops[(ops["rank"] == r) & (ops["ts"] >= lo) & (ops["ts"] <= hi)]
+            found += _active_in(o, pool)
+        src = "recorded shapes of the ops gathering rows from the pool"
+    if not found and a.graph_ops is not None:
+        for r in sorted(set(sel["rank"].tolist())):
+            cap = a.graph_ops.capture_ops(int(r))
+            if cap is not None:
+                found += _active_in(cap, pool)
+        src = "the CUDA-graph capture trace's ops gathering rows from the pool"
+    if not found:
+        return None, pool, ("no op gathers rows out of a pool-shaped tensor in the recorded shapes or a "
+                            "graph-capture trace; record shapes (record_shapes=True) or keep the capture trace")
+    return float(np.median(found)), pool, f"{src}; pool: {psrc}"
