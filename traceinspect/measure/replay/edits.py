@@ -212,8 +212,11 @@ def parse_edit(text: str) -> Edit:
 
 
 def edit_from_mapping(d: dict[str, Any], subject: dict[str, Any] | None = None) -> Edit:
-    """An edit from its YAML form ``{edit: KIND, select: {...}, value: V, rank: R, from: S}``;
-    ``select: subject`` / ``rank: subject`` take the finding's own selection and ranks."""
+    """An edit from its YAML form ``{edit: KIND, select: {...}, value: V, rank: R, from: S}``.
+    ``select: subject`` takes the finding's own selection; ``rank``/``from`` may name ``subject`` (the
+    finding's rank), ``fastest`` (the rank with the least host time per step, other than the subject)
+    or ``latest`` (the rank arriving last at most collectives), resolved from ``subject``."""
+    subject = subject or {}
     kind = str(d.get("edit", "")).lower()
     if kind not in KINDS:
         raise EditError(f"unknown edit {kind!r} (expected {', '.join(KINDS)})")
@@ -222,23 +225,19 @@ def edit_from_mapping(d: dict[str, Any], subject: dict[str, Any] | None = None) 
         raise EditError(f"edit {kind}: unknown key {sorted(bad)[0]!r}")
     sel = d.get("select")
     if sel == "subject":
-        sel = (subject or {}).get("select", {})
+        sel = subject.get("select", {})
     e = Edit(kind=kind, select=make_select(sel if isinstance(sel, dict) else None))
-    if "value" in d:
-        v = d["value"]
-        if isinstance(v, str) and subject is not None and v in subject:
-            v = subject[v]
-        if v is None:
-            e.value = None
-        else:
-            e.value = _float(str(v), f"edit {kind}: value")
+    v = d.get("value")
+    e.value = None if v is None else _float(str(v), f"edit {kind}: value")
+
+    def rank_of(ref: Any) -> int | None:
+        if ref is None or isinstance(ref, int):
+            return ref
+        got = subject.get("rank" if ref == "subject" else f"{ref}_rank")
+        return int(got) if got is not None else None
+
     if kind == "host-from":
-        dst, src = d.get("rank"), d.get("from")
-        if dst == "subject":
-            dst = (subject or {}).get("rank")
-        if src in ("fastest", None):
-            src = (subject or {}).get("fastest_rank")
-        e.dst, e.src = (int(dst) if dst is not None else None), (int(src) if src is not None else None)
+        e.dst, e.src = rank_of(d.get("rank")), rank_of(d.get("from", "fastest"))
     e.text = e.describe()
     return e
 
