@@ -251,7 +251,8 @@ def build_model(a: Analysis, settings: Settings | None = None, max_steps: int | 
             h_op_in[hi] = np.clip(h_t[hi] - np.maximum(o_ts, prev_end), 0.0, None)
 
     # launch latency floor and back-to-back gap per rank
-    L = np.where(g_launch >= 0, g_t - h_t[np.maximum(g_launch, 0)], np.nan)
+    h_t_pad = np.append(h_t, np.nan)  # index -1 reads NaN
+    L = g_t - h_t_pad[g_launch]
     prev_end = np.where(g_prev >= 0, g_end[np.maximum(g_prev, 0)], g_anchor)
     S = g_t - prev_end
     graph = km["graph_replay"].to_numpy().astype(bool)

@@ -109,6 +109,18 @@ def simulate(m: Model, p: Params) -> Run:
             last_op[q] = arg
         inst_done[j] = True
 
+    def finish_block(i: int) -> None:
+        nonlocal conflicts
+        w = ge[h_wait[i]]
+        if w != w:
+            conflicts += 1
+            w = ninf
+        s = hs[i]
+        if w >= s:
+            he[i], waited[i] = w + rr[i], True
+        else:
+            he[i] = s + rr[i]
+
     for typ, i in zip(types, idxs, strict=True):
         if typ == _OP:
             L = g_launch[i]
@@ -142,21 +154,15 @@ def simulate(m: Model, p: Params) -> Run:
                 ge[i] = s + dur[i]
         elif typ == _HOST:
             pv = h_prev[i]
+            if pv >= 0 and he[pv] != he[pv] and block[pv]:
+                finish_block(pv)  # a blocking call ending exactly when this one starts
             s = he[pv] + gap[i] if pv >= 0 else h_t[i]
             hs[i] = s
             if not block[i]:
                 he[i] = s + hdur[i]
         elif typ == _BLOCK_END:
-            if block[i]:
-                w = ge[h_wait[i]]
-                if w != w:
-                    conflicts += 1
-                    w = ninf
-                s = hs[i]
-                if w >= s:
-                    he[i], waited[i] = w + rr[i], True
-                else:
-                    he[i] = s + rr[i]
+            if block[i] and he[i] != he[i]:
+                finish_block(i)
         else:
             if not inst_done[i]:
                 resolve(i)
