@@ -49,6 +49,7 @@ class Finding:
     estimate_source: str = "rule"  # 'replay' when the saving comes from replaying a fix
     parent: str | None = None  # the finding (rule id) sharing this one's cause with the larger saving
     children: list[str] = field(default_factory=list)
+    prediction: Any = field(default=None, repr=False)  # the replay behind the estimate (not serialised)
 
     @property
     def id(self) -> str:

@@ -147,6 +147,7 @@ def replay_findings(a: Analysis, findings: list[Finding], rule_set: RuleSet) -> 
             f.evidence.setdefault("unavailable", []).append(f"no fix could be replayed: {why}")
             continue
         edits, p = best
+        f.prediction = p
         saving = max(float(p.saving_us or 0.0), 0.0)
         f.est_saving_us_per_step = saving
         f.share = saving / p.replayed_step_us if p.replayed_step_us else None

@@ -545,10 +545,9 @@ def _fixes(ctx: _Ctx, rule: LDict, rid: str, scope: str, names: dict[str, Any]) 
             if ed.get("edit") not in KINDS:
                 raise ctx.err(el, f"{where}: edit must be one of {', '.join(KINDS)}")
             sel = ed.get("select")
-            if sel is not None and sel != "subject":
-                if not isinstance(sel, LDict) or set(sel) - set(SELECT_KEYS):
-                    raise ctx.err(line_of(ed, "select"), f"{where}: select must be 'subject' or a mapping of "
-                                  f"{', '.join(SELECT_KEYS)}")
+            if sel is not None and sel != "subject" and (not isinstance(sel, LDict) or set(sel) - set(SELECT_KEYS)):
+                raise ctx.err(line_of(ed, "select"), f"{where}: select must be 'subject' or a mapping of "
+                              f"{', '.join(SELECT_KEYS)}")
             for key in ("rank", "from"):
                 v = ed.get(key)
                 if v is not None and v not in RANK_REFS and not isinstance(v, int):

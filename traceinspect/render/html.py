@@ -33,6 +33,7 @@ from traceinspect.render.palette import (
     severity_color,
     text_color,
 )
+from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
 from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
@@ -386,17 +387,26 @@ def _blocks(ts: np.ndarray, end: np.ndarray, cls: np.ndarray, names: np.ndarray,
     return out
 
 
-def timeline_svg(a: Analysis, budget: int = LANE_BLOCK_BUDGET) -> TimelineInfo:
+def timeline_svg(a: Analysis, budget: int = LANE_BLOCK_BUDGET,
+                 replayed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                 span_us: float | None = None) -> TimelineInfo:
     """Kernel lanes (one per stream of each rank) of one representative step, coloured by class, on a
-    shared time axis so gaps and late ranks show."""
+    shared time axis so gaps and late ranks show. ``replayed`` (kernel rows, starts, ends) draws the
+    same step as a replay placed it; ``span_us`` widens the axis (to share it with another timeline)."""
     pos, rows = representative_steps(a)
     if pos is None or not rows:
         return TimelineInfo(reason="no analysed step")
     k = a.kernels[a.kernels["step"].isin(list(rows.values()))]
+    if replayed is not None:
+        kidx, st, en = replayed
+        k = k[k.index.isin(kidx)].copy()
+        k["ts"] = pd.Series(st, index=kidx).reindex(k.index).to_numpy()
+        k["end"] = pd.Series(en, index=kidx).reindex(k.index).to_numpy()
     if not len(k):
-        return TimelineInfo(reason="the representative step has no kernels")
+        return TimelineInfo(reason="the representative step has no kernels" if replayed is None else
+                            "the representative step was not replayed")
     t0, t1 = float(k["ts"].min()), float(k["end"].max())
-    span = max(t1 - t0, 1e-3)
+    span = max(t1 - t0, span_us or 0.0, 1e-3)
     labels = {r.rank: r.label for r in a.trace.ranks}
     lanes: list[tuple[int, Any, pd.DataFrame]] = []
     for rank in sorted(rows):
@@ -455,20 +465,44 @@ def timeline_svg(a: Analysis, budget: int = LANE_BLOCK_BUDGET) -> TimelineInfo:
                                    "fill": class_color(b["cls"])}, el("title", None, tip)))
     # step boundary markers: each rank's first kernel start is where its step begins on the GPU
     step_rows = a.steps.loc[list(rows.values())]
+    if replayed is not None:
+        step_rows = step_rows.assign(gpu_start=[float(k.loc[k["rank"] == r, "ts"].min()) for r in step_rows["rank"]])
     for _, s in step_rows.iterrows():
         if _isnum(s["gpu_start"]):
             x = left + (float(s["gpu_start"]) - t0) / px_us
             out.append(el("path", {"d": f"M{_num(x)} {top - 9}l-4 -6h8z", "class": "mark"},
                           el("title", None, f"{labels.get(int(s['rank']), s['rank'])} step starts "
                                             f"+{fmt_us(float(s['gpu_start']) - t0)}")))
-    svg = _svg(TIMELINE_WIDTH, height, "kernel timeline of one representative step", *out)
+    svg = _svg(TIMELINE_WIDTH, height, "kernel timeline of one representative step"
+               + (" as replayed with the fix" if replayed is not None else ""), *out)
     steps_total = a.steps_per_rank()
     caption = (f"Step {pos + 1} of {steps_total} analysed per rank (its time is closest to the median), "
-               f"{len(k):,} kernels over {fmt_us(span)}.")
+               f"{len(k):,} kernels over {fmt_us(t1 - t0)}.")
     if n_blocks < len(k):
         caption += (f" Sampled for size: kernels less than half a pixel apart are drawn as one block "
                     f"({n_blocks:,} blocks; hover for counts).")
     return TimelineInfo(svg=svg, caption=caption, kernels=len(k), blocks=n_blocks)
+
+
+def after_timeline(a: Analysis) -> tuple[TimelineInfo | None, TimelineInfo | None, str]:
+    """The representative step measured and as the replay of the top finding's fix places it, on one
+    time axis; (None, None, reason) when there is nothing to show."""
+    top = a.findings[0] if a.findings else None
+    pred = getattr(top, "prediction", None) if top is not None else None
+    if pred is None or pred.run is None or a.replay is None:
+        return None, None, "no finding with a replayed fix"
+    m = a.replay.model
+    pos, rows = representative_steps(a)
+    if pos is None:
+        return None, None, "no analysed step"
+    mask = m.g_pos == pos
+    if not mask.any():
+        return None, None, "the representative step was not among the replayed steps"
+    k = a.kernels[a.kernels["step"].isin(list(rows.values()))]
+    span = float(k["end"].max() - k["ts"].min()) if len(k) else None
+    after = timeline_svg(a, replayed=(m.g_kidx[mask], pred.run.g_start[mask], pred.run.g_end[mask]), span_us=span)
+    label = str(next((fx.get("label") for fx in top.fixes if fx.get("predicted_step_us") is not None), top.rule))
+    return timeline_svg(a, span_us=span), after, label
 
 
 def gemm_scatter_svg(doc: dict[str, Any]) -> tuple[Markup, str | None, list[str], str]:
@@ -697,7 +731,7 @@ def _finding_view(i: int, f: dict[str, Any], step_us: float | None, labels: dict
         "message": str(f.get("message") or ""),
         "saving": fmt_us(float(saving)) if _isnum(saving) else None,
         "saving_of_step": fmt_pct(saving / step_us) if _isnum(saving) and _isnum(step_us) and step_us else None,
-        "share": fmt_pct(f.get("share")) if _isnum(f.get("share")) else None,
+        "share": _impact_share(ev),
         "impact": fmt_us(float(ev["impact_us_per_step"])) if _isnum(ev.get("impact_us_per_step")) else None,
         "share_of": str(ev.get("share_of") or "").split(" (")[0],
         "ranks": ", ".join(str(labels.get(r, r)) for r in ranks) if isinstance(ranks, list) and ranks else
@@ -706,7 +740,17 @@ def _finding_view(i: int, f: dict[str, Any], step_us: float | None, labels: dict
         "remediation": str(f.get("remediation") or "").strip(),
         "why": str(f.get("why") or "").strip(),
         "references": refs,
+        "variants": variant_lines(f),
+        "group_note": group_note(f),
+        "child": bool((f.get("group") or {}).get("parent")),
     }
+
+
+def _impact_share(ev: dict[str, Any]) -> str | None:
+    """The impact over the rule's basis (GPU time or step time); ``share`` itself is the replayed saving's."""
+    imp = ev.get("impact_us_per_step")
+    base = ev.get("kernel_us_per_step") if str(ev.get("share_of") or "").startswith("GPU") else ev.get("step_us")
+    return fmt_pct(imp / base) if _isnum(imp) and _isnum(base) and base else None
 
 
 def _evidence_view(ev: Any) -> list[dict[str, Any]]:
@@ -1007,6 +1051,7 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
     _add_rule_text(a, findings)
     breakdown, order = class_breakdown_svg(doc)
     timeline = timeline_svg(a)
+    before_tl, after_tl, after_label = after_timeline(a)
     tl_classes = sorted({str(c) for c in factorize_text(a.kernels["cls"])[1]}) if len(a.kernels) else []
     gemm, gemm_reason, gemm_classes, gemm_note = gemm_scatter_svg(doc)
     coll, coll_reason = collectives_svg(doc)
@@ -1039,6 +1084,9 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
         "breakdown_legend": _legend_html(order, {c: (doc["classes"][c].get("share")) for c in order}),
         "class_rows": _class_rows(doc),
         "timeline": timeline,
+        "after_timeline": after_tl, "after_before": before_tl, "after_label": after_label,
+        "after_rule": str(a.findings[0].rule) if a.findings else "",
+        "all_fixed": all_fixed_line(doc),
         "timeline_legend": _legend_html([c for c in order if c in tl_classes] +
                                         [c for c in tl_classes if c not in order]),
         "gemm_svg": gemm, "gemm_reason": gemm_reason, "gemm_note": gemm_note, "gemm_legend": _legend_html(gemm_classes),

@@ -12,6 +12,7 @@ from rich.table import Table
 from traceinspect.render import fmt_pct as _pct
 from traceinspect.render import fmt_us as _us
 from traceinspect.render import short_name
+from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -92,8 +93,19 @@ def render(a: Analysis, doc: dict[str, Any] | None = None, console: Console | No
             con.print(f"[{style}]{f['severity'].upper():8}[/{style}] [bold]{escape(f['rule'])}[/bold]: "
                       f"{escape(f['message'])}")
             if saving is not None:
-                con.print(f"          est. saving {_us(saving)} per step ({_pct(f['evidence'].get('saving_share'))} of {escape(str(f['evidence'].get('share_of') or 'step time').split(' (')[0])})")
+                basis = "step time" if f.get("estimate_source") == "replay" else \
+                    str(f['evidence'].get('share_of') or 'step time').split(' (')[0]
+                con.print(f"          est. saving {_us(saving)} per step ({_pct(f['evidence'].get('saving_share'))} "
+                          f"of {escape(basis)})")
+            for line in variant_lines(f):
+                con.print(f"          {escape(line)}")
+            note = group_note(f)
+            if note:
+                con.print(f"          {escape(note)}")
             con.print(f"          fix: {escape(str(f['remediation']).strip())}")
+        line = all_fixed_line(doc)
+        if line:
+            con.print(f"\n[bold]{escape(line)}[/bold]")
     else:
         con.print("\n[green]No findings.[/green]")
     for w in doc.get("warnings") or []:

@@ -274,7 +274,7 @@ def build_model(a: Analysis, settings: Settings | None = None, max_steps: int | 
             lfloor = 0.0
         s_ok = m & np.isfinite(S) & (S >= 0)
         # back-to-back gap: the median measured gap of ops that started right after their predecessor
-        tight = s_ok & (S < np.where(np.isfinite(L), L - lfloor, np.inf))
+        tight = s_ok & (np.where(np.isfinite(L), L - lfloor, np.inf) > S)
         sfloor = max(_percentile(S[tight], 50, 0.0), 0.0)
         slack_a = np.where(np.isfinite(L), L - lfloor, np.inf)
         slack_s = np.where(np.isfinite(S), S - sfloor, np.inf)
