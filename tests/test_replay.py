@@ -203,3 +203,23 @@ def test_replay_vectors_are_plain_arrays() -> None:
     m = replayer(_fixture("kv-full-cast-graph")).model
     for name in ("g_t", "g_dur", "g_lA", "g_lS", "g_res", "h_t", "h_gap"):
         assert isinstance(getattr(m, name), np.ndarray)
+
+
+@pytest.mark.parametrize("name,edits", [
+    ("kv-full-cast-eager", ["host-gaps 0", "launch-cost 0"]),
+    ("kv-full-cast-eager", ["remove class=kv_cast"]),
+    ("slow-rank-eager", ["host-from 1 0", "transfer 0.5"]),
+    ("kv-full-cast-graph", ["kv-rows class=kv_cast", "async"]),
+])
+def test_segment_simulation_equals_event_loop(name: str, edits: list[str]) -> None:
+    """The segment-wise simulation gives the same times as one event per node."""
+    from traceinspect.measure.replay.edits import apply_edits
+    from traceinspect.measure.replay.sim import simulate, simulate_events
+
+    a = _fixture(name)
+    rp = replayer(a)
+    p = apply_edits(a, rp.model, [parse_edit(e) for e in edits], rp.base_params).params
+    r1, r2 = simulate_events(rp.model, p), simulate(rp.model, p)
+    np.testing.assert_allclose(r2.g_start, r1.g_start, atol=0.05)
+    np.testing.assert_allclose(r2.g_end, r1.g_end, atol=0.05)
+    np.testing.assert_allclose(r2.h_start, r1.h_start, atol=0.05)

@@ -46,10 +46,23 @@ class Prediction:
     per_step: pd.DataFrame  # rank, pos, measured_us, replayed_us, predicted_us, *_busy_us
     undecided: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    path_replayed: dict[str, float] = field(default_factory=dict)
-    path_predicted: dict[str, float] = field(default_factory=dict)
     run: Run | None = None
     label: str = ""
+    _paths: Any = None  # () -> (path as replayed, path with the edits), computed on first use
+    _path_cache: tuple[dict[str, float], dict[str, float]] | None = None
+
+    def _path_pair(self) -> tuple[dict[str, float], dict[str, float]]:
+        if self._path_cache is None:
+            self._path_cache = self._paths() if self._paths is not None else ({}, {})
+        return self._path_cache
+
+    @property
+    def path_replayed(self) -> dict[str, float]:
+        return self._path_pair()[0]
+
+    @property
+    def path_predicted(self) -> dict[str, float]:
+        return self._path_pair()[1]
 
     @property
     def decided(self) -> bool:
@@ -126,8 +139,14 @@ class Replayer:
         self.base_params: Params = measured_params(self.model)
         self.base: Run = simulate(self.model, self.base_params)
         self._base_steps = self._step_table(self.base)
-        self._base_path = self._path(self.base, self.base_params)
+        self._base_path: dict[str, float] | None = None
+        self._memo: dict[tuple[str, ...], Prediction] = {}
         self.replays = 1
+
+    def base_path(self) -> dict[str, float]:
+        if self._base_path is None:
+            self._base_path = self._path(self.base, self.base_params)
+        return self._base_path
 
     def describe(self) -> dict[str, Any]:
         return describe(self.model)
@@ -147,11 +166,17 @@ class Replayer:
         return pd.DataFrame(rows)
 
     def predict(self, edits: list[Edit], label: str = "") -> Prediction:
+        """The replay with ``edits`` (the same edits are replayed once)."""
+        key = tuple(e.describe() for e in edits)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return Prediction(edits=list(edits), per_step=hit.per_step, undecided=hit.undecided, notes=hit.notes,
+                              run=hit.run, label=label, _paths=hit._paths)
         m = self.model
         applied = apply_edits(self.a, m, edits, self.base_params)
-        run = simulate(m, applied.params)
+        run = self.base if not edits else simulate(m, applied.params)
         self.replays += 1
-        st = self._step_table(run)
+        st = self._base_steps if not edits else self._step_table(run)
         base = self._base_steps
         meas = m.step_rows[["rank", "pos", "span_us", "busy_us"]].rename(
             columns={"span_us": "measured_us", "busy_us": "measured_busy_us"})
@@ -161,9 +186,11 @@ class Replayer:
         notes = list(applied.notes)
         if run.order_conflicts:
             notes.append(f"{run.order_conflicts} dependencies were resolved out of measured order (clock noise)")
-        return Prediction(edits=list(edits), per_step=df, undecided=applied.undecided, notes=notes,
-                          path_replayed=self._base_path, path_predicted=self._path(run, applied.params), run=run,
-                          label=label)
+        pred = Prediction(edits=list(edits), per_step=df, undecided=applied.undecided, notes=notes, run=run,
+                          label=label,
+                          _paths=lambda: (self.base_path(), self._path(run, applied.params)))
+        self._memo[key] = pred
+        return pred
 
     def as_measured(self) -> Prediction:
         return self.predict([])

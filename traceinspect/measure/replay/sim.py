@@ -1,9 +1,17 @@
 """Discrete-event simulation of a :class:`~traceinspect.measure.replay.model.Model`.
 
-Every start and end is computed once, in the order of the measured times (every dependency of a
-quantity was measured before it, so that order is a topological order of the dependency graph).
-A collective instance resolves once every member has arrived. The binding constraint of each
-operation is recorded, so the replay's critical path can be walked back from the step's end.
+Events are processed in the order of the measured times (every dependency of a quantity was measured
+before it, so that order is a topological order of the dependency graph). A collective instance
+resolves once every member has arrived. The binding constraint of each operation is recorded, so the
+replay's critical path can be walked back from the step's end.
+
+:func:`simulate` visits only the points where chains couple: host segments (runs of host calls
+between blocking calls) are cumulative sums, and GPU segments (runs of operations on a stream between
+collectives, cross-stream waits, waited-for operations and changes of host segment) are max-plus
+scans, ``start_k = P_k + max(S0, B + M_k)`` with ``P`` the cumulative durations and gaps, ``B`` the
+host segment's start and ``M`` the running maximum of launch offsets minus ``P``. Only each segment's
+entry ``S0`` needs the event loop; every start and end then follows in a few array operations.
+:func:`simulate_events` is the plain one-event-per-node loop it is checked against.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from traceinspect.measure.replay.model import Model
 
@@ -64,8 +73,9 @@ def event_order(m: Model) -> tuple[list[int], list[int]]:
     return typ[o].tolist(), idx[o].tolist()
 
 
-def simulate(m: Model, p: Params) -> Run:
-    """Replay the model with parameters ``p``."""
+def simulate_events(m: Model, p: Params) -> Run:
+    """Replay the model with parameters ``p`` one event per host call and GPU operation (the reference
+    :func:`simulate` is checked against)."""
     if m.order is None:
         m.order = np.array(event_order(m))
     types, idxs = m.order[0].tolist(), m.order[1].tolist()
@@ -169,3 +179,184 @@ def simulate(m: Model, p: Params) -> Run:
     return Run(g_start=np.array(gs), g_end=np.array(ge), h_start=np.array(hs), h_end=np.array(he),
                bind=np.array(bind, dtype=np.int8), last_rank_op=np.array(last_op, dtype=np.int64),
                h_waited=np.array(waited, dtype=bool), order_conflicts=conflicts)
+
+
+def _seg_cumsum(incr: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Cumulative sum of ``incr`` restarting at 0 where ``first`` is set (segments are contiguous)."""
+    c = np.cumsum(incr)
+    start = np.maximum.accumulate(np.where(first, np.arange(len(incr)), 0))
+    return c - c[start] if len(c) else c
+
+
+def simulate(m: Model, p: Params) -> Run:
+    """Replay the model with parameters ``p`` (see the module docstring)."""
+    H, G = len(m.h_t), m.n_ops
+    ninf = -np.inf
+    # ---------------------------------------------------------------- host segments
+    blk = p.block
+    hprev = m.h_prev
+    hfirst = (hprev < 0) | blk[np.maximum(hprev, 0)] if H else np.zeros(0, dtype=bool)
+    hseg = np.cumsum(hfirst) - 1
+    incr = np.zeros(H)
+    nf = ~hfirst
+    incr[nf] = p.hdur[hprev[nf]] + p.gap[nf]
+    off = _seg_cumsum(incr, hfirst)
+    nH = int(hseg[-1]) + 1 if H else 0
+    base = np.full(nH, np.nan)
+    heads = np.nonzero(hfirst)[0]
+    chain_head = heads[hprev[heads] < 0]
+    base[hseg[chain_head]] = m.h_t[chain_head]
+    # ---------------------------------------------------------------- GPU segments
+    L = m.g_launch
+    has = L >= 0
+    gh = np.where(has, hseg[np.maximum(L, 0)] if H else -1, -1)
+    c = np.where(has, (off[np.maximum(L, 0)] if H else 0.0) + p.lA, m.g_launch_const)
+    gprev = m.g_prev
+    inst = m.g_inst
+    terminal = np.zeros(G, dtype=bool)
+    wait_ops = m.h_wait[blk & (m.h_wait >= 0)]
+    terminal[wait_ops] = True
+    terminal[m.g_xprev[m.g_xprev >= 0]] = True
+    terminal |= inst >= 0
+    pv = np.maximum(gprev, 0)
+    gfirst = (gprev < 0) | (inst >= 0) | (m.g_xprev >= 0)
+    gfirst |= terminal[pv] & (gprev >= 0)
+    gfirst |= (gh != gh[pv]) & (gprev >= 0)
+    gseg = np.cumsum(gfirst) - 1
+    nG = int(gseg[-1]) + 1 if G else 0
+    w = np.zeros(G)
+    ng = ~gfirst
+    w[ng] = p.dur[gprev[ng]] + p.lS[ng]
+    P = _seg_cumsum(w, gfirst)
+    v = np.where(gfirst, ninf, c - P)
+    M = pd.Series(v).groupby(gseg).cummax().to_numpy() if G else v
+    heads_g = np.nonzero(gfirst)[0]
+    last_g = np.r_[heads_g[1:] - 1, G - 1] if G else heads_g
+    # ---------------------------------------------------------------- coupling events
+    S0 = np.full(nG, np.nan)
+    Bs = np.full(nG, np.nan)
+    how = np.full(nG, BY_ANCHOR, dtype=np.int8)
+    ge = np.full(G, np.nan)  # ends of terminal ops (and segment ends), filled in the loop
+    last_op = np.full(G, -1, dtype=np.int64)
+    he_blk = np.full(H, np.nan)
+    blocks = np.nonzero(blk)[0]
+    nI = len(m.i_members)
+    key = np.concatenate([m.g_t[heads_g], m.h_end[blocks], m.i_key + 1e-6])
+    typ = np.concatenate([np.zeros(len(heads_g), dtype=np.int8), np.ones(len(blocks), dtype=np.int8),
+                          np.full(nI, 2, dtype=np.int8)])
+    idx = np.concatenate([np.arange(len(heads_g)), blocks, np.arange(nI)])
+    order = np.lexsort((typ, key))
+    # scalar views for the loop
+    head_l, last_l = heads_g.tolist(), last_g.tolist()
+    gh_l, c_l, gprev_l = gh.tolist(), c.tolist(), gprev.tolist()
+    lS_l, dur_l, res_l = p.lS.tolist(), p.dur.tolist(), p.res.tolist()
+    P_l, M_l = P.tolist(), M.tolist()
+    anchor_l, inst_l = m.g_anchor.tolist(), inst.tolist()
+    gx_l, lX_l = m.g_xprev.tolist(), m.g_lX.tolist()
+    base_l = base.tolist()
+    hseg_l, off_l, r_l = hseg.tolist(), off.tolist(), p.r.tolist()
+    gap_l, hprev_l = p.gap.tolist(), hprev.tolist()
+    hwait_l = m.h_wait.tolist()
+    ge_l = ge.tolist()
+    S0_l, B_l, how_l = S0.tolist(), Bs.tolist(), how.tolist()
+    last_op_l = last_op.tolist()
+    he_l = he_blk.tolist()
+    waited = np.zeros(H, dtype=bool)
+    members = m.i_members
+    done = [False] * nI
+    conflicts = 0
+    gt = m.g_t
+
+    def resolve(j: int) -> None:
+        nonlocal conflicts
+        best, arg = ninf, -1
+        for q in members[j]:
+            s = S0_l[gseg_l[q]]
+            if s != s:
+                conflicts += 1
+                s = float(gt[q])
+            if s > best:
+                best, arg = s, q
+        for q in members[j]:
+            ge_l[q] = best + res_l[q]
+            last_op_l[q] = arg
+        done[j] = True
+
+    gseg_l = gseg.tolist()
+    for t, i in zip(typ[order].tolist(), idx[order].tolist(), strict=True):
+        if t == 0:  # a GPU segment: its entry, and its last op's end
+            f = head_l[i]
+            hs_ = gh_l[f]
+            B = base_l[hs_] if hs_ >= 0 else 0.0
+            if B != B:
+                conflicts += 1
+                B = ninf
+            a = B + c_l[f]
+            q = gprev_l[f]
+            if q >= 0:
+                e = ge_l[q]
+                if e != e:
+                    j = inst_l[q]
+                    if j >= 0 and not done[j]:
+                        resolve(j)
+                        e = ge_l[q]
+                    else:
+                        conflicts += 1
+                        e = ninf
+                b = e + lS_l[f]
+            else:
+                b = anchor_l[f] + lS_l[f]
+            if a >= b:
+                s0, hw = a, BY_LAUNCH
+            else:
+                s0, hw = b, (BY_STREAM if q >= 0 else BY_ANCHOR)
+            x = gx_l[f]
+            if x >= 0:
+                xe = ge_l[x]
+                if xe == xe and xe + lX_l[f] > s0:
+                    s0, hw = xe + lX_l[f], BY_XSTREAM
+            S0_l[i], B_l[i], how_l[i] = s0, B, hw
+            k = last_l[i]
+            if inst_l[k] < 0:
+                mk = M_l[k]
+                st = P_l[k] + (s0 if s0 >= B + mk else B + mk)
+                ge_l[k] = st + dur_l[k]
+        elif t == 1:  # a blocking call ends after the GPU work it waits for
+            hsg = hseg_l[i]
+            hb = base_l[hsg]
+            hs_i = hb + off_l[i]
+            wend = ge_l[hwait_l[i]]
+            if wend != wend:
+                conflicts += 1
+                wend = ninf
+            if wend >= hs_i:
+                he = wend + r_l[i]
+                waited[i] = True
+            else:
+                he = hs_i + r_l[i]
+            he_l[i] = he
+            n = i + 1
+            if n < H and hprev_l[n] == i:
+                base_l[hseg_l[n]] = he + gap_l[n]
+        else:
+            if not done[i]:
+                resolve(i)
+    S0 = np.array(S0_l)
+    Bs = np.array(B_l)
+    base = np.array(base_l)
+    ge_loop = np.array(ge_l)
+    # ---------------------------------------------------------------- every start and end
+    sB = Bs[gseg] + M
+    g_start = P + np.maximum(S0[gseg], sB)
+    g_end = g_start + p.dur
+    coll = inst >= 0
+    g_end[coll] = ge_loop[coll]
+    bind = np.where(gfirst, np.array(how_l, dtype=np.int8)[gseg], BY_STREAM).astype(np.int8)
+    launch_won = ~gfirst & (Bs[gseg] + c >= g_start - 0.01)  # ties within rounding: the launch
+    bind[launch_won] = BY_LAUNCH
+    h_start = base[hseg] + off if H else np.zeros(0)
+    h_end = h_start + p.hdur
+    hb = np.array(he_l)
+    h_end[blk] = hb[blk]
+    return Run(g_start=g_start, g_end=g_end, h_start=h_start, h_end=h_end, bind=bind,
+               last_rank_op=np.array(last_op_l, dtype=np.int64), h_waited=waited, order_conflicts=conflicts)
