@@ -106,7 +106,6 @@ def _variant_json(rule: Rule, i: int, p: Prediction | None, why: str | None) -> 
         "predicted_step_us": _r(p.predicted_step_us), "saving_us_per_step": _r(p.saving_us),
         "saving_share": _r_share(p),
         "edits": [e.to_json() for e in p.edits], "undecided": list(p.undecided), "notes": list(p.notes),
-        "moved_onto_critical_path": p.moved_onto_path(),
     })
     return out
 
@@ -139,6 +138,7 @@ def replay_findings(a: Analysis, findings: list[Finding], rule_set: RuleSet) -> 
             f.fixes.append(_variant_json(rule, i, p, None))
             if best is None and p.decided:
                 best = (edits, p)
+                f.fixes[-1]["moved_onto_critical_path"] = p.moved_onto_path()
         f.estimate_source = "replay"
         if best is None:
             why = "; ".join(u for fx in f.fixes for u in fx.get("undecided", []) if u)

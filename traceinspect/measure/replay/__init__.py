@@ -72,7 +72,11 @@ class Prediction:
         """Median over step positions of the slowest rank's value."""
         if not len(self.per_step):
             return float("nan")
-        return float(self.per_step.groupby("pos")[col].max().median())
+        pos = self.per_step["pos"].to_numpy()
+        v = self.per_step[col].to_numpy(dtype=np.float64)
+        o = np.argsort(pos, kind="stable")
+        bounds = np.flatnonzero(np.r_[True, pos[o][1:] != pos[o][:-1]])
+        return float(np.median(np.maximum.reduceat(v[o], bounds)))
 
     @property
     def measured_step_us(self) -> float:
@@ -141,6 +145,8 @@ class Replayer:
         self._base_steps = self._step_table(self.base)
         self._base_path: dict[str, float] | None = None
         self._memo: dict[tuple[str, ...], Prediction] = {}
+        # facts edits need, found once (e.g. the active KV rows), and the replayed steps' rows
+        self.cache: dict[str, Any] = {"steps": a.steps.loc[self.model.step_rows["step"].to_numpy()]}
         self.replays = 1
 
     def base_path(self) -> dict[str, float]:
@@ -165,6 +171,16 @@ class Replayer:
                          "span_us": float(np.max(e) - np.min(s)), "busy_us": union_us(s, e)})
         return pd.DataFrame(rows)
 
+    def _measured_vs_replayed(self) -> pd.DataFrame:
+        """rank, pos, measured and replayed span and busy time, in the order of the step tables."""
+        if "mvr" not in self.cache:
+            meas = self.model.step_rows[["rank", "pos", "span_us", "busy_us"]].rename(
+                columns={"span_us": "measured_us", "busy_us": "measured_busy_us"})
+            base = self._base_steps.rename(columns={"span_us": "replayed_us", "busy_us": "replayed_busy_us"})
+            self.cache["mvr"] = base[["rank", "pos"]].merge(meas, on=["rank", "pos"], how="left").assign(
+                replayed_us=base["replayed_us"].to_numpy(), replayed_busy_us=base["replayed_busy_us"].to_numpy())
+        return self.cache["mvr"]
+
     def predict(self, edits: list[Edit], label: str = "") -> Prediction:
         """The replay with ``edits`` (the same edits are replayed once)."""
         key = tuple(e.describe() for e in edits)
@@ -173,16 +189,13 @@ class Replayer:
             return Prediction(edits=list(edits), per_step=hit.per_step, undecided=hit.undecided, notes=hit.notes,
                               run=hit.run, label=label, _paths=hit._paths)
         m = self.model
-        applied = apply_edits(self.a, m, edits, self.base_params)
+        applied = apply_edits(self.a, m, edits, self.base_params, self.cache)
         run = self.base if not edits else simulate(m, applied.params)
         self.replays += 1
         st = self._base_steps if not edits else self._step_table(run)
-        base = self._base_steps
-        meas = m.step_rows[["rank", "pos", "span_us", "busy_us"]].rename(
-            columns={"span_us": "measured_us", "busy_us": "measured_busy_us"})
-        df = meas.merge(base.rename(columns={"span_us": "replayed_us", "busy_us": "replayed_busy_us"}),
-                        on=["rank", "pos"]).merge(
-            st.rename(columns={"span_us": "predicted_us", "busy_us": "predicted_busy_us"}), on=["rank", "pos"])
+        df = self._measured_vs_replayed()
+        if len(df):
+            df = df.assign(predicted_us=st["span_us"].to_numpy(), predicted_busy_us=st["busy_us"].to_numpy())
         notes = list(applied.notes)
         if run.order_conflicts:
             notes.append(f"{run.order_conflicts} dependencies were resolved out of measured order (clock noise)")

@@ -245,30 +245,39 @@ def edit_from_mapping(d: dict[str, Any], subject: dict[str, Any] | None = None) 
 # ----------------------------------------------------------------------------- application
 def op_mask(a: Analysis, m: Model, sel: Select) -> np.ndarray:
     """Ops of the model the selector picks."""
-    k = a.kernels.loc[m.g_kidx]
     mask = np.ones(m.n_ops, dtype=bool)
     if sel.classes:
         mask &= np.isin(m.g_cls, list(sel.classes))
-    if sel.kinds:
-        mask &= np.isin(text_values(k["kind"]), list(sel.kinds))
     if sel.ranks:
         mask &= np.isin(m.g_rank, list(sel.ranks))
-    for key, col, neg in (("name", "name", False), ("not_name", "name", True), ("op", "op_path", False),
-                          ("not_op", "op_path", True)):
+    texts = [(key, col, key.startswith("not_")) for key, col in
+             (("name", "name"), ("not_name", "name"), ("op", "op_path"), ("not_op", "op_path"))
+             if getattr(sel, key) is not None]
+    if not sel.kinds and not texts:
+        return mask
+    k = a.kernels.loc[m.g_kidx]  # only the columns' rows of the replayed ops, when a text test needs them
+    if sel.kinds:
+        mask &= np.isin(text_values(k["kind"]), list(sel.kinds))
+    for key, col, neg in texts:
         rx = getattr(sel, key)
-        if rx is None:
-            continue
         hit = per_distinct(k[col if col in k.columns else "op_name"], lambda s, rx=rx: search(rx, str(s)))
         mask &= ~hit if neg else hit
     return mask
 
 
-def kv_rows(a: Analysis) -> tuple[float | None, float | None, str]:
+def kv_rows(a: Analysis, cache: dict[str, Any] | None = None) -> tuple[float | None, float | None, str]:
     """(active rows, pool rows, where from or why not): the KV rows a decode step reads, from the ops that
-    gather rows out of a pool-shaped tensor (recorded shapes, or the CUDA-graph capture trace)."""
+    gather rows out of a pool-shaped tensor (recorded shapes, or the CUDA-graph capture trace); found
+    once per ``cache``."""
     from traceinspect.measure.replay.kvrows import active_kv_rows
 
-    return active_kv_rows(a)
+    if cache is not None and "kv_rows" in cache:
+        return cache["kv_rows"]
+    steps = cache.get("steps") if cache is not None else None
+    out = active_kv_rows(a, steps)
+    if cache is not None:
+        cache["kv_rows"] = out
+    return out
 
 
 @dataclass
@@ -280,8 +289,9 @@ class Applied:
     notes: list[str] = field(default_factory=list)
 
 
-def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params) -> Applied:
-    """Apply ``edits`` in order to a copy of ``base``."""
+def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
+                cache: dict[str, Any] | None = None) -> Applied:
+    """Apply ``edits`` in order to a copy of ``base`` (``cache``: facts found once per replayer)."""
     from dataclasses import replace
 
     p = replace(base, dur=base.dur.copy(), res=base.res.copy(), lA=base.lA.copy(), lS=base.lS.copy(),
@@ -295,7 +305,7 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params) -> Appli
                 out.notes.append(f"{e.describe()}: no operation in the replayed steps matched")
                 continue
             if e.kind == "kv-rows":
-                active, pool, why = kv_rows(a)
+                active, pool, why = kv_rows(a, cache)
                 if active is None or pool is None or pool <= 0:
                     out.undecided.append(f"{e.describe()}: the active KV row count cannot be decided ({why})")
                     continue

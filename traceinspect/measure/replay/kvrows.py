@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from traceinspect.tables import text_values
+from traceinspect.tables import per_distinct, text_values
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -52,36 +52,41 @@ def _active_in(ops: pd.DataFrame, pool: float) -> list[int]:
     out: list[int] = []
     if not len(ops):
         return out
-    names = ops["name"].to_numpy(dtype=object)
-    dims = ops["input_dims"].to_numpy(dtype=object)
-    for nm, raw in zip(names, dims, strict=True):
-        if not GATHER_OP.match(str(nm)):
+    ops = ops[per_distinct(ops["name"], lambda nm: bool(GATHER_OP.match(str(nm))))]
+    seen: dict[object, list[int] | None] = {}
+    for raw in ops["input_dims"].to_numpy(dtype=object):
+        if raw in seen:
+            if seen[raw] is not None:
+                out.append(seen[raw][0])  # type: ignore[index]
             continue
+        seen[raw] = None
         d = _dims(raw)
         if not d or len(d[0]) < 2 or d[0][0] != pool:
             continue
         later = [x[0] for x in d[1:] if x and 0 < x[0] < pool]
         if later:
+            seen[raw] = later
             out.append(later[0])
     return out
 
 
-def active_kv_rows(a: Analysis) -> tuple[float | None, float | None, str]:
-    """(active rows per step, pool rows, source or the reason it cannot be decided)."""
+def active_kv_rows(a: Analysis, steps: pd.DataFrame | None = None) -> tuple[float | None, float | None, str]:
+    """(active rows per step, pool rows, source or the reason it cannot be decided), from the ``steps``
+    rows (default: the analysed steps)."""
     pool, psrc = _pool_rows(a)
     if pool is None:
         return None, None, psrc
-    sel = a.selected
+    sel = a.selected if steps is None else steps
     ops = a.trace.cpu_ops
     found: list[int] = []
     src = ""
     if len(ops) and len(sel):
-        for r, g in sel.groupby("rank"):
-            lo, hi = float(g["cpu_start"].min()), float(g["cpu_end"].max())
-            if not (np.isfinite(lo) and np.isfinite(hi)):
-                continue
-            o = ops[(ops["rank"] == r) & (ops["ts"] >= lo) & (ops["ts"] <= hi)]
-            found += _active_in(o, pool)
+        o_rank, o_ts = ops["rank"].to_numpy(), ops["ts"].to_numpy(dtype=np.float64)
+        inside = np.zeros(len(ops), dtype=bool)
+        for row in sel[["rank", "cpu_start", "cpu_end"]].itertuples(index=False):
+            if np.isfinite(row.cpu_start) and np.isfinite(row.cpu_end):
+                inside |= (o_rank == row.rank) & (o_ts >= row.cpu_start) & (o_ts <= row.cpu_end)
+        found += _active_in(ops[inside], pool)
         src = "recorded shapes of the ops gathering rows from the pool"
     if not found and a.graph_ops is not None:
         for r in sorted(set(sel["rank"].tolist())):

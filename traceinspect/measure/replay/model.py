@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from traceinspect.tables import text_values
+from traceinspect.tables import per_distinct, text_values
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -153,7 +153,9 @@ def build_model(a: Analysis, settings: Settings | None = None, max_steps: int | 
     step_pos = pd.Series(sel["pos"].to_numpy(), index=sel.index)
     km = k[k["step"].isin(sel.index)]
     pos = step_pos.reindex(km["step"]).to_numpy()
-    off_k = km["rank"].map(lambda r: offsets.get(r, 0.0)).to_numpy(dtype=np.float64)
+    kr = km["rank"].to_numpy()
+    ur = np.unique(kr)
+    off_k = np.array([offsets.get(int(r), 0.0) for r in ur])[np.searchsorted(ur, kr)] if len(kr) else np.zeros(0)
     order = np.lexsort((km["ts"].to_numpy(), km["stream"].to_numpy(), pos, km["rank"].to_numpy()))
     km = km.iloc[order]
     pos, off_k = pos[order], off_k[order]
@@ -190,28 +192,36 @@ def build_model(a: Analysis, settings: Settings | None = None, max_steps: int | 
             g_anchor[idx[ok]] = e0[p[ok]]
 
     # host calls of each step window: those that launch the window's ops, and blocking ones
-    h_rows: list[pd.DataFrame] = []
-    for row in sel.itertuples():
-        r = int(row.rank)
-        off = offsets.get(r, 0.0)
-        lo, hi = row.cpu_start, row.cpu_end
-        if not (np.isfinite(lo) and np.isfinite(hi)):
-            continue
-        rr = rt[(rt["rank"] == r) & (rt["ts"] >= lo) & (rt["ts"] <= hi)]
-        if not len(rr):
-            continue
-        part = pd.DataFrame({"rt": rr.index.to_numpy(), "rank": r, "pos": int(row.pos),
-                             "tid": rr["tid"].to_numpy(), "name": rr["name"].to_numpy(dtype=object),
-                             "t": rr["ts"].to_numpy(dtype=np.float64) - off,
-                             "dur": rr["dur"].to_numpy(dtype=np.float64)})
-        h_rows.append(part)
-    host = pd.concat(h_rows, ignore_index=True) if h_rows else pd.DataFrame(
-        columns=["rt", "rank", "pos", "tid", "name", "t", "dur"])
-    launching = set(rt_idx[rt_idx >= 0].tolist())
-    names = host["name"].to_numpy(dtype=object)
-    is_block = np.array([bool(st.blocking.search(str(x))) for x in names], dtype=bool) if len(host) else \
+    launching = np.unique(rt_idx[rt_idx >= 0])
+    rt_pos = np.arange(len(rt))
+    labels = rt.index.to_numpy()
+    keep = np.isin(labels, launching) | per_distinct(rt["name"], lambda x: bool(st.blocking.search(str(x))))
+    rt_rank = rt["rank"].to_numpy()
+    rt_t = rt["ts"].to_numpy(dtype=np.float64)
+    picked: list[np.ndarray] = []
+    picked_pos: list[np.ndarray] = []
+    for r, g in sel.groupby("rank"):
+        rows = rt_pos[keep & (rt_rank == r)]
+        rows = rows[np.argsort(rt_t[rows], kind="stable")]
+        t_r = rt_t[rows]
+        lo, hi = g["cpu_start"].to_numpy(dtype=np.float64), g["cpu_end"].to_numpy(dtype=np.float64)
+        ok = np.isfinite(lo) & np.isfinite(hi)
+        a_ = np.searchsorted(t_r, lo[ok], side="left")
+        b_ = np.searchsorted(t_r, hi[ok], side="right")
+        for x, y, q in zip(a_.tolist(), b_.tolist(), g["pos"].to_numpy()[ok].tolist(), strict=True):
+            picked.append(rows[x:y])
+            picked_pos.append(np.full(y - x, q, dtype=np.int64))
+    hp = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+    h_rank0 = rt_rank[hp].astype(np.int64)
+    off_h = np.array([offsets.get(int(r), 0.0) for r in np.unique(h_rank0)]) if len(hp) else np.zeros(0)
+    off_h = off_h[np.searchsorted(np.unique(h_rank0), h_rank0)] if len(hp) else off_h
+    host = pd.DataFrame({"rt": labels[hp], "rank": h_rank0,
+                         "pos": np.concatenate(picked_pos) if picked_pos else np.zeros(0, dtype=np.int64),
+                         "tid": rt["tid"].to_numpy()[hp], "name": rt["name"].to_numpy(dtype=object)[hp],
+                         "t": rt_t[hp] - off_h, "dur": rt["dur"].to_numpy(dtype=np.float64)[hp]})
+    is_launch = np.isin(host["rt"].to_numpy(), launching)
+    is_block = per_distinct(host["name"], lambda x: bool(st.blocking.search(str(x)))) if len(host) else \
         np.zeros(0, dtype=bool)
-    is_launch = host["rt"].isin(launching).to_numpy()
     host = host[is_launch | is_block].copy()
     host["launches"] = is_launch[is_launch | is_block]
     host["block_cand"] = is_block[is_launch | is_block]
@@ -246,7 +256,7 @@ def build_model(a: Analysis, settings: Settings | None = None, max_steps: int | 
         if has.any() and len(ops):
             op_ts = ops["ts"].to_numpy(dtype=np.float64)
             hi = g_launch[has]
-            o_ts = op_ts[op_idx[has]] - np.array([offsets.get(int(r), 0.0) for r in g_rank[has]])
+            o_ts = op_ts[op_idx[has]] - off_k[has]
             prev_end = np.where(h_prev[hi] >= 0, h_end[np.maximum(h_prev[hi], 0)], -np.inf)
             h_op_in[hi] = np.clip(h_t[hi] - np.maximum(o_ts, prev_end), 0.0, None)
 

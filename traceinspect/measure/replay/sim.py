@@ -236,9 +236,6 @@ def simulate(m: Model, p: Params) -> Run:
     S0 = np.full(nG, np.nan)
     Bs = np.full(nG, np.nan)
     how = np.full(nG, BY_ANCHOR, dtype=np.int8)
-    ge = np.full(G, np.nan)  # ends of terminal ops (and segment ends), filled in the loop
-    last_op = np.full(G, -1, dtype=np.int64)
-    he_blk = np.full(H, np.nan)
     blocks = np.nonzero(blk)[0]
     nI = len(m.i_members)
     key = np.concatenate([m.g_t[heads_g], m.h_end[blocks], m.i_key + 1e-6])
@@ -246,117 +243,114 @@ def simulate(m: Model, p: Params) -> Run:
                           np.full(nI, 2, dtype=np.int8)])
     idx = np.concatenate([np.arange(len(heads_g)), blocks, np.arange(nI)])
     order = np.lexsort((typ, key))
-    # scalar views for the loop
-    head_l, last_l = heads_g.tolist(), last_g.tolist()
-    gh_l, c_l, gprev_l = gh.tolist(), c.tolist(), gprev.tolist()
-    lS_l, dur_l, res_l = p.lS.tolist(), p.dur.tolist(), p.res.tolist()
-    P_l, M_l = P.tolist(), M.tolist()
-    anchor_l, inst_l = m.g_anchor.tolist(), inst.tolist()
-    gx_l, lX_l = m.g_xprev.tolist(), m.g_lX.tolist()
+    # scalar views for the loop: per segment head / last op, and the ends of terminal ops by index
+    hd = heads_g
+    lt = last_g
+    h_c, h_gh, h_prev = c[hd].tolist(), gh[hd].tolist(), gprev[hd].tolist()
+    h_lS, h_anchor = p.lS[hd].tolist(), m.g_anchor[hd].tolist()
+    h_x, h_lX = m.g_xprev[hd].tolist(), m.g_lX[hd].tolist()
+    l_op, l_P, l_M, l_dur = lt.tolist(), P[lt].tolist(), M[lt].tolist(), p.dur[lt].tolist()
+    l_coll = (inst[lt] >= 0).tolist()
+    op_inst = {int(q): int(inst[q]) for q in np.nonzero(inst >= 0)[0]}
     base_l = base.tolist()
-    hseg_l, off_l, r_l = hseg.tolist(), off.tolist(), p.r.tolist()
-    gap_l, hprev_l = p.gap.tolist(), hprev.tolist()
-    hwait_l = m.h_wait.tolist()
-    ge_l = ge.tolist()
+    ge_d: dict[int, float] = {}
     S0_l, B_l, how_l = S0.tolist(), Bs.tolist(), how.tolist()
-    last_op_l = last_op.tolist()
-    he_l = he_blk.tolist()
+    last_op_l: dict[int, int] = {}
+    he_d: dict[int, float] = {}
     waited = np.zeros(H, dtype=bool)
     members = m.i_members
+    mem_seg = [[int(gseg[q]) for q in mem] for mem in members]
+    res = p.res
     done = [False] * nI
     conflicts = 0
     gt = m.g_t
+    hseg_a, off_a, r_a, gap_a, hprev_a, hwait_a = hseg, off, p.r, p.gap, hprev, m.h_wait
 
     def resolve(j: int) -> None:
         nonlocal conflicts
         best, arg = ninf, -1
-        for q in members[j]:
-            s = S0_l[gseg_l[q]]
+        for q, sg in zip(members[j], mem_seg[j], strict=True):
+            s = S0_l[sg]
             if s != s:
                 conflicts += 1
                 s = float(gt[q])
             if s > best:
                 best, arg = s, q
         for q in members[j]:
-            ge_l[q] = best + res_l[q]
+            ge_d[q] = best + float(res[q])
             last_op_l[q] = arg
         done[j] = True
 
-    gseg_l = gseg.tolist()
     for t, i in zip(typ[order].tolist(), idx[order].tolist(), strict=True):
         if t == 0:  # a GPU segment: its entry, and its last op's end
-            f = head_l[i]
-            hs_ = gh_l[f]
+            hs_ = h_gh[i]
             B = base_l[hs_] if hs_ >= 0 else 0.0
             if B != B:
                 conflicts += 1
                 B = ninf
-            a = B + c_l[f]
-            q = gprev_l[f]
+            a = B + h_c[i]
+            q = h_prev[i]
             if q >= 0:
-                e = ge_l[q]
-                if e != e:
-                    j = inst_l[q]
+                e = ge_d.get(q, ninf)
+                if e == ninf:
+                    j = op_inst.get(q, -1)
                     if j >= 0 and not done[j]:
                         resolve(j)
-                        e = ge_l[q]
+                        e = ge_d[q]
                     else:
                         conflicts += 1
-                        e = ninf
-                b = e + lS_l[f]
+                b = e + h_lS[i]
             else:
-                b = anchor_l[f] + lS_l[f]
+                b = h_anchor[i] + h_lS[i]
             if a >= b:
                 s0, hw = a, BY_LAUNCH
             else:
                 s0, hw = b, (BY_STREAM if q >= 0 else BY_ANCHOR)
-            x = gx_l[f]
+            x = h_x[i]
             if x >= 0:
-                xe = ge_l[x]
-                if xe == xe and xe + lX_l[f] > s0:
-                    s0, hw = xe + lX_l[f], BY_XSTREAM
+                xe = ge_d.get(x)
+                if xe is not None and xe + h_lX[i] > s0:
+                    s0, hw = xe + h_lX[i], BY_XSTREAM
             S0_l[i], B_l[i], how_l[i] = s0, B, hw
-            k = last_l[i]
-            if inst_l[k] < 0:
-                mk = M_l[k]
-                st = P_l[k] + (s0 if s0 >= B + mk else B + mk)
-                ge_l[k] = st + dur_l[k]
+            if not l_coll[i]:
+                mk = l_M[i]
+                ge_d[l_op[i]] = l_P[i] + (s0 if s0 >= B + mk else B + mk) + l_dur[i]
         elif t == 1:  # a blocking call ends after the GPU work it waits for
-            hsg = hseg_l[i]
-            hb = base_l[hsg]
-            hs_i = hb + off_l[i]
-            wend = ge_l[hwait_l[i]]
-            if wend != wend:
+            hs_i = base_l[int(hseg_a[i])] + float(off_a[i])
+            wend = ge_d.get(int(hwait_a[i]))
+            if wend is None:
                 conflicts += 1
                 wend = ninf
             if wend >= hs_i:
-                he = wend + r_l[i]
+                he = wend + float(r_a[i])
                 waited[i] = True
             else:
-                he = hs_i + r_l[i]
-            he_l[i] = he
+                he = hs_i + float(r_a[i])
+            he_d[i] = he
             n = i + 1
-            if n < H and hprev_l[n] == i:
-                base_l[hseg_l[n]] = he + gap_l[n]
+            if n < H and hprev_a[n] == i:
+                base_l[int(hseg_a[n])] = he + float(gap_a[n])
         else:
             if not done[i]:
                 resolve(i)
     S0 = np.array(S0_l)
     Bs = np.array(B_l)
     base = np.array(base_l)
-    ge_loop = np.array(ge_l)
     # ---------------------------------------------------------------- every start and end
     sB = Bs[gseg] + M
     g_start = P + np.maximum(S0[gseg], sB)
     g_end = g_start + p.dur
-    coll = inst >= 0
-    g_end[coll] = ge_loop[coll]
+    for q in op_inst:
+        g_end[q] = ge_d.get(q, np.nan)
     bind = np.where(gfirst, np.array(how_l, dtype=np.int8)[gseg], BY_STREAM).astype(np.int8)
     launch_won = ~gfirst & (Bs[gseg] + c >= g_start - 0.01)  # ties within rounding: the launch
     bind[launch_won] = BY_LAUNCH
     h_start = base[hseg] + off if H else np.zeros(0)
     h_end = h_start + p.hdur
-    hb = np.array(he_l)
-    h_end[blk] = hb[blk]
+    for q, v in he_d.items():
+        h_end[q] = v
+    last_rank = np.full(G, -1, dtype=np.int64)
+    for q, v in last_op_l.items():
+        last_rank[q] = v
     return Run(g_start=g_start, g_end=g_end, h_start=h_start, h_end=h_end, bind=bind,
-               last_rank_op=np.array(last_op_l, dtype=np.int64), h_waited=waited, order_conflicts=conflicts)
+               last_rank_op=last_rank, h_waited=waited, order_conflicts=conflicts)
