@@ -223,3 +223,23 @@ def test_segment_simulation_equals_event_loop(name: str, edits: list[str]) -> No
     np.testing.assert_allclose(r2.g_start, r1.g_start, atol=0.05)
     np.testing.assert_allclose(r2.g_end, r1.g_end, atol=0.05)
     np.testing.assert_allclose(r2.h_start, r1.h_start, atol=0.05)
+
+
+def test_gemm_m_batch_change_says_how_sure() -> None:
+    a = _fixture("moe-small-m-eager")
+    rp = replayer(a)
+    p = rp.predict([parse_edit("gemm-m class=moe_gemm 16")])
+    assert p.decided and any("low confidence" in n for n in p.notes)
+    before = rp.base_params.dur[rp.model.g_cls == "moe_gemm"].sum()
+    after = p.run.g_end - p.run.g_start
+    grown = after[rp.model.g_cls == "moe_gemm"].sum()
+    assert before < grown < 16 * before  # more rows cost more, far less than proportionally at tiny M
+    # graph replays without a capture trace have no M: undecided, not guessed
+    g = _fixture("kv-full-cast-graph")
+    saved = g.efficiency
+    try:
+        g.efficiency = None
+        q = Replayer(g).predict([parse_edit("gemm-m class=moe_gemm 2")])
+    finally:
+        g.efficiency = saved
+    assert q.predicted_step_us is None and q.undecided

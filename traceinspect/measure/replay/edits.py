@@ -13,6 +13,7 @@ Text form (``traceinspect whatif --edit``) and mapping form (a rule's ``fixes:``
 | ``async`` | ``async [SEL]`` | blocking calls (by name: ``name~=Synchronize``) no longer wait for the GPU |
 | ``kv-rows`` | ``kv-rows SEL`` | the selected cast reads only the active KV rows: time x active rows / pool rows |
 | ``trim`` | ``trim SEL US`` | the selected operations lose US per step in total, in proportion to their time |
+| ``gemm-m`` | ``gemm-m SEL F`` | the selected GEMMs at F times their M (a batch change), from the measured M-efficiency curve |
 
 ``SEL`` is ``key=value`` / ``key~=regex`` / ``key!~=regex`` terms joined by commas: ``class``,
 ``name``, ``op`` (the enclosing CPU-op path), ``kind``, ``rank``; as in a rule's ``select:``.
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
     from traceinspect.measure.replay.model import Model
     from traceinspect.measure.replay.sim import Params
 
-KINDS = ("scale", "remove", "transfer", "host-gaps", "launch-cost", "host-from", "async", "kv-rows", "trim")
+KINDS = ("scale", "remove", "transfer", "host-gaps", "launch-cost", "host-from", "async", "kv-rows", "trim",
+         "gemm-m")
 SELECT_KEYS = ("class", "name", "not_name", "op", "not_op", "kind", "rank")
 
 
@@ -178,7 +180,7 @@ def parse_edit(text: str) -> Edit:
         raise EditError(f"edit {text!r}: unknown edit {kind!r} (expected {', '.join(KINDS)})")
     e = Edit(kind=kind, text=text.strip())
     try:
-        if kind in ("scale", "trim"):
+        if kind in ("scale", "trim", "gemm-m"):
             if len(args) != 2:
                 raise EditError(f"{kind} takes a selector and a number: '{kind} class=kv_cast 0.2'")
             e.select, e.value = parse_select(args[0]), _float(args[1], "the factor" if kind == "scale" else "US")
@@ -299,7 +301,7 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
     out = Applied(params=p)
     coll = m.g_inst >= 0
     for e in edits:
-        if e.kind in ("scale", "remove", "transfer", "kv-rows", "trim"):
+        if e.kind in ("scale", "remove", "transfer", "kv-rows", "trim", "gemm-m"):
             mask = op_mask(a, m, e.select)
             if not mask.any():
                 out.notes.append(f"{e.describe()}: no operation in the replayed steps matched")
@@ -321,6 +323,12 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
                     continue
                 factor = max(1.0 - e.value / per_step, 0.0) if per_step > 0 else 1.0
                 _scale(p, mask, coll, factor)
+            elif e.kind == "gemm-m":
+                from traceinspect.measure.replay.gemm_m import scale_m
+
+                n_, u_ = scale_m(a, m, mask & ~coll, float(e.value or 1.0), p.dur)
+                out.notes += [f"{e.describe()}: {x}" for x in n_]
+                out.undecided += [f"{e.describe()}: {x}" for x in u_]
             elif e.kind == "scale":
                 _scale(p, mask, coll, float(e.value or 0.0))
             elif e.kind == "transfer":
