@@ -35,15 +35,18 @@ def _findings(name: str, rule: str) -> list[dict]:
 
 
 def _truth_share(name: str) -> float:
-    """Time of the planted cast kernels (name contains both manifest substrings) in the analysed
-    steps over all kernel time of the analysed steps."""
+    """Time of the planted cast kernels (name contains both manifest substrings) per rank per analysed
+    step, over the step time (median over aligned steps of the slowest rank's GPU span)."""
     man = json.loads((_need(name) / "manifest.json").read_text())
     pk = man["planted_kernels"]["kv_cast"]
-    k = _analysis(name).kernels
+    a = _analysis(name)
+    k = a.kernels
     k = k[k["kind"] == "kernel"]
     hit = k["name"].str.contains(pk["name_substring"], regex=False) & k["name"].str.contains(
         pk["and_substring"], regex=False)
-    return float(k.loc[hit, "dur"].sum() / k["dur"].sum())
+    sel = a.selected.assign(pos=a.selected.groupby("rank").cumcount())
+    step_us = float(sel.groupby("pos")["span_us"].max().median())
+    return float(k.loc[hit, "dur"].sum()) / len(sel) / step_us
 
 
 @pytest.mark.parametrize("name", ["kv-full-cast-eager", "kv-full-cast-graph"])
@@ -53,7 +56,7 @@ def test_kv_full_pool_cast_fires_with_true_share(name: str) -> None:
     f = fs[0]
     truth = _truth_share(name)
     ev = f["evidence"]
-    impact_share = ev["impact_us_per_step"] / ev["kernel_us_per_step"]  # ``share`` is the replayed saving's
+    impact_share = ev["impact_us_per_step"] / ev["step_us"]  # ``share`` is the replayed saving's
     assert abs(impact_share - truth) <= 0.03, (impact_share, truth)
     man = json.loads((FIX / name / "manifest.json").read_text())
     assert ev["calls_per_step"] == man["planted_kernels"]["kv_cast"]["per_step"]
@@ -139,8 +142,12 @@ def test_findings_sorted_and_json_shape_on_fixture() -> None:
             "remediation", "estimate_source", "fixes", "group"}
     for f in fs:
         assert set(f) == keys
-    savings = [f["est_saving_us_per_step"] for f in fs if f["est_saving_us_per_step"] is not None]
-    assert savings == sorted(savings, reverse=True)
+    # most severe first, then by estimated saving
+    from traceinspect.judge.rules import SEVERITY_RANK
+
+    keys_ = [(SEVERITY_RANK[f["severity"]], -(f["est_saving_us_per_step"] or 0)) for f in fs]
+    assert keys_ == sorted(keys_)
+    assert fs[0]["severity"] == "critical"
     json.dumps(doc, allow_nan=False)
 
 

@@ -67,8 +67,7 @@ def rule_markdown(rule: Rule, generated_note: bool = True) -> str:
     out += ["## What to do", "", _para(rule.remediation), ""]
     out += ["## Estimated saving", ""]
     impact = rule.impact.source if rule.impact else "us_per_step (the selected kernels' time per step)"
-    basis = ("the GPU time of a step (kernel_us_per_step)" if rule.share_of == "gpu_time"
-             else "the step time (step_us)")
+    basis = "the step time (step_us)"
     if rule.fixes:
         out += ["The saving is the step time a replay of the fix saves (see [../whatif.md](../whatif.md)): the "
                 "analysed steps are replayed as measured and with the fix's edits, and the finding's "
@@ -81,8 +80,9 @@ def rule_markdown(rule: Rule, generated_note: bool = True) -> str:
         out += [""]
     out += [f"- impact (time per step of what the rule points at): `{impact}`, over {basis}",
             f"- the rule's own local estimate (`evidence.rule_estimate_us_per_step`): `{rule.estimate.source}`, "
-            "capped at the impact and at the step time" + ("" if rule.fixes else "; it is the finding's saving, "
-                                                           "since the rule declares no fix to replay"), ""]
+            "capped at the impact and at the step time"
+            + (", and at the GPU idle time inside the step" if rule.removes == "idle" else "")
+            + ("" if rule.fixes else "; it is the finding's saving, since the rule declares no fix to replay"), ""]
     if rule.notes:
         out += [_para(rule.notes), ""]
     out += ["## Options", ""]

@@ -198,20 +198,27 @@ def _group(rp: Replayer, chosen: dict[int, tuple[Finding, list[Edit], Prediction
                 child.evidence["overlap_us_per_step"] = _r(overlap)
 
 
+def group_children(ranked: list[Any], rule_of: Any, parent_of: Any) -> list[Any]:
+    """``ranked`` with every finding that shares a parent's cause moved right after that parent."""
+    present = {rule_of(f) for f in ranked}
+    kids: dict[Any, list[Any]] = {}
+    for f in ranked:
+        p = parent_of(f)
+        if p and p in present:
+            kids.setdefault(p, []).append(f)
+    out: list[Any] = []
+    for f in ranked:
+        p = parent_of(f)
+        if p and p in present:
+            continue
+        out.append(f)
+        out.extend(kids.get(rule_of(f), []))
+    return out
+
+
 def order_findings(findings: list[Finding]) -> list[Finding]:
-    """By saving (as :func:`~traceinspect.judge.engine.sort_findings`), each parent followed by the
+    """In the judge's order (:func:`~traceinspect.judge.engine.sort_findings`), each parent followed by the
     findings that share its cause."""
     from traceinspect.judge.engine import sort_findings
 
-    ranked = sort_findings(findings)
-    by_rule: dict[str, list[Finding]] = {}
-    for f in ranked:
-        if f.parent:
-            by_rule.setdefault(f.parent, []).append(f)
-    out: list[Finding] = []
-    for f in ranked:
-        if f.parent and any(p.rule == f.parent for p in ranked):
-            continue
-        out.append(f)
-        out.extend(by_rule.get(f.rule, []))
-    return out
+    return group_children(sort_findings(findings), lambda f: f.rule, lambda f: f.parent)
