@@ -61,9 +61,10 @@ def _active_in(ops: pd.DataFrame, pool: float) -> list[int]:
             continue
         seen[raw] = None
         d = _dims(raw)
-        if not d or len(d[0]) < 2 or d[0][0] != pool:
+        # the pool tensor: its rows are the pool's, give or take padding rows (SGLang allocates one extra)
+        if not d or len(d[0]) < 2 or abs(d[0][0] - pool) > max(16.0, 1e-3 * pool):
             continue
-        later = [x[0] for x in d[1:] if x and 0 < x[0] < pool]
+        later = [x[0] for x in d[1:] if x and 0 < x[0] < 0.99 * pool]
         if later:
             seen[raw] = later
             out.append(later[0])
