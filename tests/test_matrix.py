@@ -60,8 +60,9 @@ def test_kv_full_pool_cast_on_every_set(name: str) -> None:
     assert ev["layers"] == man["layers"], (ev["layers"], ev.get("layers_source"))
     assert ev["calls_per_step"] == man["planted_kernels"]["kv_cast"]["per_step"]
     gpu, step = raw_cast_shares(FIXTURES / name)
-    # the finding's share is of the step time; the kv_cast class's share is of the GPU time
-    assert abs(kv[0]["share"] - step) <= 0.03, (kv[0]["share"], step)
+    # the cast's share of the step time (the rule's evidence; the finding's share is its replayed saving's)
+    # and the kv_cast class's share of the GPU time
+    assert abs(kv[0]["evidence"]["step_share"] - step) <= 0.03, (kv[0]["evidence"]["step_share"], step)
     assert abs(doc["classes"]["kv_cast"]["share"] - gpu) <= 0.03, (doc["classes"]["kv_cast"]["share"], gpu)
 
 
