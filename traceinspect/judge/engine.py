@@ -215,19 +215,10 @@ def _eff_reason(ctx: M.MetricContext) -> str:
     return getattr(eff, "reason", None) or "no GEMM shapes were recovered"
 
 
-UNKNOWN_PHASE = "unknown"
-
-
 def _evaluate_rule(rule: Rule, ctx: M.MetricContext, subjects: _Subjects, phase: str) -> list[Outcome]:
-    note = None
     if rule.scope != "all" and rule.scope != phase:
-        if phase != UNKNOWN_PHASE:
-            return [Outcome(rule.id, "skipped", reasons=[f"rule applies to {rule.scope} steps; the analysis is of "
-                                                          f"{phase} steps"])]
-        # no marker states the steps' phase (ProfilerStep#N, graph launches): judged as the rule's own
-        # phase, and the finding says so, rather than left unjudged without a word
-        note = (f"the steps' phase is not marked in the trace: judged as {rule.scope} steps "
-                f"(--phase {rule.scope} states it)")
+        return [Outcome(rule.id, "skipped", reasons=[f"rule applies to {rule.scope} steps; the analysis is of "
+                                                      f"{phase} steps"])]
     subs, why_none = subjects.of(rule)
     if not subs:
         return [Outcome(rule.id, "silent", reasons=[why_none or "nothing selected"])]
@@ -243,12 +234,7 @@ def _evaluate_rule(rule: Rule, ctx: M.MetricContext, subjects: _Subjects, phase:
             env[name] = val
             if val is None:
                 missing[name] = _explain_none(expr, why, missing)
-        o = _judge(rule, sub, env, missing, ctx)
-        if note is not None:
-            o.reasons.append(note)
-            if o.finding is not None:
-                o.finding.evidence["phase"] = note
-        out.append(o)
+        out.append(_judge(rule, sub, env, missing, ctx))
     return out
 
 
