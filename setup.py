@@ -1,0 +1,21 @@
+"""Build: the package, ``rules/`` shipped as ``traceinspect/rules``, and the native Kineto scanner.
+
+The scanner is optional: where no C compiler is available the build goes on without it and the
+loader uses its pure-Python (msgspec) path.
+"""
+
+from setuptools import Extension, find_packages, setup
+
+setup(
+    packages=[*find_packages(include=["traceinspect", "traceinspect.*"]), "traceinspect.rules"],
+    package_dir={"traceinspect.rules": "rules"},
+    package_data={"traceinspect.rules": ["*.yaml"], "traceinspect.render": ["templates/*"]},
+    ext_modules=[
+        Extension(
+            "traceinspect.load._kineto_scan",
+            ["traceinspect/load/_kineto_scan.c"],
+            extra_compile_args=["-O2", "-std=c99"],
+            optional=True,
+        )
+    ],
+)
