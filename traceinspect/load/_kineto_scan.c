@@ -182,6 +182,8 @@ typedef struct {
     int started;       /* at least one byte seen (a byte-order mark is skipped only at the start) */
     int events_seen;   /* a traceEvents key was read */
     uint64_t n_events;
+    uint64_t drop_name, drop_not_object, drop_gpu; /* events dropped, by reason */
+    uint32_t gpu_kinds; /* kinds whose drops count as GPU events */
     uint64_t offset;   /* bytes consumed so far, for messages */
     int busy;
     int finished;
@@ -606,7 +608,13 @@ static const char *skip_value(Ctx *c, const char *p) {
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* events */
+/* events
+ *
+ * The rules are those of the Python path's docstring ("Tolerance rules"): a value of the expected
+ * type is read as the typed decoder reads it; a number written as a string is read as that number;
+ * anything else is absent, or drops the event (counted by reason) where the field is needed. The
+ * typed decoder reads the integer token -0 as +0.0 in a float field while the tolerant reading of
+ * an event the typed decoder refused gives -0.0; the typed flags keep that one difference. */
 
 typedef struct {
     const char *s0, *s1;
@@ -618,15 +626,19 @@ typedef struct {
     const char *p, *q;
 } Span;
 
+enum { V_NUM, V_NUMSTR, V_NULL, V_STR, V_OTHER };
+
 typedef struct {
     Str ph, cat, name, tid_s;
+    int ph_ok, cat_ok, name_bad; /* ph/cat a string (or absent); name present and not a string */
     double ts, dur;
+    int ts_mz, dur_mz; /* the value came from the integer token -0 */
     int64_t tid;
-    int args_set;
+    int typed; /* the typed decoder would read this event as it is */
     int64_t ints[4]; /* correlation, external id, device, stream */
     int ints_set[4];
     double bytes;
-    int bytes_set;
+    int bytes_set, bytes_mz, args_typed;
     Span raw[5]; /* grid, block, dims, types, concrete */
 } Event;
 
@@ -653,12 +665,136 @@ static const char *read_key(Ctx *c, const char *p, const char **k, size_t *kn) {
 
 #define KEY_IS(k, kn, lit) ((kn) == sizeof(lit) - 1 && memcmp((k), (lit), sizeof(lit) - 1) == 0)
 
-static const char *read_str(Ctx *c, const char *p, Str *out, const char *field) {
+/* Whether [p, q) is exactly a JSON number; *is_int when it has no fraction and no exponent. */
+static int number_text(const char *p, const char *q, int *is_int) {
+    const char *r = p;
+    int isint = 1;
+    if (r < q && *r == '-') r++;
+    if (r >= q) return 0;
+    if (*r == '0') {
+        r++;
+    } else if (*r >= '1' && *r <= '9') {
+        while (r < q && is_digit(*r)) r++;
+    } else {
+        return 0;
+    }
+    if (r < q && *r == '.') {
+        isint = 0;
+        r++;
+        if (r >= q || !is_digit(*r)) return 0;
+        while (r < q && is_digit(*r)) r++;
+    }
+    if (r < q && (*r == 'e' || *r == 'E')) {
+        isint = 0;
+        r++;
+        if (r < q && (*r == '+' || *r == '-')) r++;
+        if (r >= q || !is_digit(*r)) return 0;
+        while (r < q && is_digit(*r)) r++;
+    }
+    *is_int = isint;
+    return r == q;
+}
+
+/* One value, classified: V_NUM (a number token: [*t0, *t1)), V_NUMSTR (a string whose whole text
+ * is a number, no escapes: its contents), V_NULL, V_STR (another string: its token in *str),
+ * V_OTHER. */
+static const char *read_value(Ctx *c, const char *p, int *cls, const char **t0, const char **t1, int *is_int,
+                              Str *str) {
+    if (p >= c->end) return need(c, p);
+    if (*p == '-' || is_digit(*p)) {
+        const char *q = scan_number(c, p, is_int);
+        if (!q) return NULL;
+        *cls = V_NUM;
+        *t0 = p;
+        *t1 = q;
+        return q;
+    }
+    if (*p == '"') {
+        Str s;
+        const char *q = scan_string(c, p, &s.s0, &s.s1, &s.esc, &s.hi);
+        if (!q) return NULL;
+        s.set = 1;
+        if (!s.esc && !s.hi && number_text(s.s0, s.s1, is_int)) {
+            *cls = V_NUMSTR;
+            *t0 = s.s0;
+            *t1 = s.s1;
+        } else {
+            *cls = V_STR;
+        }
+        if (str) *str = s;
+        return q;
+    }
+    if (*p == 'n') {
+        const char *q = scan_lit(c, p, "null", 4);
+        if (!q) return NULL;
+        *cls = V_NULL;
+        return q;
+    }
+    const char *q = skip_value(c, p);
+    if (!q) return NULL;
+    *cls = V_OTHER;
+    return q;
+}
+
+/* the text -0 (the only integer token whose typed and tolerant float readings differ) */
+static int minus_zero(const char *t0, const char *t1) { return t1 - t0 == 2 && t0[0] == '-' && t0[1] == '0'; }
+
+/* a float field: *out NaN when unusable; *typed cleared when the typed decoder would refuse it */
+static const char *read_float(Ctx *c, const char *p, double *out, int *mz, int *typed) {
+    int cls, isint;
+    const char *t0 = NULL, *t1 = NULL;
+    p = read_value(c, p, &cls, &t0, &t1, &isint, NULL);
+    if (!p) return NULL;
+    *mz = 0;
+    if (cls == V_NUM || cls == V_NUMSTR) {
+        if (number_value(t0, t1, out) < 0) return fail(c, EMEM, p, NULL);
+        if (!isfinite(*out)) {
+            *out = NAN;
+            *typed = 0;
+        }
+        if (cls == V_NUMSTR) *typed = 0;
+        else if (isint && minus_zero(t0, t1)) *mz = 1;
+    } else {
+        *out = NAN;
+        *typed = 0;
+    }
+    return p;
+}
+
+/* an integer within int64 (a number whose value is one: 5.0 is 5); *set 0 when absent */
+static int int_of(const char *t0, const char *t1, int isint, int64_t *out) {
+    if (isint) return int_value(t0, t1, out) == 0;
+    double v;
+    if (number_value(t0, t1, &v) < 0) return -1;
+    if (!isfinite(v) || v != floor(v) || v < -9223372036854775808.0 || v >= 9223372036854775808.0) return 0;
+    *out = (int64_t)v;
+    return 1;
+}
+
+static const char *read_int(Ctx *c, const char *p, int64_t *out, int *set, int *typed) {
+    int cls, isint;
+    const char *t0 = NULL, *t1 = NULL;
+    p = read_value(c, p, &cls, &t0, &t1, &isint, NULL);
+    if (!p) return NULL;
+    *set = 0;
+    if (cls == V_NUM || cls == V_NUMSTR) {
+        int r = int_of(t0, t1, isint, out);
+        if (r < 0) return fail(c, EMEM, p, NULL);
+        *set = r;
+        if (!(cls == V_NUM && isint && r)) *typed = 0;
+    } else if (cls != V_NULL) {
+        *typed = 0;
+    }
+    return p;
+}
+
+/* a string field (ph, cat, name): *ok 0 when the value is not a string */
+static const char *read_str(Ctx *c, const char *p, Str *out, int *ok) {
     if (p >= c->end) return need(c, p);
     if (*p != '"') {
-        const char *q = skip_value(c, p);
-        if (!q) return NULL;
-        return fail(c, ETYPE, p, field);
+        *ok = 0;
+        out->set = 0;
+        return skip_value(c, p);
     }
     p = scan_string(c, p, &out->s0, &out->s1, &out->esc, &out->hi);
     if (!p) return NULL;
@@ -666,82 +802,21 @@ static const char *read_str(Ctx *c, const char *p, Str *out, const char *field) 
     size_t dn;
     if ((out->esc || out->hi) && decode_string(c, out->s0, out->s1, out->esc, out->hi, &d, &dn) < 0) return NULL;
     out->set = 1;
+    *ok = 1;
     return p;
 }
 
-static const char *read_float(Ctx *c, const char *p, double *out, const char *field) {
-    if (p >= c->end) return need(c, p);
-    if (*p == '-' || is_digit(*p)) {
-        int isint;
-        const char *q = scan_number(c, p, &isint);
-        if (!q) return NULL;
-        if (number_value(p, q, out) < 0) return fail(c, EMEM, p, NULL);
-        if (!isfinite(*out)) return fail(c, ETYPE, p, "number out of range");
-        return q;
-    }
-    const char *q = skip_value(c, p);
-    if (!q) return NULL;
-    return fail(c, ETYPE, p, field);
-}
-
-/* int | float: an integer token is read as an integer first (so -0 is 0), then made a float */
-static const char *read_number(Ctx *c, const char *p, double *out, const char *field) {
-    if (p >= c->end) return need(c, p);
-    if (*p == '-' || is_digit(*p)) {
-        int isint;
-        const char *q = scan_number(c, p, &isint);
-        if (!q) return NULL;
-        int64_t v;
-        if (isint && int_value(p, q, &v) == 0) {
-            *out = (double)v;
-            return q;
-        }
-        if (number_value(p, q, out) < 0) return fail(c, EMEM, p, NULL);
-        if (!isfinite(*out)) return fail(c, ETYPE, p, "number out of range");
-        return q;
-    }
-    const char *q = skip_value(c, p);
-    if (!q) return NULL;
-    return fail(c, ETYPE, p, field);
-}
-
-/* an int64 or (when nullable) null; *set is 0 for null */
-static const char *read_int(Ctx *c, const char *p, int64_t *out, int *set, int nullable, const char *field) {
-    if (p >= c->end) return need(c, p);
-    if (*p == '-' || is_digit(*p)) {
-        int isint;
-        const char *q = scan_number(c, p, &isint);
-        if (!q) return NULL;
-        if (!isint) return fail(c, ETYPE, p, field);
-        if (int_value(p, q, out) < 0) return fail(c, ETYPE, p, "integer out of range");
-        *set = 1;
-        return q;
-    }
-    if (nullable && *p == 'n') {
-        const char *q = scan_lit(c, p, "null", 4);
-        if (!q) return NULL;
-        *set = 0;
-        return q;
-    }
-    const char *q = skip_value(c, p);
-    if (!q) return NULL;
-    return fail(c, ETYPE, p, field);
-}
-
 static const char *read_args(Ctx *c, const char *p, Event *e) {
-    static const char *INT_FIELDS[4] = {"correlation", "External id", "device", "stream"};
     for (int k = 0; k < 4; k++) e->ints_set[k] = 0;
-    e->bytes_set = 0;
+    e->bytes_set = e->bytes_mz = 0;
+    e->args_typed = 1;
     for (int k = 0; k < 5; k++) e->raw[k].p = e->raw[k].q = NULL;
-    e->args_set = 0;
     if (p >= c->end) return need(c, p);
     if (*p == 'n') return scan_lit(c, p, "null", 4);
-    if (*p != '{') {
-        const char *q = skip_value(c, p);
-        if (!q) return NULL;
-        return fail(c, ETYPE, p, "args is not an object");
+    if (*p != '{') { /* not an object: every field absent */
+        e->args_typed = 0;
+        return skip_value(c, p);
     }
-    e->args_set = 1;
     p = skip_ws(p + 1, c->end);
     if (p >= c->end) return need(c, p);
     if (*p == '}') return p + 1;
@@ -751,20 +826,28 @@ static const char *read_args(Ctx *c, const char *p, Event *e) {
         p = read_key(c, p, &k, &kn);
         if (!p) return NULL;
         int idx = -1;
-        if (kn && k[0] == 'c' && KEY_IS(k, kn, "correlation")) idx = 0;
+        if (KEY_IS(k, kn, "correlation")) idx = 0;
         else if (KEY_IS(k, kn, "External id")) idx = 1;
         else if (KEY_IS(k, kn, "device")) idx = 2;
         else if (KEY_IS(k, kn, "stream")) idx = 3;
         if (idx >= 0) {
-            p = read_int(c, p, &e->ints[idx], &e->ints_set[idx], 1, INT_FIELDS[idx]);
+            p = read_int(c, p, &e->ints[idx], &e->ints_set[idx], &e->args_typed);
         } else if (KEY_IS(k, kn, "bytes")) {
-            if (p >= c->end) return need(c, p);
-            if (*p == 'n') {
-                p = scan_lit(c, p, "null", 4);
-                e->bytes_set = 0;
-            } else {
-                p = read_number(c, p, &e->bytes, "bytes is not a number");
-                if (p) e->bytes_set = 1;
+            int cls, isint;
+            const char *t0 = NULL, *t1 = NULL;
+            p = read_value(c, p, &cls, &t0, &t1, &isint, NULL);
+            e->bytes_set = e->bytes_mz = 0;
+            if (p && (cls == V_NUM || cls == V_NUMSTR)) {
+                if (number_value(t0, t1, &e->bytes) < 0) return fail(c, EMEM, p, NULL);
+                if (isfinite(e->bytes)) {
+                    e->bytes_set = 1;
+                    if (cls == V_NUM && isint && minus_zero(t0, t1)) e->bytes_mz = 1;
+                } else {
+                    e->args_typed = 0;
+                }
+                if (cls == V_NUMSTR) e->args_typed = 0;
+            } else if (p && cls != V_NULL) {
+                e->args_typed = 0;
             }
         } else {
             int r = -1;
@@ -789,43 +872,70 @@ static const char *read_args(Ctx *c, const char *p, Event *e) {
     }
 }
 
-static const char *read_event(Ctx *c, const char *p, Event *e) {
+/* one entry of traceEvents; *is_obj 0 when it is not an object */
+static const char *read_event(Ctx *c, const char *p, Event *e, int *is_obj) {
     memset(e, 0, sizeof *e);
+    e->ph_ok = e->cat_ok = 1;
+    e->typed = 1;
+    e->args_typed = 1;
+    e->ts = NAN; /* absent: dropped */
     if (p >= c->end) return need(c, p);
     if (*p != '{') {
-        const char *q = skip_value(c, p);
-        if (!q) return NULL;
-        return fail(c, ETYPE, p, "an event is not an object");
+        *is_obj = 0;
+        return skip_value(c, p);
     }
+    *is_obj = 1;
     p = skip_ws(p + 1, c->end);
     if (p >= c->end) return need(c, p);
     if (*p == '}') return p + 1;
     for (;;) {
         const char *k;
         size_t kn;
+        int ok;
         p = read_key(c, p, &k, &kn);
         if (!p) return NULL;
         if (KEY_IS(k, kn, "ph")) {
-            p = read_str(c, p, &e->ph, "ph is not a string");
+            p = read_str(c, p, &e->ph, &e->ph_ok);
+            if (p && !e->ph_ok) e->typed = 0;
         } else if (KEY_IS(k, kn, "cat")) {
-            p = read_str(c, p, &e->cat, "cat is not a string");
+            p = read_str(c, p, &e->cat, &e->cat_ok);
+            if (p && !e->cat_ok) e->typed = 0;
         } else if (KEY_IS(k, kn, "name")) {
-            p = read_str(c, p, &e->name, "name is not a string");
+            p = read_str(c, p, &e->name, &ok);
+            if (p) {
+                e->name_bad = !ok;
+                if (!ok) e->typed = 0;
+            }
         } else if (KEY_IS(k, kn, "ts")) {
-            p = read_float(c, p, &e->ts, "ts is not a number");
+            p = read_float(c, p, &e->ts, &e->ts_mz, &e->typed);
         } else if (KEY_IS(k, kn, "dur")) {
-            p = read_float(c, p, &e->dur, "dur is not a number");
+            p = read_float(c, p, &e->dur, &e->dur_mz, &e->typed);
         } else if (KEY_IS(k, kn, "tid")) {
-            if (p >= c->end) return need(c, p);
-            if (*p == '"') {
-                p = read_str(c, p, &e->tid_s, "tid");
-            } else {
-                int set;
+            int cls, isint;
+            const char *t0 = NULL, *t1 = NULL;
+            Str s;
+            s.set = 0;
+            p = read_value(c, p, &cls, &t0, &t1, &isint, &s);
+            if (p) {
                 e->tid_s.set = 0;
-                p = read_int(c, p, &e->tid, &set, 0, "tid is not an integer or a string");
+                e->tid = 0;
+                if (cls == V_STR || cls == V_NUMSTR) {
+                    const char *d;
+                    size_t dn;
+                    if ((s.esc || s.hi) && decode_string(c, s.s0, s.s1, s.esc, s.hi, &d, &dn) < 0) return NULL;
+                    e->tid_s = s;
+                } else if (cls == V_NUM) {
+                    int r = int_of(t0, t1, isint, &e->tid);
+                    if (r < 0) return fail(c, EMEM, p, NULL);
+                    if (!r) e->tid = 0;
+                    if (!(isint && r)) e->typed = 0;
+                } else {
+                    e->typed = 0;
+                }
             }
         } else if (KEY_IS(k, kn, "args")) {
             p = read_args(c, p, e);
+            if (p && !e->args_typed) e->typed = 0;
         } else {
             p = skip_value(c, p);
         }
@@ -891,7 +1001,10 @@ static int route_of(Ctx *c, const Str *cat) {
     }
     Py_XDECREF(r);
     c->ts = PyEval_SaveThread();
-    if (kind == -4) return -4;
+    if (kind == -4) {
+        /* forget the entry: cat_route must stay one entry per category */
+        return -4;
+    }
     signed char v = (signed char)kind;
     if (buf_put(&s->cat_route, &v, 1) < 0) return -3;
     return kind;
@@ -913,6 +1026,7 @@ static int is_x(Ctx *c, const Str *ph) {
 
 /* append one event to its kind's columns (or nothing, when its kind is not kept) */
 static int add_event(Ctx *c, Event *e, const char *p) {
+    if (!e->ph_ok || !e->cat_ok) return 0; /* ph or cat not a string: never used */
     int x = is_x(c, &e->ph);
     if (x < 0) return -1;
     if (!x) return 0;
@@ -921,7 +1035,18 @@ static int add_event(Ctx *c, Event *e, const char *p) {
     if (kind == -3) return fail(c, EMEM, p, NULL), -1;
     if (kind == -2) return -1;
     if (kind < 0) return 0;
-    Kind *kd = &c->s->kinds[kind];
+    Scanner *s = c->s;
+    if (e->name_bad) {
+        s->drop_name++;
+        if (s->gpu_kinds & (1u << kind)) s->drop_gpu++;
+        return 0;
+    }
+    if (e->typed) { /* the typed decoder's reading of the integer token -0 */
+        if (e->ts_mz) e->ts = 0.0;
+        if (e->dur_mz) e->dur = 0.0;
+    }
+    if (e->args_typed && e->bytes_mz) e->bytes = 0.0;
+    Kind *kd = &s->kinds[kind];
     uint32_t m = kd->mask;
     for (int col = 0; col < NCOLS; col++) {
         if (!(m & (1u << col))) continue;
@@ -970,7 +1095,7 @@ static int add_event(Ctx *c, Event *e, const char *p) {
                 fail(c, EJSON, r->p, "invalid UTF-8 in a string");
                 return -1;
             }
-            int64_t v = intern_get(&c->s->strs, n ? r->p : "", n);
+            int64_t v = intern_get(&s->strs, n ? r->p : "", n);
             if (v < 0) return fail(c, EMEM, p, NULL), -1;
             int32_t i = (int32_t)v;
             PUT(col, i);
@@ -980,7 +1105,7 @@ static int add_event(Ctx *c, Event *e, const char *p) {
             Span *r = &e->raw[col - C_DIMS + 2];
             int32_t i = -1;
             if (r->p && r->q > r->p) {
-                int64_t v = intern_get(&c->s->raws, r->p, (size_t)(r->q - r->p));
+                int64_t v = intern_get(&s->raws, r->p, (size_t)(r->q - r->p));
                 if (v < 0) return fail(c, EMEM, p, NULL), -1;
                 i = (int32_t)v;
             }
@@ -1016,6 +1141,7 @@ static void reset_tables(Scanner *s) {
         kd->rows = 0;
     }
     s->n_events = 0;
+    s->drop_name = s->drop_not_object = s->drop_gpu = 0;
 }
 
 /* Scan [base, end); returns bytes consumed (whole units only), or -1 with c->st set. */
@@ -1046,7 +1172,7 @@ static Py_ssize_t scan(Ctx *c) {
                 if (*p == '[' || *p == '"' || *p == '-' || is_digit(*p) || *p == 't' || *p == 'f' || *p == 'n') {
                     const char *q = skip_value(c, p);
                     if (!q) return -1;
-                    fail(c, ETYPE, p, "the document is not an object");
+                    fail(c, ETYPE, p, "the top level is not a JSON object");
                 } else {
                     fail(c, EJSON, p, "invalid character");
                 }
@@ -1074,7 +1200,7 @@ static Py_ssize_t scan(Ctx *c) {
                 if (*q != '[') {
                     const char *r = skip_value(c, q);
                     if (!r) return c->st == NEED ? done - c->base : -1;
-                    fail(c, ETYPE, q, "traceEvents is not an array");
+                    fail(c, ETYPE, q, "no traceEvents array");
                     return -1;
                 }
                 if (s->events_seen) reset_tables(s); /* a repeated key: the last one counts */
@@ -1139,9 +1265,11 @@ static Py_ssize_t scan(Ctx *c) {
             }
             break;
         case S_EV_VALUE: {
-            const char *q = read_event(c, p, &ev);
+            int is_obj;
+            const char *q = read_event(c, p, &ev, &is_obj);
             if (!q) return c->st == NEED ? done - c->base : -1;
-            if (add_event(c, &ev, p) < 0) return -1;
+            if (!is_obj) s->drop_not_object++;
+            else if (add_event(c, &ev, p) < 0) return -1;
             s->n_events++;
             p = q;
             s->state = S_EV_NEXT;
@@ -1160,9 +1288,24 @@ static Py_ssize_t scan(Ctx *c) {
 static PyObject *ScanError; /* (kind, message): kind 'json' or 'type' */
 
 static int Scanner_init(Scanner *self, PyObject *args, PyObject *kw) {
-    PyObject *route, *kinds;
-    static char *kwlist[] = {"kinds", "route", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO", kwlist, &kinds, &route)) return -1;
+    PyObject *route, *kinds, *gpu = NULL;
+    static char *kwlist[] = {"kinds", "route", "gpu_kinds", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O", kwlist, &kinds, &route, &gpu)) return -1;
+    self->gpu_kinds = 0;
+    if (gpu) {
+        PyObject *g = PySequence_Fast(gpu, "gpu_kinds must be a sequence");
+        if (!g) return -1;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(g); i++) {
+            long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(g, i));
+            if (v < 0 || v >= MAX_KINDS) {
+                Py_DECREF(g);
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "gpu_kinds: a kind index");
+                return -1;
+            }
+            self->gpu_kinds |= 1u << v;
+        }
+        Py_DECREF(g);
+    }
     if (!PyCallable_Check(route)) {
         PyErr_SetString(PyExc_TypeError, "route must be callable");
         return -1;
@@ -1373,6 +1516,11 @@ static PyObject *Scanner_result(Scanner *self, PyObject *Py_UNUSED(ignored)) {
     } while (0)
     SET(out, "n_events", PyLong_FromUnsignedLongLong(self->n_events));
     SET(out, "events_seen", PyBool_FromLong(self->events_seen));
+    o = Py_BuildValue("{sKsK}", "name", (unsigned long long)self->drop_name, "not_object",
+                      (unsigned long long)self->drop_not_object);
+    if (!o || PyDict_SetItemString(out, "drops", o) < 0) goto error;
+    Py_CLEAR(o);
+    SET(out, "gpu_dropped", PyLong_FromUnsignedLongLong(self->drop_gpu));
     SET(out, "strings", table_list(&self->strs, 1));
     SET(out, "raws", table_list(&self->raws, 0));
     Py_INCREF(self->meta);

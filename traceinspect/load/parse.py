@@ -664,7 +664,8 @@ def _route(cat: str) -> int | None:
 def _scan_native(blocks: Iterator[bytes], path: Path) -> ParsedRank:
     """Scan a document with the native scanner into the same tables as the msgspec path."""
     assert _native is not None
-    s = _native.Scanner([_NATIVE_COLUMNS[k] for k in _KINDS], _route)
+    s = _native.Scanner([_NATIVE_COLUMNS[k] for k in _KINDS], _route,
+                        [_KINDS.index(k) for k in GPU_KINDS])
     try:
         for block in blocks:
             s.feed(block)
@@ -682,6 +683,8 @@ def _scan_native(blocks: Iterator[bytes], path: Path) -> ParsedRank:
     types = _native.column_types()
     b = _Builder()
     b.n_events = res["n_events"]
+    b.drops = {r: n for r, n in res["drops"].items() if n}
+    b.gpu_dropped = res["gpu_dropped"]
     tid_memo: dict[int, int] = {}
     for kind, cols in zip(_KINDS, res["kinds"], strict=True):
         if not cols["rows"]:
@@ -707,7 +710,9 @@ def _scan_native(blocks: Iterator[bytes], path: Path) -> ParsedRank:
     parts = [b'"traceEvents":[]'] if res["events_seen"] else []
     parts += [msgspec.json.encode(k) + b":" + v for k, v in meta.items() if k in _TRACE_KEYS]
     trace = _decode_whole(b"{" + b",".join(parts) + b"}", path)
-    return _ranked(b, trace)
+    out = _ranked(b, trace)
+    out.drops_native = b.drops  # type: ignore[attr-defined]
+    return out
 
 
 _TRACE_KEYS = frozenset(f.encode_name for f in msgspec.structs.fields(_Trace)) - {"traceEvents"}
