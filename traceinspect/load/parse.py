@@ -157,9 +157,12 @@ def _truncated(path: Path) -> TraceInputError:
                            "capture still being written?)", path)
 
 
-def _blocks(path: Path) -> Iterator[bytes]:
-    """The decompressed text of a ``.json`` or ``.json.gz`` file, in blocks of about PIECE bytes."""
+def _blocks(path: Path, tap: Callable[[bytes], None] | None = None) -> Iterator[bytes]:
+    """The decompressed text of a ``.json`` or ``.json.gz`` file, in blocks of about PIECE bytes
+    (``tap`` is given every byte read from the file, in order)."""
     with _open(path) as f:
+        if tap is not None:
+            f = _Tapped(f, tap)
         first = _read(f, BLOCK, path)
         if first[:2] != b"\x1f\x8b":
             data = first
@@ -194,6 +197,44 @@ def _blocks(path: Path) -> Iterator[bytes]:
             data = _read(f, BLOCK, path)
             if not data:
                 raise _truncated(path)
+
+
+class _Tapped:
+    """A file whose reads are also handed to ``tap``."""
+
+    def __init__(self, f: Any, tap: Callable[[bytes], None]) -> None:
+        self.f, self.tap = f, tap
+
+    def read(self, n: int) -> bytes:
+        b = self.f.read(n)
+        if b:
+            self.tap(b)
+        return b
+
+
+class Sha256Beside:
+    """SHA-256 of the bytes given to it, computed on a thread of its own (hashlib releases the GIL),
+    so that a file is hashed while it is parsed instead of before."""
+
+    def __init__(self) -> None:
+        import hashlib
+
+        self._h = hashlib.sha256()
+        self._q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._t = threading.Thread(target=self._run, name="traceinspect-sha256", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while (b := self._q.get()) is not None:
+            self._h.update(b)
+
+    def __call__(self, b: bytes) -> None:
+        self._q.put(b)
+
+    def hexdigest(self) -> str:
+        self._q.put(None)
+        self._t.join()
+        return self._h.hexdigest()
 
 
 def _threaded(blocks: Iterator[bytes], depth: int = 3) -> Iterator[bytes]:
@@ -764,14 +805,14 @@ def parse_file(path: str | Path) -> ParsedRank:
     return parse_bytes_whole(read_bytes(path), path)
 
 
-def parse_file_native(path: str | Path) -> ParsedRank:
-    """Read and scan one rank file with the native scanner."""
+def parse_file_native(path: str | Path, tap: Callable[[bytes], None] | None = None) -> ParsedRank:
+    """Read and scan one rank file with the native scanner (``tap``: see :func:`_blocks`)."""
     path = Path(path)
     try:
         size = path.stat().st_size
     except OSError:
         size = 0
-    blocks = _blocks(path)
+    blocks = _blocks(path, tap)
     if size >= THREAD_MIN:
         blocks = _threaded(blocks)
     try:
