@@ -778,11 +778,14 @@ def parse_bytes(data: bytes, path: Path) -> ParsedRank:
             gc.enable()
 
 
-def parse_file(path: str | Path) -> ParsedRank:
-    """Read and decode one rank file."""
+def parse_file(path: str | Path, tap: Callable[[bytes], None] | None = None) -> ParsedRank:
+    """Read and decode one rank file. ``tap`` (only where :func:`native_available`) is given every
+    byte read from the file."""
     path = Path(path)
     if native_available():
-        return parse_file_native(path)
+        return parse_file_native(path, tap)
+    if tap is not None:
+        raise ValueError("tap needs the native scanner")
     try:
         size = path.stat().st_size
     except OSError:
