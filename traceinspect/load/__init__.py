@@ -51,7 +51,7 @@ def load_rank_file(path: str | Path, use_cache: bool = True) -> tuple[str, int, 
     if root is None and parse.native_available():  # no cache to look up: hash while parsing
         hasher = parse.Sha256Beside()
         try:
-            parsed = parse_file(path, tap=hasher)
+            parsed = parse_file(path, hasher)
         finally:
             digest = hasher.hexdigest()
         size = path.stat().st_size
