@@ -1612,8 +1612,60 @@ static PyTypeObject ScannerType = {
     .tp_methods = Scanner_methods,
 };
 
+/* factorize(list) -> (codes: bytearray of int64, uniques: list): codes in order of first appearance,
+ * equal values (hash and ==, as a dict has them) sharing one code. */
+static PyObject *factorize(PyObject *Py_UNUSED(m), PyObject *arg) {
+    if (!PyList_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "factorize takes a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    if (n > PY_SSIZE_T_MAX / 8) return PyErr_NoMemory();
+    PyObject *codes = PyByteArray_FromStringAndSize(NULL, n * 8);
+    PyObject *seen = PyDict_New();
+    PyObject *uniq = PyList_New(0);
+    if (!codes || !seen || !uniq) goto error;
+    int64_t *out = (int64_t *)(void *)PyByteArray_AS_STRING(codes);
+    PyObject *last = NULL;
+    int64_t last_code = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyList_GET_ITEM(arg, i);
+        if (v == last) { /* runs of one object: the same key */
+            out[i] = last_code;
+            continue;
+        }
+        PyObject *c = PyDict_GetItemWithError(seen, v);
+        int64_t code;
+        if (c) {
+            code = PyLong_AsLongLong(c);
+        } else {
+            if (PyErr_Occurred()) goto error;
+            code = (int64_t)PyList_GET_SIZE(uniq);
+            PyObject *k = PyLong_FromLongLong(code);
+            if (!k) goto error;
+            int rc = PyDict_SetItem(seen, v, k);
+            Py_DECREF(k);
+            if (rc < 0 || PyList_Append(uniq, v) < 0) goto error;
+        }
+        out[i] = code;
+        last = v;
+        last_code = code;
+    }
+    Py_DECREF(seen);
+    PyObject *res = PyTuple_Pack(2, codes, uniq);
+    Py_DECREF(codes);
+    Py_DECREF(uniq);
+    return res;
+error:
+    Py_XDECREF(codes);
+    Py_XDECREF(seen);
+    Py_XDECREF(uniq);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"column_types", col_types, METH_NOARGS, "column name -> storage ('f', 'i', 's', 'r')"},
+    {"factorize", factorize, METH_O, "factorize(list) -> (int64 codes as a bytearray, uniques)"},
     {NULL, NULL, 0, NULL},
 };
 
