@@ -1464,8 +1464,12 @@ static PyObject *Scanner_feed(Scanner *self, PyObject *args, PyObject *kw) {
         if (!last && carry->n < self->retry_at) continue; /* not enough new text to try again */
         k = scan_at(self, &c, carry->p, carry->n, last);
         if (k < 0) break;
-        if ((size_t)k >= old || last) { /* the kept unit is complete: go on in data itself */
-            size_t rest = carry->n - (size_t)k; /* unconsumed bytes, all from data */
+        if (last) { /* the final scan reads to the end or fails */
+            carry->n = 0;
+            break;
+        }
+        if ((size_t)k >= old) { /* the kept unit is complete: go on in data itself */
+            size_t rest = carry->n - (size_t)k; /* unconsumed bytes, all from data (rest <= take) */
             pos -= rest;
             carry->n = 0;
             self->retry_at = 0;
