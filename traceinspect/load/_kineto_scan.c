@@ -48,6 +48,7 @@ static int buf_reserve(Buf *b, size_t extra) {
 }
 
 static int buf_put(Buf *b, const void *src, size_t n) {
+    if (!n) return 0; /* (memcpy of nothing into an unallocated buffer is still undefined) */
     if (buf_reserve(b, n) < 0) return -1;
     memcpy(b->p + b->n, src, n);
     b->n += n;
