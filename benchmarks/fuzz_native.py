@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if not os.environ.get("PYTHONPATH"):  # (fuzz_native_asan.sh points PYTHONPATH at a sanitizer build)
+    sys.path.insert(0, str(ROOT))
 
 import atheris  # noqa: E402
 import msgspec  # noqa: E402, F401 - libraries load uninstrumented: only the loader's own code is
