@@ -96,12 +96,13 @@ def main(argv: list[str]) -> None:
     if parse._native is None:
         raise SystemExit("the native scanner is not built")
     args = list(argv)
-    if not any(not a.startswith("-") for a in args[1:]):  # no corpus directory given: seed one
-        corpus = tempfile.mkdtemp(prefix="kineto-fuzz-")
-        for i, s in enumerate(_seeds()):
-            # the first 4 bytes choose the piece size (FuzzedDataProvider reads integers from the end)
-            Path(corpus, f"seed{i}").write_bytes(s + (i * 977 + 1).to_bytes(4, "little"))
-        args.append(corpus)
+    dirs = [a for a in args[1:] if not a.startswith("-")]
+    if not dirs:  # no corpus directory given: a temporary one
+        dirs = [tempfile.mkdtemp(prefix="kineto-fuzz-")]
+        args.append(dirs[0])
+    for i, s in enumerate(_seeds()):  # the seeds, in the (first) corpus directory
+        # the last 4 bytes choose the piece size (FuzzedDataProvider reads integers from the end)
+        Path(dirs[0], f"seed{i}").write_bytes(s + (i * 977 + 1).to_bytes(4, "little"))
     if not any(a.startswith("-dict=") for a in args):
         args.append(f"-dict={Path(__file__).with_name('kineto.dict')}")
     atheris.Setup(args, test_one_input)

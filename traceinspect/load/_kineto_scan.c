@@ -117,7 +117,8 @@ static int64_t intern_get(Intern *t, const char *s, size_t n) {
     const uint32_t *lens = (const uint32_t *)t->lens.p;
     while (t->slots[i]) {
         size_t k = t->slots[i] - 1;
-        if (t->hashes[k] == h && lens[k] == n && memcmp(t->arena.p + offs[k], s, n) == 0) return (int64_t)k;
+        if (t->hashes[k] == h && lens[k] == n && (n == 0 || memcmp(t->arena.p + offs[k], s, n) == 0))
+            return (int64_t)k;
         i = (i + 1) & m;
     }
     if (t->count >= 0x7FFFFFF0u) return -1;
@@ -1514,7 +1515,7 @@ static PyObject *table_list(Intern *t, int as_str) {
     const size_t *offs = (const size_t *)t->offs.p;
     const uint32_t *lens = (const uint32_t *)t->lens.p;
     for (size_t k = 0; k < t->count; k++) {
-        const char *s = t->arena.p + offs[k];
+        const char *s = t->arena.p ? t->arena.p + offs[k] : ""; /* only empty texts: no arena */
         PyObject *o;
         if (as_str) {
             o = PyUnicode_DecodeUTF8(s, (Py_ssize_t)lens[k], "strict");
