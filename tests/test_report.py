@@ -66,9 +66,11 @@ def assert_self_contained(html: str) -> None:
     assert not re.search(r"@import|url\(\s*['\"]?(https?:)?//", html, re.I)
     assert not re.search(r"\b(src|srcset|xlink:href)=\"(https?:)?//", html, re.I)
     assert not re.search(r"\ssrc=", html, re.I)
-    # links are in-page anchors or clickable references (<a href>), never loaded by the page itself
+    # links are in-page anchors, clickable references (<a href>) or CSV downloads carried in the page
+    # itself (data: URLs), never loaded by the page itself
     for tag, url in re.findall(r"<(\w+)[^>]*\shref=\"([^\"]*)\"", html):
-        assert tag == "a" and (url.startswith("#") or url.startswith(("https://", "http://"))), (tag, url)
+        assert tag == "a" and (url.startswith("#") or url.startswith(("https://", "http://", "data:text/csv;"))), (
+            tag, url[:80])
 
 
 # ----------------------------------------------------------------------------- escaping units
@@ -294,11 +296,14 @@ def test_injected_names_are_escaped_everywhere(tmp_path: Path) -> None:
         assert EVIL_OP in set(a.kernels["op_name"])
         if EVIL_OP in top_ops:
             assert htmllib.escape(EVIL_OP, quote=False) in html
-    # exactly the page's own scripts: the JSON blob and the table sorter
-    assert len(re.findall(r"<script\b", html)) == 2
-    blob = re.search(r'<script type="application/json" id="traceinspect-analysis">(.*?)</script>', html, re.S)
-    assert "<" not in blob.group(1)
-    assert EVIL_KERNEL in json.dumps(json.loads(blob.group(1)))  # the value survives, escaped
+    # exactly the page's own scripts: the JSON blob, the timeline data and the page's code
+    assert len(re.findall(r"<script\b", html)) == 3
+    for sid in ("traceinspect-analysis", "timeline-data"):
+        blob = re.search(rf'<script type="application/json" id="{sid}">(.*?)</script>', html, re.S)
+        assert "<" not in blob.group(1)
+        assert EVIL_KERNEL in json.dumps(json.loads(blob.group(1)))  # the value survives, escaped
+    # the CSV downloads carry the names percent-encoded
+    assert all("<" not in u and '"' not in u for u in re.findall(r'href="(data:[^"]*)"', html))
 
     text = render_markdown(a, doc)
     assert "<script>" not in text and "<b>" not in text and "<i>" not in text
@@ -309,7 +314,7 @@ def test_injected_names_are_escaped_everywhere(tmp_path: Path) -> None:
         assert md(EVIL_OP) in text
     for ln in text.splitlines():
         if ln.startswith("| ") and "bold" in ln:
-            header = "| kernel | launched by | class | share |"
+            header = "| kernel | launched by | class | share of the step |"
             assert len(re.findall(r"(?<!\\)\|", ln)) == len(re.findall(r"\|", header))
 
     raw = encode(build_trace(a, doc))
@@ -327,7 +332,7 @@ def test_tp8_report_under_5mb_by_sampling(tmp_path: Path) -> None:
     """Eight ranks (a TP2 fixture's rank files copied to TP-0..TP-7): the report stays under 5 MB by
     merging timeline kernels into blocks, and still shows every finding and every rank."""
     from traceinspect.analysis import analyze
-    from traceinspect.render.html import LANE_BLOCK_BUDGET, TOTAL_BLOCK_BUDGET, timeline_svg, write_html
+    from traceinspect.render.html import timeline_svg, write_html
 
     src = _any_fixture()
     files = sorted(src.glob("*-TP-*.trace.json*"))
@@ -352,8 +357,9 @@ def test_tp8_report_under_5mb_by_sampling(tmp_path: Path) -> None:
     for r in range(8):
         assert f"TP{r}" in _text(html)
     tl = timeline_svg(a)
-    lanes = a.kernels.groupby(["rank", "stream"]).ngroups
-    assert tl.blocks <= min(LANE_BLOCK_BUDGET * lanes, TOTAL_BLOCK_BUDGET + 50 * lanes)
-    # a tighter budget really samples: fewer blocks than kernels, and says so
+    lanes = a.kernels[a.kernels["step"].isin(list(a.representative_step()[1].values()))].groupby(
+        ["rank", "stream"]).ngroups
+    assert tl.lanes == lanes and tl.data["kernels"] == tl.kernels
+    # a tighter budget keeps the longest kernels, and says so
     small = timeline_svg(a, budget=10)
-    assert small.blocks < small.kernels and "Sampled" in small.caption
+    assert small.data["kernels"] == 10 < small.kernels and "longest kernels" in small.caption

@@ -98,7 +98,7 @@ def test_report_in_chromium(browser, variant: str, tmp_path: Path) -> None:
             assert page.locator("#breakdown ~ svg.chart text", has_text=r["label"]).count() >= 1
         # the table sorter works: sorting by calls puts the largest count first
         table = page.locator("#kernel-table")
-        table.locator("th", has_text="calls").click()
+        table.locator("th", has_text="calls").first.click()
         calls = [int(c) for c in table.locator("tbody tr td:nth-child(5)").all_inner_texts()]
         assert calls == sorted(calls, reverse=True)
         embedded = json.loads(page.locator("#traceinspect-analysis").text_content())
@@ -120,8 +120,9 @@ def test_injected_kernel_name_renders_as_text(browser, tmp_path: Path) -> None:
         assert seen["console"] == [] and seen["pageerror"] == [] and seen["network"] == [], seen
         cell = page.locator("#kernel-table td.kname", has_text=EVIL_KERNEL)
         assert cell.count() >= 1 and cell.first.inner_text() == EVIL_KERNEL
-        # only the report's own two script elements exist
-        assert page.locator("script").count() == 2
+        # only the report's own script elements exist: the analysis JSON, the timeline data, the code
+        types = page.eval_on_selector_all("script", "els => els.map(e => e.type || 'js')")
+        assert sorted(types) == ["application/json", "application/json", "js"], types
     finally:
         page.close()
 
@@ -137,3 +138,149 @@ def test_harness_catches_requests_errors_and_scripts(browser, tmp_path: Path) ->
     assert any(u.startswith("https://example.invalid/") for u in seen["network"])
     assert any("boom" in m for m in seen["console"])
     assert seen["dialog"] == ["1"]
+
+
+# ----------------------------------------------------------------------------- timeline and tables
+
+def _png_rgb(data: bytes) -> tuple[int, int, list[bytes]]:
+    """Decode an 8-bit RGB/RGBA PNG (what Chromium writes) with the standard library: (width, height,
+    rows of RGB bytes)."""
+    import struct
+    import zlib
+
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, w = 8, b"", 0
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        if kind == b"IHDR":
+            w, h, depth, ctype = struct.unpack(">IIBB", body[:10])
+            assert depth == 8 and ctype in (2, 6), (depth, ctype)
+            bpp = 3 if ctype == 2 else 4
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    raw = zlib.decompress(idat)
+    stride = w * bpp
+    rows, prev = [], bytearray(stride)
+    for y in range(h):
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b = prev[i]
+            c = prev[i - bpp] if i >= bpp else 0
+            if f == 1:
+                line[i] = (line[i] + a) & 255
+            elif f == 2:
+                line[i] = (line[i] + b) & 255
+            elif f == 3:
+                line[i] = (line[i] + ((a + b) >> 1)) & 255
+            elif f == 4:
+                p_ = a + b - c
+                pa, pb, pc = abs(p_ - a), abs(p_ - b), abs(p_ - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line) if bpp == 3 else bytes(v for j, v in enumerate(line) if j % 4 != 3))
+        prev = line
+    return w, h, rows
+
+
+@pytest.fixture(scope="module")
+def eager_report(tmp_path_factory):
+    from traceinspect.render.html import write_html
+
+    a = _analysis(_present("kv-full-cast-eager"))
+    doc = a.to_json()
+    path = write_html(a, tmp_path_factory.mktemp("tl") / "eager.html", doc)
+    return a, doc, path
+
+
+def test_timeline_shows_the_idle_of_a_long_eager_step(browser, eager_report) -> None:
+    """The painted busy fraction of each rank's lane, measured on a screenshot, is the JSON's busy time
+    of that step over its span, within 5 points: idle time shows as empty lane."""
+    _, doc, path = eager_report
+    page, seen = open_report(browser, path)
+    try:
+        assert seen["console"] == [] and seen["pageerror"] == [] and seen["network"] == [], seen
+        root = page.locator("#timeline-main")
+        ARTIFACTS.mkdir(exist_ok=True)
+        png = root.locator("canvas").screenshot(path=str(ARTIFACTS / "timeline-eager.png"))
+        w, h, rows = _png_rgb(png)
+        geo = page.evaluate("() => { const t = document.getElementById('timeline-main').timeline;"
+                            " return {L: t.L, R: t.R, TOP: t.TOP, GAP: t.GAP, LH: t.LH,"
+                            " lanes: t.data.lanes.map(l => l.rank), marks: t.data.marks, span: t.data.span,"
+                            " dpr: window.devicePixelRatio}; }")
+        assert geo["dpr"] == 1
+        bg = bytes.fromhex("eef0f3")
+        tl = {r["rank"]: r for r in doc["timeline"]["ranks"]}
+        marks = {m["rank"]: m for m in geo["marks"]}
+        plot_w = w - geo["L"] - geo["R"]
+        fracs: list[float] = []
+        for i, rank in enumerate(geo["lanes"]):
+            expect = tl[rank]["busy_us"] / tl[rank]["span_us"]
+            m = marks[rank]
+            x0 = geo["L"] + round(m["start"] / geo["span"] * plot_w) + 1
+            x1 = geo["L"] + round(m["end"] / geo["span"] * plot_w) - 1
+            y0 = geo["TOP"] + i * (geo["LH"] + geo["GAP"])
+            painted = total = 0
+            for y in range(y0, y0 + geo["LH"]):
+                row = rows[y]
+                for x in range(x0, x1):
+                    total += 1
+                    painted += row[3 * x:3 * x + 3] != bg
+            frac = painted / total
+            assert abs(frac - expect) <= 0.05, (rank, frac, expect)
+            fracs.append(frac)
+        # the step has much idle time: a lane drawn solid would have failed the check above
+        assert min(fracs) < 0.5 and max(fracs) < 0.8, fracs
+    finally:
+        page.close()
+
+
+def test_timeline_zoom_hover_table_sort_filter_and_csv_download(browser, eager_report, tmp_path: Path) -> None:
+    a, doc, path = eager_report
+    from traceinspect.render.tables import report_tables, to_csv
+
+    page, seen = open_report(browser, path)
+    try:
+        root = page.locator("#timeline-main")
+        span = float(root.get_attribute("data-v1"))
+        root.locator("button[data-act=in]").click()
+        root.locator("button[data-act=in]").click()
+        v0, v1 = float(root.get_attribute("data-v0")), float(root.get_attribute("data-v1"))
+        assert v1 - v0 == pytest.approx(span / 4, rel=1e-6)
+        box = root.locator("canvas").bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + 30)
+        page.mouse.wheel(0, -300)
+        page.wait_for_timeout(50)
+        assert float(root.get_attribute("data-v1")) - float(root.get_attribute("data-v0")) < (v1 - v0)
+        root.locator("canvas").dblclick()
+        assert float(root.get_attribute("data-v1")) == pytest.approx(span)
+        # hover the longest kernel of the first lane: the tip names it, its class, duration and shapes
+        target = page.evaluate("""() => { const t = document.getElementById('timeline-main').timeline, l = t.data.lanes[0];
+            let j = 0; l.dur.forEach((d, i) => { if (d > l.dur[j]) j = i; });
+            return {x: t.xOf(l.ts[j] + l.dur[j] / 2), y: t.TOP + t.LH / 2, name: t.data.names[l.name[j]],
+                    cls: t.data.classes[l.cls[j]], dur: l.dur[j]}; }""")
+        page.mouse.move(box["x"] + target["x"], box["y"] + target["y"])
+        tip = root.locator(".ti-tip")
+        assert tip.is_visible()
+        text = tip.inner_text()
+        assert target["name"] in text and target["cls"] in text and "shapes:" in text
+        from traceinspect.units import fmt_us
+
+        assert fmt_us(target["dur"]).replace(" ", "\u00a0") in text.replace(" ", "\u00a0")
+        # tables: sort by calls, filter by a class, download the CSV and compare it with --csv's
+        table = page.locator("#kernel-table")
+        table.locator("th", has_text="calls").first.click()
+        calls = [int(c) for c in table.locator("tbody tr td:nth-child(5)").all_inner_texts()]
+        assert calls == sorted(calls, reverse=True)
+        page.locator("input.tfilter[data-for=kernel-table]").fill("kv_cast")
+        visible = table.locator("tbody tr:visible")
+        assert visible.count() >= 1 and all("kv_cast" in t for t in visible.all_inner_texts())
+        with page.expect_download() as dl:
+            page.locator("a.csv[download='kernels.csv']").click()
+        got = Path(dl.value.path()).read_text()
+        assert got == to_csv(report_tables(a, doc)["kernels"])
+        assert got.splitlines()[0].startswith("name,cls,launched_by,calls")
+        assert seen["network"] == [] and seen["console"] == [] and seen["pageerror"] == [], seen
+    finally:
+        page.close()

@@ -363,7 +363,8 @@ def test_kv_rule_fires_with_evidence_and_json_shape() -> None:
     assert set(doc) == FINDING_KEYS
     json.dumps(doc, allow_nan=False)
     assert doc["rule"] == "kv-full-pool-cast" and doc["severity"] == "critical"
-    assert doc["share"] == pytest.approx(900 / 1000, abs=1e-3)
+    # every share is of the step time: 4 casts of 900 us in a 4 * (900 + 120) - 10 us step
+    assert doc["share"] == pytest.approx(3600 / 4070, abs=1e-3)
     assert doc["est_saving_us_per_step"] == pytest.approx(3600)
     assert doc["ranks"] == [0, 1]
     ev_ = doc["evidence"]

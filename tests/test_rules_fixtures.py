@@ -35,15 +35,18 @@ def _findings(name: str, rule: str) -> list[dict]:
 
 
 def _truth_share(name: str) -> float:
-    """Time of the planted cast kernels (name contains both manifest substrings) in the analysed
-    steps over all kernel time of the analysed steps."""
+    """Time of the planted cast kernels (name contains both manifest substrings) per rank per analysed
+    step, over the step time (median over aligned steps of the slowest rank's GPU span)."""
     man = json.loads((_need(name) / "manifest.json").read_text())
     pk = man["planted_kernels"]["kv_cast"]
-    k = _analysis(name).kernels
+    a = _analysis(name)
+    k = a.kernels
     k = k[k["kind"] == "kernel"]
     hit = k["name"].str.contains(pk["name_substring"], regex=False) & k["name"].str.contains(
         pk["and_substring"], regex=False)
-    return float(k.loc[hit, "dur"].sum() / k["dur"].sum())
+    sel = a.selected.assign(pos=a.selected.groupby("rank").cumcount())
+    step_us = float(sel.groupby("pos")["span_us"].max().median())
+    return float(k.loc[hit, "dur"].sum()) / len(sel) / step_us
 
 
 @pytest.mark.parametrize("name", ["kv-full-cast-eager", "kv-full-cast-graph"])
@@ -131,8 +134,12 @@ def test_findings_sorted_and_json_shape_on_fixture() -> None:
             "remediation"}
     for f in fs:
         assert set(f) == keys
-    savings = [f["est_saving_us_per_step"] for f in fs if f["est_saving_us_per_step"] is not None]
-    assert savings == sorted(savings, reverse=True)
+    # most severe first, then by estimated saving
+    from traceinspect.judge.rules import SEVERITY_RANK
+
+    keys_ = [(SEVERITY_RANK[f["severity"]], -(f["est_saving_us_per_step"] or 0)) for f in fs]
+    assert keys_ == sorted(keys_)
+    assert fs[0]["severity"] == "critical"
     json.dumps(doc, allow_nan=False)
 
 

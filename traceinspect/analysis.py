@@ -99,6 +99,22 @@ class Analysis:
             out = out.join(wide.add_prefix("class."), how="left").fillna(0.0)
         return out
 
+    def representative_step(self) -> tuple[int | None, dict[int, int]]:
+        """The aligned step position whose TP step time is closest to the median (the step the report
+        draws), and the row of that step in ``steps`` for each rank."""
+        sel = self.selected.copy()
+        if not len(sel):
+            return None, {}
+        sel["pos"] = sel.groupby("rank").cumcount()
+        sel = sel[sel["pos"] < self.steps_per_rank()]
+        per_pos = sel.groupby("pos")["span_us"].max()
+        if not len(per_pos):
+            return None, {}
+        med = float(np.median(per_pos.to_numpy()))
+        pos = int((per_pos - med).abs().idxmin())
+        rows = sel[sel["pos"] == pos]
+        return pos, {int(r): int(i) for i, r in zip(rows.index, rows["rank"], strict=True)}
+
     def device_name(self) -> str | None:
         for r in self.trace.ranks:
             if r.device is not None:
@@ -222,6 +238,18 @@ def _run_meta(a: Analysis) -> dict[str, Any]:
     }
 
 
+def _timeline_step(a: Analysis) -> dict[str, Any]:
+    """The step the report's timeline draws: each rank's GPU window, busy and idle time in it."""
+    pos, rows = a.representative_step()
+    labels = {r.rank: r.label for r in a.trace.ranks}
+    out = []
+    for rank, i in sorted(rows.items()):
+        s = a.steps.loc[i]
+        out.append({"rank": rank, "label": labels.get(rank, str(rank)), "gpu_start_us": _num(s["gpu_start"]),
+                    "span_us": _num(s["span_us"]), "busy_us": _num(s["busy_us"]), "idle_us": _num(s["idle_us"])})
+    return {"step_index": pos, "ranks": out}
+
+
 def to_json(a: Analysis) -> dict[str, Any]:
     """Build the ``traceinspect.analysis/1`` document."""
     ts = a.trace
@@ -288,6 +316,7 @@ def to_json(a: Analysis) -> dict[str, Any]:
                          "mean_us": _num(r.mean_us), "share": _num(r.share, 6)}
                         for r in top_kernels(a.kernels).itertuples()],
         "findings": [f.to_json() for f in a.findings],
+        "timeline": _timeline_step(a),
         "coverage": _coverage(a),
         "warnings": list(ts.warnings),
     }

@@ -50,25 +50,37 @@ def build_options(**kw: Any) -> Any:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the analysis JSON here.")
 @click.option("--html", "html_out", type=click.Path(dir_okay=False), help="Also write the HTML report.")
 @click.option("--markdown", "md_out", type=click.Path(dir_okay=False), help="Also write a Markdown summary.")
+@click.option("--csv", "csv_dir", type=click.Path(file_okay=False),
+              help="Also write the kernels, GEMM-shape and CPU-op tables as DIR/kernels.csv, gemm.csv, ops.csv.")
 @click.option("--quiet", "-q", is_flag=True, help="No terminal summary.")
 def analyze_cmd(paths: tuple[str, ...], json_out: str | None, html_out: str | None, md_out: str | None,
-                quiet: bool, **kw: Any) -> None:
+                csv_dir: str | None, quiet: bool, **kw: Any) -> None:
     """Analyse the decode steps of a trace set (a directory, rank files, or globs)."""
+    from pathlib import Path
+
     from traceinspect.analysis import analyze
 
     a = analyze(list(paths), build_options(**kw))
     doc = a.to_json()
+    written: list[tuple[str, Path]] = []
     if json_out:
         write_json_atomic(json_out, doc)
+        written.append(("analysis JSON", Path(json_out)))
     if html_out:
         from traceinspect.render.html import write_html
 
-        write_html(a, html_out)
+        written.append(("HTML report", write_html(a, html_out, doc)))
     if md_out:
         from traceinspect.render.markdown import write_markdown
 
-        write_markdown(a, md_out)
+        written.append(("Markdown summary", write_markdown(a, md_out, doc)))
+    if csv_dir:
+        from traceinspect.render.tables import report_tables, write_csv
+
+        written += [("CSV table", p) for p in write_csv(report_tables(a, doc), csv_dir)]
     if not quiet:
         from traceinspect.render.terminal import render
 
         render(a, doc)
+    for what, p in written:  # on stderr: stdout stays the summary
+        click.echo(f"wrote {what}: {p}", err=True)

@@ -47,6 +47,10 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     if csv_out:
         write_text_atomic(csv_out, rows.to_csv(index=False))
     con = make_console()
+    if unknown and not len(rows):
+        scope = "all kernels" if all_steps else f"the {phase} steps"
+        con.print(f"No unknown kernels: every kernel in {scope} has a class (class 'other' is empty).")
+        return
     t = Table(title=f"Kernel classes ({'all kernels' if all_steps else phase + ' steps'})", title_justify="left")
     for col in ("kernel", "class", "2nd", "evidence", "calls", "us", "share"):
         t.add_column(col, justify="right" if col in ("calls", "us", "share") else "left", overflow="fold")

@@ -52,7 +52,9 @@ def report_cmd(paths: tuple[str, ...], html_out: str, md_out: str | None, json_o
         from traceinspect.render.perfetto import write_perfetto
 
         written.append(write_perfetto(a, perfetto_out, doc))
-    findings = doc.get("findings") or []
+    from traceinspect.render.story import story
+
+    findings = story(doc).findings
     top = f"; top finding: {findings[0].get('title')}" if findings else "; no findings"
     click.echo(f"{len(findings)} finding(s){top}")
     for p in written:

@@ -10,6 +10,8 @@ from typing import Any
 
 import click
 
+from traceinspect.units import fmt_pct, fmt_us
+
 RULES_OPT = click.option("--rules", "rules", multiple=True, type=click.Path(),
                          help="Extra rule file or directory (repeatable).")
 
@@ -135,8 +137,8 @@ def explain_cmd(paths: tuple[str, ...], rules: tuple[str, ...], only: tuple[str,
             f = o.finding
             con.print(f"          {escape(f.message)}")
             if f.est_saving_us_per_step is not None:
-                con.print(f"          est. saving {f.est_saving_us_per_step:,.1f} us/step; share "
-                          f"{(f.share or 0):.1%}")
+                con.print(f"          est. saving {fmt_us(f.est_saving_us_per_step)} per step; "
+                          f"{fmt_pct(f.share)} of the step time")
         for why in o.reasons:
             con.print(f"          - {escape(why)}")
 
@@ -222,8 +224,8 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
                 if fired:
                     f = fired[0].finding
                     assert f is not None
-                    detail = (f" (share {(f.share or 0):.1%}, est. saving "
-                              f"{(f.est_saving_us_per_step or 0):,.0f} us/step)")
+                    detail = (f" ({fmt_pct(f.share)} of the step time, est. saving "
+                              f"{fmt_us(f.est_saving_us_per_step)} per step)")
                 con.print(f"[green]PASS[/green] {c.rule} {c.expect} on {escape(c.written)}{detail}")
             else:
                 failed += 1

@@ -67,12 +67,12 @@ def rule_markdown(rule: Rule, generated_note: bool = True) -> str:
     out += ["## What to do", "", _para(rule.remediation), ""]
     out += ["## Estimated saving", ""]
     impact = rule.impact.source if rule.impact else "us_per_step (the selected kernels' time per step)"
-    basis = ("the GPU time of a step (kernel_us_per_step)" if rule.share_of == "gpu_time"
-             else "the step time (step_us)")
+    basis = "the step time (step_us)"
     out += [f"- impact (time per step of what the rule points at): `{impact}`; the finding's `share` is "
             f"impact / {basis}",
             f"- estimate (time per step that fixing it saves): `{rule.estimate.source}`, capped at the impact "
-            "and at the step time", ""]
+            "and at the step time" + (", and at the GPU idle time inside the step" if rule.removes == "idle" else ""),
+            ""]
     if rule.notes:
         out += [_para(rule.notes), ""]
     out += ["## Options", ""]

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from traceinspect import units
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, evaluate_explain
 from traceinspect.judge.rules import SEVERITY_RANK, Rule, RuleSet
@@ -84,7 +85,7 @@ def _round(x: Any) -> Any:
             return int(x)
         if abs(x) >= 100:
             return round(x, 1)
-        return float(f"{x:.4g}")
+        return float(f"{x:.6g}")  # enough digits that a share prints as the message printed it
     return x
 
 
@@ -99,6 +100,8 @@ def _json_value(v: Any) -> Any:
 def _fmt_value(v: Any, spec: str) -> str:
     if v is None:
         return "n/a"
+    if spec in units.SPECS and not isinstance(v, (str, bool, np.bool_)):
+        return units.format_spec(v, spec) or "n/a"
     if isinstance(v, str):
         s = " ".join(v.split())
         return s if len(s) <= MAX_TEXT_VALUE else s[:MAX_TEXT_VALUE - 1] + "…"
@@ -261,15 +264,25 @@ def _default_impact(sub: M.Subject) -> float | None:
     return None
 
 
+def bound_estimate(rule: Rule, est: float | None, impact: float | None, step_us: float | None,
+                   ctx: M.MetricContext) -> tuple[float | None, list[str]]:
+    """The estimate a finding may claim: never negative, never more than the time of what it fixes
+    (its impact), than the step time, or, for a rule that removes GPU idle time (``removes: idle``),
+    than the idle inside the step. Returns the estimate and the names of the bounds that cut it."""
+    bounds = {"impact": impact, "step time": step_us}
+    if rule.removes == "idle":
+        bounds["idle inside the step"] = _num(ctx.run.get("idle_us_per_step"))
+    out, cut = units.clamp_estimate(est, *bounds.values())
+    names = [n for n, b in bounds.items() if b is not None and b in cut]
+    return out, names
+
+
 def _finding(rule: Rule, sub: M.Subject, env: dict[str, Any], missing: dict[str, str],
              ctx: M.MetricContext) -> Finding:
     evidence: dict[str, Any] = {"subject": sub.label}
     notes: list[str] = []
+    # every share is of the step time (the slowest rank's GPU span, median over the analysed steps)
     step_us = _num(ctx.run.get("step_us"))
-    # the finding's share: of the GPU time per step (kernel work), or of the step's duration (timeline
-    # problems such as idle gaps); see Rule.share_of
-    base_name = "kernel_us_per_step" if rule.share_of == "gpu_time" else "step_us"
-    base = _num(ctx.run.get(base_name))
     if rule.impact is not None:
         impact_v, why = evaluate_explain(rule.impact, env)
         impact = _num(impact_v)
@@ -278,26 +291,18 @@ def _finding(rule: Rule, sub: M.Subject, env: dict[str, Any], missing: dict[str,
     else:
         impact = _default_impact(sub)
     if impact is not None:
-        impact = max(impact, 0.0)
-        if base is not None:
-            impact = min(impact, base)
+        impact, _ = units.clamp_estimate(impact, step_us)
     est_v, why = evaluate_explain(rule.estimate, env)
     est = _num(est_v)
     if est is None:
         notes.append("estimate unavailable: " + _explain_none(rule.estimate, why, missing))
-    else:
-        est = max(est, 0.0)
-        if impact is not None and est > impact:
-            est = impact  # a fix cannot save more than the time of what it fixes
-            evidence["estimate_capped_at_impact"] = True
-        if step_us is not None:
-            est = min(est, step_us)
-    share = impact / base if impact is not None and base else None
+    est, cut = bound_estimate(rule, est, impact, step_us, ctx)
+    if cut:
+        evidence["estimate_capped_at"] = cut
+    share = impact / step_us if impact is not None and step_us else None
     evidence["impact_us_per_step"] = impact
-    evidence["share_of"] = "GPU time per step (kernel_us_per_step)" if rule.share_of == "gpu_time" \
-        else "step time (step_us)"
-    evidence[base_name] = base
-    evidence["saving_share"] = est / base if est is not None and base else None
+    evidence["step_us"] = step_us
+    evidence["saving_share"] = est / step_us if est is not None and step_us else None
     names = list(rule.evidence) if rule.evidence else [n for n in rule.metric_names() if n not in evidence]
     for n in names:
         expr = rule.evidence.get(n)
@@ -376,14 +381,20 @@ def explain(analysis: Analysis, rule_set: RuleSet) -> list[Outcome]:
     return out
 
 
+def finding_order(severity: Any, saving: Any, share: Any = None, rule: Any = "") -> tuple[Any, ...]:
+    """The one order of findings, in every output: by severity (critical first), then by estimated
+    saving per step (largest first; unknown last), then share, then rule id."""
+    sv, sh = _num(saving), _num(share)
+    return (SEVERITY_RANK.get(str(severity), 9), sv is None, -(sv or 0.0), -(sh or 0.0), str(rule or ""))
+
+
 def sort_findings(findings: list[Finding]) -> list[Finding]:
-    """By estimated saving (largest first; unknown last), then severity, then share."""
-    return sorted(findings, key=lambda f: (f.est_saving_us_per_step is None, -(f.est_saving_us_per_step or 0.0),
-                                           SEVERITY_RANK.get(f.severity, 9), -(f.share or 0.0), f.rule))
+    """Findings in :func:`finding_order`."""
+    return sorted(findings, key=lambda f: finding_order(f.severity, f.est_saving_us_per_step, f.share, f.rule))
 
 
 def evaluate(analysis: Analysis, rule_set: RuleSet) -> list[Finding]:
-    """The findings of ``rule_set`` on ``analysis``, sorted by estimated saving per step."""
+    """The findings of ``rule_set`` on ``analysis``, in :func:`finding_order`."""
     outcomes = explain(analysis, rule_set)
     findings: list[Finding] = []
     for rule in rule_set:

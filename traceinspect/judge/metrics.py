@@ -140,6 +140,7 @@ _m("run", "transfer_us_per_step", "us", "Collective transfer (non-waiting) time 
 _m("run", "transfer_share", "ratio", "transfer_us_per_step / step_us.")
 _m("run", "comm_transfer_share", "ratio", "Share of collective time that is transfer, not waiting: "
    "transfer_us_per_step / comm_us_per_step (mean over ranks).")
+_m("run", "straggler_label", "text", "Label of straggler_rank (TP1, ...), or None when there is no straggler.")
 _m("run", "straggler_rank", "id", "The rank the collectives stage names as the straggler (arrives last at "
    "most collectives and causes most of the wait), None if none stands out.")
 
@@ -464,6 +465,8 @@ class MetricContext:
         c = self.a.collectives
         st = getattr(c, "straggler", None) if c is not None else None
         v["straggler_rank"] = st.get("rank") if isinstance(st, dict) else None
+        labels = {r.rank: r.label for r in a.trace.ranks}
+        v["straggler_label"] = labels.get(v["straggler_rank"]) if v["straggler_rank"] is not None else None
         if v["straggler_rank"] is None:
             self._miss("straggler_rank", (st or {}).get("reason") if isinstance(st, dict) and st.get("reason")
                        else self._coll_reason() if not waits else "no rank stands out")

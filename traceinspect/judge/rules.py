@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from traceinspect import units
 from traceinspect.errors import ConfigError, RuleError
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, parse
@@ -24,8 +25,9 @@ SEVERITIES = ("critical", "warning", "info")
 SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 PHASE_SCOPES = ("decode", "prefill", "all")
 REQUIRED = ("id", "title", "severity", "scope", "when", "estimate", "message", "why", "remediation", "references")
-OPTIONAL = ("select", "let", "impact", "share_of", "evidence", "params", "tests", "example", "override", "notes")
-SHARE_OF = ("gpu_time", "step_time")
+OPTIONAL = ("select", "let", "impact", "share_of", "removes", "evidence", "params", "tests", "example", "override", "notes")
+SHARE_OF = ("step_time",)  # every share is of the step time; the key stays readable for older rule files
+REMOVES = ("time", "idle")  # what fixing the finding removes: kernel time, or GPU idle inside the step
 KERNEL_SELECT_KEYS = {"class", "name", "not_name", "op", "not_op", "kind", "graph"}
 GROUP_BY = {"kernels": ("none", "name", "cls"), "gemm": ("none", "shape", "cls", "moe"), "rank": ("rank",),
             "class": ("class",), "run": ("none",)}
@@ -83,6 +85,7 @@ class Rule:
     tests: dict[str, list[str]]
     let: dict[str, Expr] = field(default_factory=dict)
     share_of: str = "step_time"
+    removes: str = "time"  # "idle": the estimate is capped at the GPU idle time inside the step
     example: str = ""
     notes: str = ""
     source: Path | None = None
@@ -374,9 +377,9 @@ def _message(ctx: _Ctx, text: str, line: int, rid: str, scope: str, params: dict
             raise ctx.err(line, f"rule {rid!r}: message has an empty placeholder '{{}}'")
         if "!" in expr_src.replace("!=", ""):
             raise ctx.err(line, f"rule {rid!r}: message placeholder {{{body}}}: conversions ('!r') are not allowed")
-        if spec and not FORMAT_SPEC.match(spec):
+        if spec and spec not in units.SPECS and not FORMAT_SPEC.match(spec):
             raise ctx.err(line, f"rule {rid!r}: message placeholder {{{body}}}: format spec {spec!r} is not "
-                          "allowed (use e.g. .1f, .0%, ,.0f, d, s)")
+                          "allowed (use us, pct, bytes, count, or e.g. .1f, .0%, ,.0f, d, s)")
         out.append(Placeholder(_expr(ctx, expr_src, line, rid, f"message placeholder {{{body}}}", scope, params),
                                spec))
     return out
@@ -468,9 +471,13 @@ def parse_rule(ctx: _Ctx, rule: Any, index: int, line: int) -> Rule:
         else:
             raise ctx.err(line_of(rule, "evidence"), f"rule {rid!r}: evidence must be a list of metric names "
                           "or a mapping label: expression")
-    share_of = rule.get("share_of", "gpu_time" if s in ("kernels", "gemm", "class") else "step_time")
+    share_of = rule.get("share_of", "step_time")
     if share_of not in SHARE_OF:
-        raise ctx.err(line_of(rule, "share_of"), f"rule {rid!r}: share_of must be one of {', '.join(SHARE_OF)}")
+        raise ctx.err(line_of(rule, "share_of"), f"rule {rid!r}: share_of must be step_time (every share is of "
+                      "the step time)")
+    removes = rule.get("removes", "time")
+    if removes not in REMOVES:
+        raise ctx.err(line_of(rule, "removes"), f"rule {rid!r}: removes must be one of {', '.join(REMOVES)}")
     override = rule.get("override", False)
     if not isinstance(override, bool):
         raise ctx.err(line_of(rule, "override"), f"rule {rid!r}: override must be true or false")
@@ -480,7 +487,7 @@ def parse_rule(ctx: _Ctx, rule: Any, index: int, line: int) -> Rule:
         why=_text(ctx, rule, "why", rid), remediation=_text(ctx, rule, "remediation", rid),
         references=[str(x) for x in refs], evidence=evidence, params=params, tests=_tests(ctx, rule, rid),
         example=_text(ctx, rule, "example", rid, required=False), notes=_text(ctx, rule, "notes", rid, required=False),
-        source=ctx.path, line=line, override=override, let=let, share_of=str(share_of),
+        source=ctx.path, line=line, override=override, let=let, share_of=str(share_of), removes=str(removes),
     )
 
 

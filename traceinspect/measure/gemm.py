@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
-from traceinspect.tables import combine_codes, factorize_text, per_distinct, text_values, unique_text
+from traceinspect.tables import combine_codes, factorize_text, per_distinct, text_values
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -813,8 +813,9 @@ def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
     if not len(mcalls):
         return pd.DataFrame(columns=MEMORY_TABLE_COLUMNS)
     m = mcalls.copy()
-    shorts = {x: short_name(x) for x in unique_text(m["name"])}
-    m["family"] = m["cls"].astype(str) + ": " + m["name"].map(shorts)
+    # a family is one full kernel name: kernels that differ only in template arguments (the dtype a copy
+    # casts to, tile sizes) are different kernels and keep their own rows
+    m["family"] = m["name"].astype(str)
     m["bytes"] = m["bytes"].astype(float)
     m["host"] = per_distinct(m["name"], lambda n: _HOST_LINK.search(str(n)))
     agg = m.groupby(["family", "cls"], sort=False).agg(

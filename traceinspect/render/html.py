@@ -25,7 +25,15 @@ from markupsafe import Markup, escape
 
 from traceinspect import __version__
 from traceinspect.fileio import write_text_atomic
-from traceinspect.render import fmt_pct, fmt_us, kernel_label, launching_ops, short_name
+from traceinspect.render import (
+    fmt_bytes,
+    fmt_count,
+    fmt_pct,
+    fmt_us,
+    kernel_label,
+    kernel_labels,
+    short_name,
+)
 from traceinspect.render.palette import (
     IDLE_STROKE,
     PATH_COLORS,
@@ -33,6 +41,7 @@ from traceinspect.render.palette import (
     severity_color,
     text_color,
 )
+from traceinspect.render.story import Open, saving_share, saving_text, step_share, story
 from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
@@ -41,11 +50,9 @@ if TYPE_CHECKING:
 TEMPLATES = Path(__file__).parent / "templates"
 _URL = re.compile(r"https?://[^\s<>\"')\]]+")
 
-# Timeline sampling budget: blocks drawn per lane (a lane is one stream of one rank). Kernels closer than
-# half a pixel are merged into one block; when a lane still has more blocks, the merge distance grows.
 TIMELINE_WIDTH = 1120
-LANE_BLOCK_BUDGET = 900
-TOTAL_BLOCK_BUDGET = 12_000  # over all lanes: keeps a TP8 report with several streams per rank small
+# kernels a report timeline carries (over all lanes): keeps the report of a long multi-rank step small
+TIMELINE_KERNEL_BUDGET = 150_000
 TITLE_NAME_WIDTH = 90
 
 
@@ -125,6 +132,8 @@ def _fmt_value(key: str, v: Any) -> str:
             return f"{float(v):.1f}%"
         if "bytes" in k:
             return _fmt_bytes(float(v))
+        if k.endswith("per_step") or k.startswith("calls") or k in ("layers", "shapes", "names", "gaps"):
+            return fmt_count(float(v))
         if isinstance(v, (int, np.integer)) or (float(v).is_integer() and abs(v) < 1e15):
             return f"{int(v):,}"
         if abs(float(v)) >= 1000:
@@ -133,12 +142,7 @@ def _fmt_value(key: str, v: Any) -> str:
     return str(v)
 
 
-def _fmt_bytes(v: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(v) < 1024 or unit == "TiB":
-            return f"{v:,.0f} {unit}" if unit == "B" else f"{v:,.1f} {unit}"
-        v /= 1024
-    return f"{v:,.1f} TiB"
+_fmt_bytes = fmt_bytes  # one unit system everywhere (decimal MB/GB, see traceinspect.units)
 
 
 def _bar_axis(n_rows: int, vmax: float, left: int, right: int, bar_h: int, gap: int,
@@ -215,36 +219,29 @@ class Headline:
     rule: str | None = None
     anchor: str | None = None
     others: list[dict[str, Any]] = field(default_factory=list)
+    open: list[Open] = field(default_factory=list)
+    basis: str = ""
 
 
-def _headline(doc: dict[str, Any], findings: list[dict[str, Any]], step_us: float | None) -> Headline:
-    if findings:
-        f = findings[0]
-        saving = f.get("est_saving_us_per_step")
+def _headline(doc: dict[str, Any], findings: list[dict[str, Any]]) -> Headline:
+    """The banner: the lead finding of :func:`~traceinspect.render.story.story` (the one every output
+    leads with), the others after it, and the classes or rules the findings leave open."""
+    st = story(doc)
+    if st.lead is not None:
+        f = st.lead
         title = str(f.get("title") or f.get("rule") or "finding")
-        if _isnum(saving):
-            of = f" ({fmt_pct(saving / step_us)} of the {fmt_us(step_us)} {doc['steps']['phase']} step)" \
-                if _isnum(step_us) and step_us else ""
-            detail = f"Estimated saving: {fmt_us(float(saving))} per step{of}."
-        else:
-            detail = "Estimated saving: not available (the rule gives no estimate)."
+        detail = (f"Estimated saving: {st.saving}." if st.saving
+                  else "Estimated saving: not available (the rule gives no estimate).")
         sev = str(f.get("severity") or "info")
         others = []
         for i, o in enumerate(findings[1:], start=1):
-            sv = o.get("est_saving_us_per_step")
             others.append({"anchor": f"f-{i}", "severity": str(o.get("severity") or "info"),
                            "color": severity_color(str(o.get("severity") or "info")),
                            "title": str(o.get("title") or o.get("rule") or ""),
-                           "saving": fmt_us(float(sv)) if _isnum(sv) else None})
-        return Headline(sev, severity_color(sev), title, detail, str(f.get("rule") or ""), "f-0", others)
-    classes = doc.get("classes") or {}
-    if classes:
-        top, v = max(classes.items(), key=lambda kv: kv[1].get("share") or 0)
-        text = (f"No findings. The largest class is {top}: {fmt_pct(v.get('share'))} of GPU kernel time, "
-                f"{fmt_us(v.get('us_per_step'))} per step.")
-    else:
-        text = "No findings, and no classified kernel time."
-    return Headline("none", "#2e7d32", text, "")
+                           "saving": saving_text(o, doc)})
+        return Headline(sev, severity_color(sev), title, detail, str(f.get("rule") or ""), "f-0", others,
+                        st.open, st.basis)
+    return Headline("none", "#2e7d32", st.quiet, "", open=st.open, basis=st.basis)
 
 
 # --------------------------------------------------------------------------------------------- charts
@@ -342,133 +339,101 @@ def glance_svg(doc: dict[str, Any]) -> Markup:
 
 @dataclass
 class TimelineInfo:
-    svg: Markup = field(default_factory=Markup)
+    """A timeline for the report: its data (drawn in the page by ``Timeline`` in the report's script),
+    a caption, or the reason there is none."""
+
+    data: dict[str, Any] = field(default_factory=dict)
     caption: str = ""
     reason: str | None = None
     kernels: int = 0
-    blocks: int = 0
+    lanes: int = 0
+
+    @property
+    def json(self) -> Markup:
+        return script_json(self.data)
 
 
 def representative_steps(a: Analysis) -> tuple[int | None, dict[int, int]]:
-    """The aligned step position whose TP step time is closest to the median, and the row of that step
-    in ``a.steps`` for each rank."""
-    sel = a.selected.copy()
-    if not len(sel):
-        return None, {}
-    sel["pos"] = sel.groupby("rank").cumcount()
-    n = a.steps_per_rank()
-    sel = sel[sel["pos"] < n]
-    per_pos = sel.groupby("pos")["span_us"].max()
-    if not len(per_pos):
-        return None, {}
-    med = float(np.median(per_pos.to_numpy()))
-    pos = int((per_pos - med).abs().idxmin())
-    rows = sel[sel["pos"] == pos]
-    return pos, {int(r): int(i) for i, r in zip(rows.index, rows["rank"], strict=True)}
+    """The aligned step position drawn (see :meth:`Analysis.representative_step`) and its rows."""
+    return a.representative_step()
 
 
-def _blocks(ts: np.ndarray, end: np.ndarray, cls: np.ndarray, names: np.ndarray, merge_us: float,
-            mixed: bool) -> list[dict[str, Any]]:
-    """Merge a lane's kernels (sorted by start) into drawable blocks."""
-    out: list[dict[str, Any]] = []
-    cur: dict[str, Any] | None = None
-    for t, e, c, nm in zip(ts, end, cls, names, strict=True):
-        if cur is not None and t - cur["end"] <= merge_us and (mixed or c == cur["cls"]):
-            cur["end"] = max(cur["end"], e)
-            cur["n"] += 1
-            cur["by"][c] = cur["by"].get(c, 0.0) + (e - t)
-            continue
-        cur = {"ts": t, "end": e, "cls": c, "n": 1, "name": nm, "by": {c: e - t}}
-        out.append(cur)
-    for b in out:
-        if b["n"] > 1:
-            b["cls"] = max(b["by"].items(), key=lambda kv: kv[1])[0]
+def _shapes_of(a: Analysis, k: pd.DataFrame) -> np.ndarray:
+    """Input shapes of each kernel's launching CPU op as text ('' when none is linked)."""
+    ops = a.trace.cpu_ops
+    out = np.full(len(k), "", dtype=object)
+    if not len(ops) or "input_dims" not in ops.columns or "op_idx" not in k.columns:
+        return out
+    idx = k["op_idx"].to_numpy()
+    ok = (idx >= 0) & (idx < len(ops))
+    dims = ops["input_dims"].to_numpy(dtype=object)
+    cache: dict[int, str] = {}
+    for j in np.flatnonzero(ok):
+        i = int(idx[j])
+        if i not in cache:
+            v = dims[i]
+            cache[i] = "" if v is None or (isinstance(v, float) and v != v) else short_name(
+                json.dumps(v, default=str) if not isinstance(v, str) else v, 160)
+        out[j] = cache[i]
     return out
 
 
-def timeline_svg(a: Analysis, budget: int = LANE_BLOCK_BUDGET) -> TimelineInfo:
-    """Kernel lanes (one per stream of each rank) of one representative step, coloured by class, on a
-    shared time axis so gaps and late ranks show."""
-    pos, rows = representative_steps(a)
+def timeline_payload(a: Analysis, kernels: pd.DataFrame, t0: float | None = None, title: str = "",
+                     budget: int = TIMELINE_KERNEL_BUDGET) -> dict[str, Any]:
+    """The data a report timeline draws: one lane per (rank, stream), each kernel's start and duration
+    relative to ``t0`` (µs), its class, name and launching op's shapes (as indices into shared lists).
+    ``kernels`` needs rank, stream, ts, end, cls and name columns (op_idx for shapes); pass kernels
+    with other times (a what-if) to draw another timeline of the same kind."""
+    k = kernels.sort_values(["rank", "stream", "ts"], kind="stable")
+    if len(k) > budget:  # the longest kernels carry the picture; say so in the caption
+        k = k.nlargest(budget, "dur").sort_values(["rank", "stream", "ts"], kind="stable")
+    t0 = float(k["ts"].min()) if t0 is None else float(t0)
+    span = max(float(k["end"].max()) - t0, 1e-3)
+    labels = {r.rank: r.label for r in a.trace.ranks}
+    cls_codes, cls_names = factorize_text(k["cls"])
+    name_codes, names = factorize_text(k["name"])
+    shp = _shapes_of(a, k)
+    shp_codes, shapes = pd.factorize(pd.Series(shp, dtype=object))
+    ts = np.round(k["ts"].to_numpy(dtype=np.float64) - t0, 3)
+    dur = np.round(k["end"].to_numpy(dtype=np.float64) - k["ts"].to_numpy(dtype=np.float64), 3)
+    ranks, streams = k["rank"].to_numpy(), k["stream"].to_numpy()
+    lanes = []
+    order = k.groupby(["rank", "stream"], sort=False)["dur"].sum().reset_index()
+    order = order.sort_values(["rank", "dur"], ascending=[True, False])
+    for rank, stream in zip(order["rank"].tolist(), order["stream"].tolist(), strict=True):
+        m = (ranks == rank) & (streams == stream)
+        lanes.append({"rank": int(rank), "stream": int(stream), "label": f"{labels.get(int(rank), rank)} s{stream}",
+                      "ts": ts[m].tolist(), "dur": dur[m].tolist(), "cls": cls_codes[m].tolist(),
+                      "name": name_codes[m].tolist(), "shape": shp_codes[m].tolist()})
+    cls_list = [str(c) for c in cls_names]
+    return {"title": title, "span": round(span, 3), "lanes": lanes, "classes": cls_list,
+            "colors": [class_color(c) for c in cls_list], "names": [str(n) for n in names],
+            "shapes": [str(x) for x in shapes], "kernels": len(k)}
+
+
+def timeline_svg(a: Analysis, budget: int = TIMELINE_KERNEL_BUDGET) -> TimelineInfo:
+    """The timeline of one representative step: kernel lanes (one per stream of each rank) on one clock,
+    drawn in the page as the busy fraction of every pixel column, so idle time shows at any zoom."""
+    pos, rows = a.representative_step()
     if pos is None or not rows:
         return TimelineInfo(reason="no analysed step")
     k = a.kernels[a.kernels["step"].isin(list(rows.values()))]
     if not len(k):
         return TimelineInfo(reason="the representative step has no kernels")
-    t0, t1 = float(k["ts"].min()), float(k["end"].max())
-    span = max(t1 - t0, 1e-3)
+    data = timeline_payload(a, k, budget=budget)
+    t0 = float(k["ts"].min())
     labels = {r.rank: r.label for r in a.trace.ranks}
-    lanes: list[tuple[int, Any, pd.DataFrame]] = []
-    for rank in sorted(rows):
-        kr = k[k["rank"] == rank]
-        streams = kr.groupby("stream")["dur"].sum().sort_values(ascending=False).index.tolist()
-        for s in streams:
-            lanes.append((rank, s, kr[kr["stream"] == s].sort_values("ts")))
-    budget = min(budget, max(TOTAL_BLOCK_BUDGET // max(len(lanes), 1), 50))
-    left, right, lane_gap, top = 92, 14, 4, 22
-    lane_h = 26 if len(lanes) <= 4 else 20 if len(lanes) <= 8 else 16
-    plot_w = TIMELINE_WIDTH - left - right
-    px_us = span / plot_w
-    height = top + len(lanes) * (lane_h + lane_gap) + 34
-    out: list[Markup] = []
-    ticks = _nice_ticks(0, span, 8)
-    for t in ticks:
-        x = left + t / px_us
-        out.append(el("line", {"x1": x, "x2": x, "y1": top - 4, "y2": height - 28, "class": "grid"}))
-        out.append(el("text", {"x": x, "y": height - 14, "text-anchor": "middle", "class": "axis"},
-                      _tick_label(t, ticks[-1])))
-    out.append(el("text", {"x": left - 6, "y": height - 14, "text-anchor": "end", "class": "axis"},
-                  _axis_unit(ticks[-1])))
-    n_blocks = 0
-    prev_rank = None
-    for i, (rank, stream, kl) in enumerate(lanes):
-        y = top + i * (lane_h + lane_gap)
-        label = (labels.get(rank, str(rank)) if rank != prev_rank else "") + f"  s{stream}"
-        if rank != prev_rank and i:
-            out.append(el("line", {"x1": 4, "x2": TIMELINE_WIDTH - right, "y1": y - lane_gap / 2,
-                                   "y2": y - lane_gap / 2, "class": "sep"}))
-        prev_rank = rank
-        out.append(el("text", {"x": left - 6, "y": y + lane_h / 2 + 4, "text-anchor": "end", "class": "lab"},
-                      label))
-        out.append(el("rect", {"x": left, "y": y, "width": plot_w, "height": lane_h, "class": "lane"}))
-        ts = kl["ts"].to_numpy(dtype=np.float64)
-        end = kl["end"].to_numpy(dtype=np.float64)
-        cls = kl["cls"].astype(str).to_numpy()
-        names = kl["name"].astype(str).to_numpy()
-        merge, mixed = px_us * 0.5, False
-        blocks = _blocks(ts, end, cls, names, merge, mixed)
-        while len(blocks) > budget:
-            merge, mixed = merge * 2, True
-            blocks = _blocks(ts, end, cls, names, merge, mixed)
-        n_blocks += len(blocks)
-        for b in blocks:
-            x = left + (b["ts"] - t0) / px_us
-            w = max((b["end"] - b["ts"]) / px_us, 0.6)
-            dur = b["end"] - b["ts"]
-            if b["n"] == 1:
-                tip = f"{kernel_label(b['name'], TITLE_NAME_WIDTH)}\n{b['cls']} · {fmt_us(dur)}"
-            else:
-                busy = sum(b["by"].values())
-                tip = (f"{b['n']} kernels, mostly {b['cls']}: {fmt_us(busy)} busy in {fmt_us(dur)}\n"
-                       f"first: {kernel_label(b['name'], TITLE_NAME_WIDTH)}")
-            out.append(el("rect", {"x": x, "y": y + 1, "width": w, "height": lane_h - 2,
-                                   "fill": class_color(b["cls"])}, el("title", None, tip)))
-    # step boundary markers: each rank's first kernel start is where its step begins on the GPU
-    step_rows = a.steps.loc[list(rows.values())]
-    for _, s in step_rows.iterrows():
+    marks = []
+    for _, s in a.steps.loc[list(rows.values())].iterrows():
         if _isnum(s["gpu_start"]):
-            x = left + (float(s["gpu_start"]) - t0) / px_us
-            out.append(el("path", {"d": f"M{_num(x)} {top - 9}l-4 -6h8z", "class": "mark"},
-                          el("title", None, f"{labels.get(int(s['rank']), s['rank'])} step starts "
-                                            f"+{fmt_us(float(s['gpu_start']) - t0)}")))
-    svg = _svg(TIMELINE_WIDTH, height, "kernel timeline of one representative step", *out)
-    steps_total = a.steps_per_rank()
-    caption = (f"Step {pos + 1} of {steps_total} analysed per rank (its time is closest to the median), "
-               f"{len(k):,} kernels over {fmt_us(span)}.")
-    if n_blocks < len(k):
-        caption += (f" Sampled for size: kernels less than half a pixel apart are drawn as one block "
-                    f"({n_blocks:,} blocks; hover for counts).")
-    return TimelineInfo(svg=svg, caption=caption, kernels=len(k), blocks=n_blocks)
+            marks.append({"rank": int(s["rank"]), "label": labels.get(int(s["rank"]), str(s["rank"])),
+                          "start": round(float(s["gpu_start"]) - t0, 3), "end": round(float(s["gpu_end"]) - t0, 3)})
+    data["marks"] = marks
+    caption = (f"Step {pos + 1} of {a.steps_per_rank()} analysed per rank (its time is closest to the median), "
+               f"{len(k):,} kernels over {fmt_us(data['span'])}.")
+    if data["kernels"] < len(k):
+        caption += f" Only the {data['kernels']:,} longest kernels are drawn (a size budget)."
+    return TimelineInfo(data=data, caption=caption, kernels=len(k), lanes=len(data["lanes"]))
 
 
 def gemm_scatter_svg(doc: dict[str, Any]) -> tuple[Markup, str | None, list[str], str]:
@@ -676,7 +641,7 @@ def _path_color(c: str) -> str:
 
 # --------------------------------------------------------------------------------------------- context
 
-def _finding_view(i: int, f: dict[str, Any], step_us: float | None, labels: dict[Any, str]) -> dict[str, Any]:
+def _finding_view(i: int, f: dict[str, Any], doc: dict[str, Any], labels: dict[Any, str]) -> dict[str, Any]:
     sev = str(f.get("severity") or "info")
     saving = f.get("est_saving_us_per_step")
     refs = []
@@ -696,10 +661,9 @@ def _finding_view(i: int, f: dict[str, Any], step_us: float | None, labels: dict
         "color": severity_color(sev), "title": str(f.get("title") or f.get("rule") or ""),
         "message": str(f.get("message") or ""),
         "saving": fmt_us(float(saving)) if _isnum(saving) else None,
-        "saving_of_step": fmt_pct(saving / step_us) if _isnum(saving) and _isnum(step_us) and step_us else None,
+        "saving_of_step": fmt_pct(saving_share(f, doc)) if _isnum(saving) else None,
         "share": fmt_pct(f.get("share")) if _isnum(f.get("share")) else None,
         "impact": fmt_us(float(ev["impact_us_per_step"])) if _isnum(ev.get("impact_us_per_step")) else None,
-        "share_of": str(ev.get("share_of") or "").split(" (")[0],
         "ranks": ", ".join(str(labels.get(r, r)) for r in ranks) if isinstance(ranks, list) and ranks else
         ("all" if ranks is None else str(ranks)),
         "evidence": _evidence_view(f.get("evidence") or {}),
@@ -827,25 +791,107 @@ def _short_float(v: float) -> str:
 
 def _class_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
-    for c, v in sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("share") or 0)):
+    for c, v in sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("us_per_step") or 0)):
+        share = step_share(v.get("us_per_step"), doc)
         rows.append({"cls": c, "color": class_color(c), "us": v.get("us_per_step"), "us_t": fmt_us(v.get("us_per_step")),
-                     "share": v.get("share"), "share_t": fmt_pct(v.get("share")),
+                     "share": share, "share_t": fmt_pct(share),
                      "calls": v.get("calls_per_step"),
-                     "calls_t": _short_float(v["calls_per_step"]) if _isnum(v.get("calls_per_step")) else "n/a"})
+                     "calls_t": fmt_count(v["calls_per_step"]) if _isnum(v.get("calls_per_step")) else "n/a"})
     return rows
 
 
 def _top_kernel_rows(doc: dict[str, Any], ops: dict[str, str]) -> list[dict[str, Any]]:
     rows = []
-    for i, k in enumerate(doc.get("top_kernels") or []):
+    per = max(int(_get(doc, "steps", "count") or 1), 1) * max(len(doc.get("ranks") or []), 1)
+    kernels = doc.get("top_kernels") or []
+    labels = kernel_labels([str(k.get("name", "")) for k in kernels], 72)
+    for i, k in enumerate(kernels):
         op = ops.get(str(k.get("name", "")), "")
-        rows.append({"i": i + 1, "name": str(k.get("name", "")), "short": kernel_label(str(k.get("name", "")), 72),
+        share = step_share(k["us"] / per, doc) if _isnum(k.get("us")) else None
+        rows.append({"i": i + 1, "name": str(k.get("name", "")), "short": labels[str(k.get("name", ""))],
                      "op": op, "op_short": short_name(op, 34) if op else "–",
                      "cls": str(k.get("cls", "")), "color": class_color(str(k.get("cls", ""))),
                      "calls": k.get("calls"), "us": k.get("us"), "us_t": fmt_us(k.get("us")),
                      "mean": k.get("mean_us"), "mean_t": fmt_us(k.get("mean_us")),
-                     "share": k.get("share"), "share_t": fmt_pct(k.get("share"))})
+                     "share": share, "share_t": fmt_pct(share)})
     return rows
+
+
+TABLE_ROWS = 400  # rows of a table the page shows (its CSV download has all)
+
+
+def _csv_uri(df: pd.DataFrame) -> str:
+    from urllib.parse import quote
+
+    from traceinspect.render.tables import to_csv
+
+    return "data:text/csv;charset=utf-8," + quote(to_csv(df), safe="")
+
+
+def _cell_num(v: Any, text: str, cls: str = "n") -> dict[str, Any]:
+    return {"t": text, "v": float(v) if _isnum(v) else None, "cls": cls}
+
+
+def _data_tables(a: Analysis, doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The kernels, GEMM-shape and CPU-op tables as template rows, each with its CSV as a data URL."""
+    from traceinspect.render.tables import report_tables
+
+    tables = report_tables(a, doc)
+    out = []
+    kt = tables["kernels"]
+    head = kt.head(TABLE_ROWS)
+    labels = kernel_labels(head["name"].tolist(), 72)
+    rows = []
+    for i, r in enumerate(head.itertuples(index=False), start=1):
+        rows.append([_cell_num(i, str(i)), {"t": labels[r.name], "cls": "kname", "title": r.name, "v": None},
+                     {"t": short_name(r.launched_by, 34) if r.launched_by else "–", "cls": "op",
+                      "title": r.launched_by if len(r.launched_by) > 34 else None, "v": None},
+                     {"t": r.cls, "cls": "cls", "color": class_color(r.cls), "v": None},
+                     _cell_num(r.calls, str(int(r.calls))), _cell_num(r.calls_per_step, fmt_count(r.calls_per_step)),
+                     _cell_num(r.total_us, fmt_us(r.total_us)), _cell_num(r.mean_us, fmt_us(r.mean_us)),
+                     _cell_num(r.us_per_step, fmt_us(r.us_per_step)), _cell_num(r.share_of_step, fmt_pct(r.share_of_step))])
+    out.append({"id": "kernel-table", "title": "Kernels", "file": "kernels.csv", "csv": _csv_uri(kt),
+                "total": len(kt), "shown": len(head), "rows": rows, "empty": "no kernels in the analysed steps",
+                "cols": [{"h": "#", "num": True}, {"h": "kernel"}, {"h": "launched by"}, {"h": "class"},
+                         {"h": "calls", "num": True}, {"h": "calls/step", "num": True}, {"h": "total", "num": True},
+                         {"h": "mean", "num": True}, {"h": "per step", "num": True},
+                         {"h": "share of step", "num": True}]})
+    gt = tables["gemm"]
+    rows = []
+    for r in gt.head(TABLE_ROWS).itertuples(index=False):
+        shape = "×".join(str(int(x)) if _isnum(x) else "?" for x in (r.m, r.n, r.k))
+        rows.append([{"t": str(r.op or ""), "cls": "kname", "v": None},
+                     {"t": str(r.cls or ""), "cls": "cls", "color": class_color(str(r.cls or "")), "v": None},
+                     {"t": str(r.dtype or "?"), "v": None}, {"t": shape, "v": None, "cls": "mono"},
+                     _cell_num(r.m, f"{r.m:g}" if _isnum(r.m) else "?"),
+                     _cell_num(r.groups, f"{r.groups:g}" if _isnum(r.groups) else ""),
+                     _cell_num(r.calls, f"{int(r.calls):,}" if _isnum(r.calls) else ""),
+                     _cell_num(r.us_per_step, fmt_us(r.us_per_step)), _cell_num(r.mean_us, fmt_us(r.mean_us)),
+                     _cell_num(r.tflops, f"{r.tflops:,.1f}" if _isnum(r.tflops) else "n/a"),
+                     _cell_num(r.pct_peak, f"{r.pct_peak:.2g}%" if _isnum(r.pct_peak) else "n/a"),
+                     {"t": str(r.reason or r.shape_source or ""), "cls": "note", "v": None}])
+    out.append({"id": "gemm-table", "title": "GEMM shapes", "file": "gemm.csv", "csv": _csv_uri(gt),
+                "total": len(gt), "shown": min(len(gt), TABLE_ROWS), "rows": rows,
+                "empty": "no GEMM kernels in the analysed steps",
+                "cols": [{"h": "op"}, {"h": "class"}, {"h": "dtype"}, {"h": "M×N×K"}, {"h": "M", "num": True},
+                         {"h": "groups", "num": True}, {"h": "calls", "num": True}, {"h": "per step", "num": True},
+                         {"h": "mean", "num": True}, {"h": "TFLOP/s", "num": True}, {"h": "% of peak", "num": True},
+                         {"h": "shape source / note"}]})
+    ot = tables["ops"]
+    rows = []
+    for r in ot.head(TABLE_ROWS).itertuples(index=False):
+        rows.append([{"t": short_name(r.op, 60), "cls": "kname", "title": r.op if len(r.op) > 60 else None, "v": None},
+                     _cell_num(r.kernels, f"{int(r.kernels):,}"), _cell_num(r.calls, f"{int(r.calls):,}"),
+                     _cell_num(r.calls_per_step, fmt_count(r.calls_per_step)), _cell_num(r.total_us, fmt_us(r.total_us)),
+                     _cell_num(r.us_per_step, fmt_us(r.us_per_step)), _cell_num(r.share_of_step, fmt_pct(r.share_of_step)),
+                     {"t": r.classes, "cls": "note", "v": None}])
+    out.append({"id": "op-table", "title": "CPU ops", "file": "ops.csv", "csv": _csv_uri(ot),
+                "total": len(ot), "shown": min(len(ot), TABLE_ROWS), "rows": rows,
+                "empty": "no kernels in the analysed steps",
+                "cols": [{"h": "op"}, {"h": "kernel names", "num": True}, {"h": "calls", "num": True},
+                         {"h": "calls/step", "num": True}, {"h": "total", "num": True}, {"h": "per step", "num": True},
+                         {"h": "share of step", "num": True}, {"h": "classes (most time first)"}]})
+    return out
 
 
 def _coverage_view(doc: dict[str, Any]) -> dict[str, Any]:
@@ -877,6 +923,7 @@ def _memory_view(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]
         return [], "no memory-bound kernel with known bytes moved (needs recorded shapes)"
     per = max(int(_get(doc, "steps", "count") or 1), 1) * max(len(doc.get("ranks") or []), 1)
     rows = []
+    labels = kernel_labels([str(r.get("family") or "") for r in mem[:20] if isinstance(r, dict)], 70)
     for r in mem[:20]:
         if not isinstance(r, dict):
             continue
@@ -885,7 +932,7 @@ def _memory_view(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]
         fam = str(r.get("family") or "")
         dtypes = r.get("dtypes")
         rows.append({
-            "name": fam, "short": kernel_label(fam, 70), "cls": str(r.get("cls") or ""),
+            "name": fam, "short": labels.get(fam, kernel_label(fam, 70)), "cls": str(r.get("cls") or ""),
             "color": class_color(str(r.get("cls") or "")),
             "dtypes": ", ".join(str(d) for d in dtypes) if isinstance(dtypes, list) else str(dtypes or ""),
             "calls": calls,
@@ -1002,8 +1049,8 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
     doc = doc if doc is not None else a.to_json()
     steps = doc.get("steps") or {}
     step_us = steps.get("median_us")
-    # the judge's order (largest estimated saving first): the headline is the first finding
-    findings = [dict(f) for f in doc.get("findings") or []]
+    # the one order of every output (severity, then estimated saving): the headline is the first finding
+    findings = [dict(f) for f in story(doc).findings]
     _add_rule_text(a, findings)
     breakdown, order = class_breakdown_svg(doc)
     timeline = timeline_svg(a)
@@ -1013,13 +1060,13 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
     cpath, cpath_reason, cpath_classes = critical_path_svg(doc)
     busy = [r.get("gpu_busy_us") for r in doc.get("ranks") or [] if _isnum(r.get("gpu_busy_us"))]
     idle = [r.get("idle_us") for r in doc.get("ranks") or [] if _isnum(r.get("idle_us"))]
-    top_cls = max((doc.get("classes") or {}).items(), key=lambda kv: kv[1].get("share") or 0, default=None)
+    top_cls = max((doc.get("classes") or {}).items(), key=lambda kv: kv[1].get("us_per_step") or 0, default=None)
     keynums = [
         (f"{steps.get('phase', 'decode')} step (median)", fmt_us(step_us), f"p90 {fmt_us(steps.get('p90_us'))}"),
         ("GPU busy per step", fmt_us(float(np.median(busy))) if busy else "n/a",
          f"idle {fmt_us(float(np.median(idle)))}" if idle else ""),
         ("largest class", top_cls[0] if top_cls else "n/a",
-         f"{fmt_pct(top_cls[1].get('share'))} of kernel time" if top_cls else ""),
+         f"{fmt_pct(step_share(top_cls[1].get('us_per_step'), doc))} of the step time" if top_cls else ""),
         ("findings", str(len(findings)),
          ", ".join(f"{n} {s}" for s in ("critical", "warning", "info")
                    if (n := sum(1 for f in findings if f.get("severity") == s)))),
@@ -1028,12 +1075,12 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
         "doc": doc,
         "title": f"traceinspect report · {_get(doc, 'run', 'model') or 'unknown model'}",
         "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "headline": _headline(doc, findings, step_us),
+        "headline": _headline(doc, findings),
         "keynums": keynums,
         "glance_svg": glance_svg(doc),
         "meta": _meta_rows(doc),
         "files": _files_view(doc),
-        "findings": [_finding_view(i, f, step_us, {r.get("rank"): r.get("label") for r in doc.get("ranks") or []})
+        "findings": [_finding_view(i, f, doc, {r.get("rank"): r.get("label") for r in doc.get("ranks") or []})
                      for i, f in enumerate(findings)],
         "breakdown_svg": breakdown,
         "breakdown_legend": _legend_html(order, {c: (doc["classes"][c].get("share")) for c in order}),
@@ -1047,7 +1094,7 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
         "cpath_legend": _legend_html(cpath_classes, color=_path_color), "cpath_notes": _cpath_notes(doc),
         "memory": _memory_view(doc)[0], "memory_reason": _memory_view(doc)[1],
         "moe": _moe_view(doc)[0], "moe_reason": _moe_view(doc)[1],
-        "top_kernels": _top_kernel_rows(doc, launching_ops(a.kernels)),
+        "data_tables": _data_tables(a, doc),
         "coverage": _coverage_view(doc),
         "warnings": [str(w) for w in doc.get("warnings") or []],
         "command": str(_get(doc, "source", "command") or "(not recorded)"),

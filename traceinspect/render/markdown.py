@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from traceinspect import __version__
 from traceinspect.fileio import write_text_atomic
-from traceinspect.render import fmt_pct, fmt_us, kernel_label, launching_ops, short_name
+from traceinspect.render import fmt_pct, fmt_us, kernel_labels, launching_ops, short_name
+from traceinspect.render.story import saving_text, step_share, story
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -69,21 +70,24 @@ def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None
         doc = a.to_json()
     run, steps = doc.get("run") or {}, doc.get("steps") or {}
     step_us = steps.get("median_us")
-    findings = list(doc.get("findings") or [])  # the judge's order: largest estimated saving first
+    st = story(doc)
+    findings = st.findings  # the one order: severity, then estimated saving
     out: list[str] = []
 
-    if findings:
-        f = findings[0]
-        saving = f.get("est_saving_us_per_step")
-        head = f"### traceinspect: {md(f.get('title') or f.get('rule'))}"
-        out.append(head)
-        line = f"**{md(str(f.get('severity', '')).upper())}** {md(f.get('message') or '')}"
-        if _num(saving):
-            of = f" ({fmt_pct(saving / step_us)} of the step)" if _num(step_us) and step_us else ""
-            line += f" Estimated saving: **{fmt_us(saving)} per step**{of}."
+    if st.lead is not None:
+        f = st.lead
+        out.append(f"### traceinspect: {md(f.get('title') or f.get('rule'))}")
+        line = f"**{md(str(f.get('severity', '')).upper())}** {md_code(f.get('rule'))}: {md(f.get('message') or '')}"
+        if st.saving:
+            line += f" Estimated saving: **{md(st.saving)}**."
         out.append(line)
     else:
         out.append("### traceinspect: no findings")
+        out.append(md(st.quiet))
+    for o in st.open:
+        out.append(f"> **{md(o.kind)}**: {md(o.text)}")
+    out.append("")
+    out.append(f"<sub>{md(st.basis)}</sub>")
     out.append("")
 
     ranks = run.get("ranks")
@@ -104,10 +108,7 @@ def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None
         out += [f"#### Findings ({len(findings)})", "",
                 "| severity | finding | est. saving per step | ranks |", "|---|---|---:|---|"]
         for f in findings[:TOP_FINDINGS]:
-            saving = f.get("est_saving_us_per_step")
-            sv = md(fmt_us(saving)) if _num(saving) else "n/a"
-            if _num(saving) and _num(step_us) and step_us:
-                sv += f" ({md(fmt_pct(saving / step_us))})"
+            sv = md(saving_text(f, doc) or "n/a")
             rk = f.get("ranks")
             rk = ", ".join(md(r) for r in rk) if isinstance(rk, list) and rk else "all"
             out.append(f"| {md(f.get('severity'))} | **{md(f.get('title') or f.get('rule'))}** "
@@ -122,26 +123,31 @@ def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None
                 out.append(f"  Fix: {md_rule(f.get('remediation'))}")
         out += ["", "</details>", ""]
 
-    classes = sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("share") or 0))
+    classes = sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("us_per_step") or 0))
     if classes:
-        out += ["#### GPU time by class (per rank per step)", "", "| class | time | share |", "|---|---:|---:|"]
+        out += ["#### GPU time by class (per rank per step)", "", "| class | time | share of the step |",
+                "|---|---:|---:|"]
         for c, v in classes[:TOP_CLASSES]:
-            out.append(f"| {md(c)} | {md(fmt_us(v.get('us_per_step')))} | {md(fmt_pct(v.get('share')))} |")
+            out.append(f"| {md(c)} | {md(fmt_us(v.get('us_per_step')))} | "
+                       f"{md(fmt_pct(step_share(v.get('us_per_step'), doc)))} |")
         rest = classes[TOP_CLASSES:]
         if rest:
-            share = sum(v.get("share") or 0 for _, v in rest)
+            share = step_share(sum(v.get("us_per_step") or 0 for _, v in rest), doc)
             out.append(f"| {len(rest)} more {'class' if len(rest) == 1 else 'classes'} | | {md(fmt_pct(share))} |")
         out.append("")
 
     kernels = doc.get("top_kernels") or []
     if kernels:
         ops = launching_ops(a.kernels) if a is not None else {}
-        out += ["#### Top kernels", "", "| kernel | launched by | class | share |", "|---|---|---|---:|"]
+        per = max(int(steps.get("count") or 1), 1) * max(int(run.get("ranks") or 1), 1)
+        out += ["#### Top kernels", "", "| kernel | launched by | class | share of the step |", "|---|---|---|---:|"]
+        labels = kernel_labels([str(k.get("name", "")) for k in kernels[:TOP_KERNELS]], 80)
         for k in kernels[:TOP_KERNELS]:
             name = str(k.get("name", ""))
             op = ops.get(name, "")
-            out.append(f"| {md(kernel_label(name, 80))} | {md(short_name(op, 40)) if op else '–'} | "
-                       f"{md(k.get('cls'))} | {fmt_pct(k.get('share'))} |")
+            us = k.get("us")
+            out.append(f"| {md(labels[name])} | {md(short_name(op, 40)) if op else '–'} | "
+                       f"{md(k.get('cls'))} | {fmt_pct(step_share(us / per, doc) if _num(us) else None)} |")
         out.append("")
 
     cov = doc.get("coverage") or {}

@@ -9,9 +9,10 @@ from rich.console import Console
 from rich.markup import escape as _markup_escape
 from rich.table import Table
 
+from traceinspect.render import fmt_count, kernel_labels
 from traceinspect.render import fmt_pct as _pct
 from traceinspect.render import fmt_us as _us
-from traceinspect.render import short_name
+from traceinspect.render.story import saving_text, step_share, story
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -55,6 +56,19 @@ def render(a: Analysis, doc: dict[str, Any] | None = None, console: Console | No
     con.print(f"  [bold]{steps['phase']} step[/bold] (slowest rank's GPU span): median {_us(steps['median_us'])},"
               f" p90 {_us(steps['p90_us'])} over {steps['count']} step(s) per rank")
 
+    st = story(doc)
+    if st.lead is not None:
+        f = st.lead
+        style = SEVERITY_STYLE.get(f["severity"], "")
+        con.print(f"\n[{style}]{f['severity'].upper()}[/{style}] [bold]{escape(f['rule'])}[/bold]: "
+                  f"[bold]{escape(str(f.get('title') or ''))}[/bold]"
+                  + (f"; est. saving {escape(st.saving)}" if st.saving else ""))
+    else:
+        con.print(f"\n[green]{escape(st.quiet)}[/green]")
+    for o in st.open:
+        con.print(f"[magenta]{escape(o.text)}[/magenta]")
+    con.print("")
+
     rt = Table(title="Ranks (per step, median)", title_justify="left")
     for col in ("rank", "device", "steps", "step", "p90", "GPU busy", "GPU idle"):
         rt.add_column(col, justify="right" if col not in ("device",) else "left")
@@ -66,35 +80,38 @@ def render(a: Analysis, doc: dict[str, Any] | None = None, console: Console | No
     ct = Table(title="GPU time by class (mean per rank per step)", title_justify="left")
     for col in ("class", "us/step", "share", "calls/step"):
         ct.add_column(col, justify="left" if col == "class" else "right")
-    for cls, v in sorted(doc["classes"].items(), key=lambda kv: -(kv[1]["share"] or 0)):
-        ct.add_row(cls, _us(v["us_per_step"]), _pct(v["share"]), f"{v['calls_per_step']:.1f}")
+    for cls, v in sorted(doc["classes"].items(), key=lambda kv: -(kv[1]["us_per_step"] or 0)):
+        ct.add_row(cls, _us(v["us_per_step"]), _pct(step_share(v["us_per_step"], doc)), fmt_count(v["calls_per_step"]))
     con.print(ct)
 
     kt = Table(title="Top kernels", title_justify="left")
     for col in ("kernel", "class", "calls", "total", "mean", "share"):
         kt.add_column(col, justify="left" if col in ("kernel", "class") else "right", overflow="fold")
-    for k in doc["top_kernels"][:12]:
-        kt.add_row(escape(short_name(k["name"], 70)), k["cls"], str(k["calls"]), _us(k["us"]), _us(k["mean_us"]),
-                   _pct(k["share"]))
+    per = max(int(steps.get("count") or 1), 1) * max(len(doc.get("ranks") or []), 1)
+    top = doc["top_kernels"][:12]
+    labels = kernel_labels([k["name"] for k in top], 70)
+    for k in top:
+        kt.add_row(escape(labels[k["name"]]), k["cls"], str(k["calls"]), _us(k["us"]), _us(k["mean_us"]),
+                   _pct(step_share((k["us"] or 0) / per, doc)))
     con.print(kt)
 
     cov = doc["coverage"]
     con.print(f"  classified: {_pct(1 - (cov['unknown_share'] or 0))} of kernel time"
               f" (other {_pct(cov['unknown_share'])}); graph-replayed {_pct(cov['graph_replay_share'])};"
               f" with CPU op {_pct(cov['cpu_op_linked_share'])}")
+    con.print(f"  {escape(st.basis)}")
 
-    findings = doc.get("findings") or []
-    if findings:
-        con.print(f"\n[bold]Findings ({len(findings)})[/bold]")
-        for f in findings:
+    if st.findings:
+        con.print(f"\n[bold]Findings ({len(st.findings)})[/bold], most severe first, then by estimated saving")
+        for f in st.findings:
             style = SEVERITY_STYLE.get(f["severity"], "")
-            saving = f["est_saving_us_per_step"]
             con.print(f"[{style}]{f['severity'].upper():8}[/{style}] [bold]{escape(f['rule'])}[/bold]: "
                       f"{escape(f['message'])}")
+            saving = saving_text(f, doc)
             if saving is not None:
-                con.print(f"          est. saving {_us(saving)} per step ({_pct(f['evidence'].get('saving_share'))} of {escape(str(f['evidence'].get('share_of') or 'step time').split(' (')[0])})")
+                con.print(f"          est. saving {escape(saving)}")
             con.print(f"          fix: {escape(str(f['remediation']).strip())}")
     else:
-        con.print("\n[green]No findings.[/green]")
+        con.print(f"\n[green]{escape(st.quiet)}[/green]")
     for w in doc.get("warnings") or []:
         con.print(f"[yellow]warning:[/yellow] {escape(w)}")

@@ -1,0 +1,128 @@
+"""What every output leads with, decided once: the findings in their one order, the lead finding and
+its saving as text, the basis of every share, and the classes or rules the findings leave open.
+
+The terminal summary, the HTML banner and the Markdown summary all take their headline from
+:func:`story`, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from traceinspect.units import SHARE_BASIS, fmt_pct, fmt_us
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        return None
+    return float(v)
+
+
+def ordered_findings(findings: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Findings (JSON form) in the one order of every output: severity, then estimated saving."""
+    from traceinspect.judge.engine import finding_order
+
+    return sorted(findings or [], key=lambda f: finding_order(f.get("severity"), f.get("est_saving_us_per_step"),
+                                                              f.get("share"), f.get("rule")))
+
+
+def step_us_of(doc: dict[str, Any]) -> float | None:
+    """The step time every share is a fraction of: the median step (slowest rank's GPU span)."""
+    return _num((doc.get("steps") or {}).get("median_us"))
+
+
+def step_share(us_per_step: Any, doc: dict[str, Any]) -> float | None:
+    """``us_per_step`` as a fraction of the step time."""
+    us, step = _num(us_per_step), step_us_of(doc)
+    return us / step if us is not None and step else None
+
+
+def saving_share(f: dict[str, Any], doc: dict[str, Any]) -> float | None:
+    """A finding's estimated saving as a fraction of the step time (the judge's figure when it gave one)."""
+    ev = f.get("evidence") if isinstance(f.get("evidence"), dict) else {}
+    share = _num(ev.get("saving_share"))
+    return share if share is not None else step_share(f.get("est_saving_us_per_step"), doc)
+
+
+def saving_text(f: dict[str, Any], doc: dict[str, Any]) -> str | None:
+    """'3,599 µs per step (38.0% of the step time)', or None when the rule gives no estimate."""
+    saving = _num(f.get("est_saving_us_per_step"))
+    if saving is None:
+        return None
+    share = saving_share(f, doc)
+    return f"{fmt_us(saving)} per step" + (f" ({fmt_pct(share)} of the {SHARE_BASIS})" if share is not None else "")
+
+
+def basis_text(doc: dict[str, Any]) -> str:
+    """The one sentence that says what shares are of."""
+    steps = doc.get("steps") or {}
+    phase = steps.get("phase", "decode")
+    return (f"Shares are of the {phase} {SHARE_BASIS}: median {fmt_us(step_us_of(doc))} per step "
+            "(the slowest rank's GPU span); sizes are in decimal units (1 MB = 10^6 bytes).")
+
+
+@dataclass
+class Open:
+    """A class no finding explains, or a rule that could not be decided: shown beside the headline."""
+
+    kind: str  # "unexplained" | "undecided"
+    text: str
+    subject: str
+    share: float | None = None
+
+
+@dataclass
+class Story:
+    findings: list[dict[str, Any]]  # in the one order
+    lead: dict[str, Any] | None
+    saving: str | None  # the lead's saving as text (see saving_text)
+    basis: str
+    open: list[Open] = field(default_factory=list)
+    quiet: str = ""  # the headline when nothing fired
+
+
+def _open_items(doc: dict[str, Any]) -> list[Open]:
+    out: list[Open] = []
+    classes = doc.get("classes") or {}
+    for u in doc.get("unexplained") or []:
+        if not isinstance(u, dict) or not u.get("cls"):
+            continue
+        cls = str(u["cls"])
+        share = step_share((classes.get(cls) or {}).get("us_per_step"), doc)
+        if share is None:
+            share = _num(u.get("share"))
+        how = u.get("explain_with")
+        how = ", ".join(str(x) for x in how) if isinstance(how, list) else str(how or "")
+        out.append(Open("unexplained", f"Unexplained: {cls} takes {fmt_pct(share)} of the {SHARE_BASIS} and no "
+                        "finding explains it" + (f"; what would explain it: {how}" if how else "") + ".", cls, share))
+    for u in doc.get("undecided") or []:
+        if not isinstance(u, dict) or not u.get("rule"):
+            continue
+        missing = u.get("missing")
+        missing = ", ".join(str(x) for x in missing) if isinstance(missing, list) else str(missing or "")
+        share = _num(u.get("share"))
+        text = f"Undecided: {u['rule']}" + (f" (at stake: {fmt_pct(share)} of the {SHARE_BASIS})"
+                                            if share is not None else "")
+        text += " could not be decided" + (f": missing {missing}" if missing else "")
+        if u.get("how_to_supply"):
+            text += f"; to decide it: {u['how_to_supply']}"
+        out.append(Open("undecided", text + ".", str(u["rule"]), share))
+    return out
+
+
+def story(doc: dict[str, Any]) -> Story:
+    """The headline of an analysis document (or of a document an older version wrote)."""
+    findings = ordered_findings(doc.get("findings"))
+    lead = findings[0] if findings else None
+    quiet = ""
+    if lead is None:
+        classes = doc.get("classes") or {}
+        if classes:
+            top, v = max(classes.items(), key=lambda kv: _num(kv[1].get("us_per_step")) or 0.0)
+            quiet = (f"No findings. The largest class is {top}: {fmt_us(v.get('us_per_step'))} per step, "
+                     f"{fmt_pct(step_share(v.get('us_per_step'), doc))} of the {SHARE_BASIS}.")
+        else:
+            quiet = "No findings, and no classified kernel time."
+    return Story(findings=findings, lead=lead, saving=saving_text(lead, doc) if lead else None,
+                 basis=basis_text(doc), open=_open_items(doc), quiet=quiet)

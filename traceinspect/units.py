@@ -1,0 +1,91 @@
+"""How numbers read, decided once for every output (terminal, HTML, Markdown, rule messages, CSV).
+
+- durations in microseconds: ``812 µs``, ``12.4 ms``;
+- shares are fractions of the step time, printed with one decimal: ``38.0%``;
+- sizes in decimal units (kB, MB, GB, TB: powers of 1000), three significant digits: ``906 MB``;
+- counts per step as integers (``4``, ``390``); a mean below 10 that is not whole keeps one decimal (``1.5``).
+
+Rule messages use the same formats through the ``us``, ``pct``, ``bytes`` and ``count`` format specs
+(``{bytes_per_call:bytes}``), so a message and the evidence table beside it show the same text.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+SIZE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")  # decimal: a message's MB is the evidence table's MB
+SIZE_BASE = 1000
+SHARE_BASIS = "step time"  # what every share in the outputs is a fraction of
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+
+
+def fmt_us(v: float | None) -> str:
+    """A duration in microseconds as text: '812.3 µs', '3,599 µs', '12.4 ms', or 'n/a'."""
+    if not _finite(v):
+        return "n/a"
+    v = float(v)  # type: ignore[arg-type]
+    if abs(v) >= 10_000:
+        return f"{v / 1000:,.1f} ms"
+    if abs(v) >= 100:
+        return f"{v:,.0f} µs"
+    return f"{v:,.1f} µs"
+
+
+def fmt_pct(v: float | None, digits: int = 1) -> str:
+    """A fraction as a percentage: 0.123 -> '12.3%'."""
+    if not _finite(v):
+        return "n/a"
+    return f"{100 * float(v):.{digits}f}%"  # type: ignore[arg-type]
+
+
+def fmt_bytes(v: float | None) -> str:
+    """A size in decimal units with three significant digits: 906e6 -> '906 MB', 3.02e7 -> '30.2 MB'."""
+    if not _finite(v):
+        return "n/a"
+    v = float(v)  # type: ignore[arg-type]
+    unit = SIZE_UNITS[0]
+    for unit in SIZE_UNITS:
+        if abs(v) < 999.5 or unit == SIZE_UNITS[-1]:
+            break
+        v /= SIZE_BASE
+    if unit == "B":
+        return f"{v:,.0f} B"
+    return f"{v:.3g} {unit}" if abs(v) < 100 else f"{v:,.0f} {unit}"
+
+
+def fmt_count(v: float | None) -> str:
+    """A count (or a mean count per step): an integer, except a mean below 10 that is not whole (1.5)."""
+    if not _finite(v):
+        return "n/a"
+    v = float(v)  # type: ignore[arg-type]
+    if abs(v - round(v)) < 0.05 or abs(v) >= 10:
+        return f"{int(round(v)):,}"
+    return f"{v:,.1f}"
+
+
+# format specs a rule message may use besides Python's own: {metric:us}, {metric:pct}, ...
+SPECS = {"us": fmt_us, "pct": fmt_pct, "bytes": fmt_bytes, "count": fmt_count}
+
+
+def format_spec(v: Any, spec: str) -> str | None:
+    """``v`` formatted with one of :data:`SPECS`, or None when ``spec`` is not one of them."""
+    fn = SPECS.get(spec)
+    return fn(v) if fn is not None else None
+
+
+def clamp_estimate(est: float | None, *bounds: float | None) -> tuple[float | None, list[float]]:
+    """An estimated saving no larger than any of ``bounds`` (the time of what it fixes, the step time,
+    the idle time it could fill, ...) and not negative. Returns the estimate and the bounds that cut it."""
+    if est is None or not _finite(est):
+        return None, []
+    out = max(float(est), 0.0)
+    cut: list[float] = []
+    for b in bounds:
+        if b is not None and _finite(b) and out > float(b):
+            out = max(float(b), 0.0)
+            cut.append(float(b))
+    return out, cut
