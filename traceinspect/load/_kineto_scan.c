@@ -672,9 +672,11 @@ static const char *read_key(Ctx *c, const char *p, const char **k, size_t *kn) {
     if (*p != '"') return fail(c, EJSON, p, "expected a key");
     p = scan_string(c, p, &s0, &s1, &esc, &hi);
     if (!p) return NULL;
-    if (esc || hi) {
-        /* decoded into scratch; the caller compares it before anything else uses scratch */
-        if (decode_string(c, s0, s1, esc, hi, k, kn) < 0) return NULL;
+    if (esc) {
+        /* decoded into scratch; the caller compares it before anything else uses scratch. As for the
+         * typed decoder, escapes count (\u0070h is ph) but the UTF-8 of a key is not checked: such a
+         * key never names a field that is read. */
+        if (decode_string(c, s0, s1, esc, 0, k, kn) < 0) return NULL;
     } else {
         *k = s0;
         *kn = (size_t)(s1 - s0);
@@ -1238,6 +1240,9 @@ static Py_ssize_t scan(Ctx *c) {
                 s->state = S_EV_FIRST;
                 break;
             }
+            int ascii = 1; /* only ASCII keys can name a field of the trace: others are skipped */
+            for (size_t i = 0; i < kn; i++)
+                if ((unsigned char)k[i] >= 0x80) ascii = 0;
             /* keep k: copy it, since skipping may not touch scratch but decoding others would */
             char kbuf[64];
             char *kcopy = kn <= sizeof kbuf ? kbuf : malloc(kn ? kn : 1);
@@ -1251,7 +1256,7 @@ static Py_ssize_t scan(Ctx *c) {
                 if (kcopy != kbuf) free(kcopy);
                 return c->st == NEED ? done - c->base : -1;
             }
-            int rc = store_meta(c, kcopy, kn, q, r);
+            int rc = ascii ? store_meta(c, kcopy, kn, q, r) : 0;
             if (kcopy != kbuf) free(kcopy);
             if (rc < 0) {
                 c->st = EPY;
