@@ -30,15 +30,19 @@ def test_manifest_matches_trace(name: str) -> None:
     m = manifest(name)
     ts = load_trace_set(fixture_dir(name))
     assert [r.rank for r in ts.ranks] == m["ranks"]
-    assert all(r.rank_source == "filename" for r in ts.ranks)
+    # SGLang step spans (the default) or a plain torch loop's ProfilerStep#N (TP1 sets, one unnamed rank file)
+    spans = m.get("step_marker_kind", "span") == "span"
+    if spans:
+        assert all(r.rank_source == "filename" for r in ts.ranks)
     assert {r.device.name for r in ts.ranks} == {m["device_name"]}
     link(ts)
     steps = build_steps(ts)
     per_rank = steps.groupby("rank").size()
     assert per_rank.tolist() == [m["steps_profiled"]] * len(m["ranks"])
-    assert set(steps["phase"]) == {"decode"}
-    assert set(steps["bs"]) == {m["batch"]}
-    assert steps["source"].unique().tolist() == ["step_span"]
+    if spans:
+        assert set(steps["phase"]) == {"decode"}
+        assert set(steps["bs"]) == {m["batch"]}
+    assert steps["source"].unique().tolist() == ["step_span" if spans else "profiler_step"]
     assert bool(ts.kernels["graph_replay"].any()) == m["cuda_graph"]
     # edges excluded, the rest analysed
     assert steps.groupby("rank")["included"].sum().tolist() == [m["steps_profiled"] - 2] * len(m["ranks"])
