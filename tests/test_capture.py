@@ -685,3 +685,24 @@ def test_bench_serving_driver_runs_sglang_module(tmp_path: Path, monkeypatch: py
     assert called["key_ok"] and "--request-rate" not in called["argv"]
     assert called["argv"][called["argv"].index("--max-concurrency") + 1] == "4"
     assert called["argv"][called["argv"].index("--num-prompts") + 1] == "12"
+
+
+@pytest.mark.timeout(180)  # may pay for starting the stand-ins
+def test_expect_checks_server_info_before_profiling(servers: dict[str, Standin], tmp_path: Path) -> None:
+    """``--expect`` names every key whose live value differs, with the expected and the actual value,
+    and exits 2 before anything is profiled or written."""
+    s = servers["main"]
+    before = s.state()["calls"]["start_profile"]
+    out = tmp_path / "o"
+    p = run_cli("capture", "--url", s.url, "--out", str(out), "--expect", "max_running_requests=2048",
+                "--expect", "num_continuous_decode_steps=8", "--expect", "tp_size=2")
+    assert p.returncode == 2, p.stderr
+    line = p.stderr.strip()
+    assert line.count("\n") == 0 and line.startswith("traceinspect: error:")
+    assert "max_running_requests: expected 2048, actual 128" in line
+    assert "num_continuous_decode_steps: expected 8, actual 1" in line
+    assert "tp_size" not in line  # it matches
+    assert not out.exists()
+    assert s.state()["calls"]["start_profile"] == before  # never profiled
+    p = run_cli("capture", "--url", s.url, "--out", str(out), "--expect", "no-equals-sign")
+    assert p.returncode == 2 and "KEY=VALUE" in p.stderr

@@ -3,8 +3,9 @@
 Public API::
 
     import traceinspect
-    result = traceinspect.analyze("traces/")      # an Analysis
-    result.to_json()                               # the versioned JSON contract
+    a = traceinspect.analyze("traces/")      # a traceinspect.Analysis (see traceinspect.notebook)
+    a.findings, a.classes, a.kernels         # pandas DataFrames
+    a.to_json()                               # the versioned JSON contract
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis, analyze
     from traceinspect.load import load_trace_set
+    from traceinspect.notebook import Analysis, analyze
 
 __all__ = ["__version__", "analyze", "Analysis", "load_trace_set"]
 
@@ -23,9 +24,9 @@ __all__ = ["__version__", "analyze", "Analysis", "load_trace_set"]
 def __getattr__(name: str) -> Any:
     # heavy modules (pandas) load on first use, keeping `import traceinspect` and the CLI fast
     if name in ("analyze", "Analysis"):
-        from traceinspect import analysis
+        from traceinspect import notebook
 
-        return getattr(analysis, name)
+        return getattr(notebook, name)
     if name == "load_trace_set":
         from traceinspect.load import load_trace_set
 

@@ -4,6 +4,7 @@ it produces. ``Analysis.to_json()`` is the versioned public contract (``traceins
 from __future__ import annotations
 
 import gc
+import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -238,6 +239,41 @@ def _run_meta(a: Analysis) -> dict[str, Any]:
     }
 
 
+# server_info keys that describe the moment, not the configuration (left out of server_config)
+_VOLATILE = re.compile(r"throughput|utilization|timestamp|_time$|^time|uptime|num_running|num_queue|"
+                       r"queue_|memory_usage|^status$|^load", re.I)
+
+
+def server_config(si: dict[str, Any] | None) -> dict[str, Any]:
+    """The server's resolved configuration: the scalar keys of server_info (nested ``internal_states``
+    of newer SGLang flattened in from its first entry), without the keys that change from one moment to
+    the next (throughput, queue lengths, times). ``diff`` and ``gate`` list the keys that differ."""
+    si = si or {}
+    out: dict[str, Any] = {}
+    states = si.get("internal_states")
+    if isinstance(states, list) and states and isinstance(states[0], dict):
+        out.update({k: v for k, v in states[0].items() if isinstance(v, (str, int, float, bool)) or v is None})
+    for k, v in si.items():
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            out[k] = v
+    return {k: out[k] for k in sorted(out) if not _VOLATILE.search(k)}
+
+
+def _rank_samples(a: Analysis) -> list[dict[str, Any]]:
+    """One entry per analysed step of each rank: the rank's GPU span and its time per class. The gate
+    pools these across ranks for classes whose time on one rank does not depend on the others."""
+    sel = a.selected
+    cs = a.class_steps
+    wide = (cs.pivot_table(index="step", columns="cls", values="us", aggfunc="sum", fill_value=0.0, observed=True)
+            if len(cs) else pd.DataFrame())
+    out = []
+    for step_id, rank, span in zip(sel.index.tolist(), sel["rank"].tolist(), sel["span_us"].tolist(), strict=True):
+        row = wide.loc[step_id] if step_id in wide.index else {}
+        out.append({"rank": int(rank), "step_us": _num(span),
+                    "classes": {str(c): _num(v) for c, v in dict(row).items() if v}})
+    return out
+
+
 def _timeline_step(a: Analysis) -> dict[str, Any]:
     """The step the report's timeline draws: each rank's GPU window, busy and idle time in it."""
     pos, rows = a.representative_step()
@@ -310,7 +346,9 @@ def to_json(a: Analysis) -> dict[str, Any]:
             "samples": [{"step_us": _num(r["step_us"]),
                          "classes": {c[6:]: _num(v) for c, v in r.items() if c.startswith("class.")}}
                         for _, r in samples.iterrows()],
+            "rank_samples": _rank_samples(a),
         },
+        "server_config": server_config(a.server_info),
         "classes": classes,
         "top_kernels": [{"name": r.name, "cls": r.cls, "calls": int(r.calls), "us": _num(r.us),
                          "mean_us": _num(r.mean_us), "share": _num(r.share, 6)}

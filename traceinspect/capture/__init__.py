@@ -27,7 +27,7 @@ from traceinspect.capture.errors import (
 )
 from traceinspect.capture.layout import DEFAULT_PREFIX
 from traceinspect.capture.load import LoadSpec
-from traceinspect.capture.session import CaptureOptions, CaptureResult, run_capture
+from traceinspect.capture.session import DEFAULT_STEPS, CaptureOptions, CaptureResult, run_capture
 from traceinspect.capture.ui import CaptureUI
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ __all__ = [
 ]
 
 
-def capture(url: str, out: str | Path, *, steps: int = 5, phase: str = "decode", api_key: str | None = None,
+def capture(url: str, out: str | Path, *, steps: int = DEFAULT_STEPS, phase: str = "decode",
+            api_key: str | None = None, expect: dict[str, Any] | None = None,
             admin_api_key: str | None = None, load: str | LoadSpec | None = None, analyze: bool = False, prefix: str = DEFAULT_PREFIX,
             timeout: float = 300.0, ramp_timeout: float = 120.0, min_batch: int = 1,
             activities: tuple[str, ...] = ("CPU", "GPU"), record_shapes: bool = True, with_stack: bool = False,
@@ -60,7 +61,8 @@ def capture(url: str, out: str | Path, *, steps: int = 5, phase: str = "decode",
     (``load="concurrency=N,input=N,output=N"`` drives it; ``admin_api_key`` is for servers that
     have one, whose profiling endpoints take only that key), POSTs ``/start_profile`` and waits for
     every rank's complete file. ``phase`` is ``decode`` (SGLang's ``profile_by_stage``, ``-DECODE``
-    files) or ``all`` (the next ``steps`` batches, whatever they are).
+    files) or ``all`` (the next ``steps`` batches, whatever they are). ``expect`` ({key: value}) is
+    checked against ``/server_info`` before profiling (:class:`ServerMismatch` names each difference).
     ``analyze=True`` also writes ``analysis.json`` (and ``report.html`` where the HTML renderer exists).
 
     Returns a :class:`CaptureResult`; raises :class:`CaptureIncomplete` (whose ``.result`` holds
@@ -69,6 +71,8 @@ def capture(url: str, out: str | Path, *, steps: int = 5, phase: str = "decode",
     """
     spec = LoadSpec.parse(load) if isinstance(load, str) else load
     opts = CaptureOptions(url=url, out=out, steps=steps, phase=phase, api_key=api_key,
+                          expect=tuple((str(k), str(v).lower() if isinstance(v, bool) else str(v))
+                                       for k, v in (expect or {}).items()),
                           admin_api_key=admin_api_key, load=spec, analyze=analyze,
                           prefix=prefix, timeout_s=timeout, ramp_timeout_s=ramp_timeout, min_batch=min_batch,
                           activities=tuple(activities), record_shapes=record_shapes, with_stack=with_stack,

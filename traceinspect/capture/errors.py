@@ -9,6 +9,7 @@ __all__ = [
     "ServerUnreachable",
     "AuthError",
     "ProfileRejected",
+    "ServerMismatch",
     "CaptureIncomplete",
     "CaptureInterrupted",
     "ConfigError",
@@ -29,6 +30,10 @@ class AuthError(CaptureError):
 
 class ProfileRejected(CaptureError):
     """``/start_profile`` failed, usually because a profile is already in progress."""
+
+
+class ServerMismatch(CaptureError):
+    """The live server's configuration is not what ``--expect`` says (nothing was profiled)."""
 
 
 class CaptureIncomplete(CaptureError):

@@ -23,6 +23,7 @@ from traceinspect.capture.errors import (
     CaptureInterrupted,
     ConfigError,
     ProfileRejected,
+    ServerMismatch,
 )
 from traceinspect.capture.layout import (
     CAPTURE_JSON,
@@ -40,6 +41,7 @@ from traceinspect.capture.layout import (
 from traceinspect.capture.load import LoadDriver, LoadSpec, make_driver, wait_for_batch
 from traceinspect.capture.ui import CaptureUI
 from traceinspect.capture.wait import RankKey, RankWatcher, WaitResult, expected_ranks, wait_for_ranks
+from traceinspect.gate.stats import EDGE_STEPS, samples_needed
 
 # SGLang's by-stage prefill capture ends at the first decode batch, so under mixed traffic it holds
 # whatever prefills came first, or nothing; prefill steps are better taken from an "all" capture.
@@ -53,13 +55,17 @@ WHY_MISSING = (
 )
 
 
+# steps recorded by default: enough analysed steps (the first and last are not analysed) for the gate's
+# noise test to be able to decide at its default alpha
+DEFAULT_STEPS = samples_needed() + EDGE_STEPS
+
 @dataclass
 class CaptureOptions:
     """Everything :func:`run_capture` needs."""
 
     url: str
     out: str | Path
-    steps: int = 5
+    steps: int = DEFAULT_STEPS
     phase: str = "decode"
     api_key: str | None = None
     admin_api_key: str | None = None
@@ -73,6 +79,7 @@ class CaptureOptions:
     record_shapes: bool = True
     with_stack: bool = False
     server_out_dir: str | None = None
+    expect: tuple[tuple[str, str], ...] = ()  # (key, value): what /server_info must say before profiling
     stable_s: float = 1.0
     poll_s: float = 0.25
     command: list[str] | None = None
@@ -507,6 +514,7 @@ class _Capture:
         status, reason = "incomplete", None
         try:
             self._read_server()
+            check_expected(self.server_info, o.expect)  # before anything is written or profiled
             self.out_dir, old = prepare_out_dir(o.out)
             if old:
                 self.meta["subdirectory"] = True
@@ -617,6 +625,66 @@ class _Capture:
             "status": "ok", "files": [p.name for p in written]}})
         for p in written:
             self.ui.info(f"wrote {p}")
+
+
+_MISSING = object()
+
+
+def server_value(info: dict[str, Any], key: str) -> Any:
+    """A key of /server_info: ``a.b.0`` walks nested objects and lists; a plain key is read at the top
+    level, or, when absent or null there, from the first ``internal_states`` entry (newer SGLang keeps
+    resolved runtime values there)."""
+    cur: Any = info
+    parts = key.split(".")
+    if len(parts) == 1:
+        v = info.get(key, _MISSING)
+        if v is _MISSING or v is None:
+            states = info.get("internal_states")
+            if isinstance(states, list) and states and isinstance(states[0], dict) and key in states[0]:
+                return states[0][key]
+        return v
+    for p in parts:
+        if isinstance(cur, dict) and p in cur:
+            cur = cur[p]
+        elif isinstance(cur, list) and p.isdigit() and int(p) < len(cur):
+            cur = cur[int(p)]
+        else:
+            return _MISSING
+    return cur
+
+
+def _parse_expected(text: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _same(actual: Any, expected_text: str) -> bool:
+    exp = _parse_expected(expected_text)
+    if isinstance(actual, bool) or isinstance(exp, bool):
+        return actual is exp or str(actual).lower() == expected_text.strip().lower()
+    if isinstance(actual, (int, float)) and isinstance(exp, (int, float)):
+        return float(actual) == float(exp)
+    return actual == exp or str(actual) == expected_text
+
+
+def check_expected(info: dict[str, Any], expect: tuple[tuple[str, str], ...]) -> None:
+    """Raise :class:`ServerMismatch` naming every ``--expect`` key whose value on the live server differs
+    (expected and actual), before anything is profiled."""
+    bad = []
+    for key, want in expect:
+        v = server_value(info, key)
+        if v is _MISSING:
+            bad.append(f"{key}: expected {want}, actual: not in /server_info")
+        elif not _same(v, want):
+            import json
+
+            bad.append(f"{key}: expected {want}, actual {json.dumps(v) if not isinstance(v, str) else v}")
+    if bad:
+        raise ServerMismatch("the server is not configured as --expect says (nothing profiled): " + "; ".join(bad))
 
 
 def n_complete(res: WaitResult | None) -> int:

@@ -6,13 +6,19 @@ from typing import Any
 
 import click
 
+from traceinspect.capture.session import DEFAULT_STEPS
+
 
 @click.command("capture")
 @click.option("--url", required=True, help="The SGLang server, e.g. http://127.0.0.1:30000.")
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False),
               help="Capture directory; must be on a filesystem the server writes to.")
-@click.option("--steps", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Forward steps to record on each rank (SGLang num_steps).")
+@click.option("--steps", type=click.IntRange(min=1), default=DEFAULT_STEPS, show_default=True,
+              help="Forward steps to record on each rank (SGLang num_steps). The default gives the gate's "
+                   "noise test enough analysed steps (the first and last are not analysed).")
+@click.option("--expect", "expect", multiple=True, metavar="KEY=VALUE",
+              help="Check the live server's /server_info before profiling: exit 2 naming each key whose "
+                   "value differs (repeatable; a.b.0 reaches nested values).")
 @click.option("--phase", type=click.Choice(["decode", "all"]), default="decode", show_default=True,
               help="decode: SGLang profile_by_stage, -DECODE files; all: the next N batches of any kind.")
 @click.option("--api-key", envvar="TRACEINSPECT_API_KEY", default=None, metavar="KEY",
@@ -37,7 +43,7 @@ import click
 @click.option("--server-out-dir", default=None, metavar="PATH",
               help="The capture directory as the server sees it, when it is mounted at another path there.")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors.")
-def capture_cmd(url: str, out: str, steps: int, phase: str, api_key: str | None, admin_api_key: str | None,
+def capture_cmd(url: str, out: str, steps: int, expect: tuple[str, ...], phase: str, api_key: str | None, admin_api_key: str | None,
                 load: str | None, analyze: bool,
                 prefix: str, timeout: float, ramp_timeout: float, min_batch: int, record_shapes: bool,
                 with_stack: bool, activities: str, server_out_dir: str | None, quiet: bool) -> None:
@@ -53,9 +59,15 @@ def capture_cmd(url: str, out: str, steps: int, phase: str, api_key: str | None,
     from traceinspect.capture.ui import CaptureUI
 
     secrets = tuple(k for k in (api_key, admin_api_key) if k)
+    pairs = []
+    for e in expect:
+        key, sep, value = e.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"{e!r}: expected KEY=VALUE", param_hint="--expect")
+        pairs.append((key.strip(), value.strip()))
     spec = LoadSpec.parse(load) if load else None
     opts = CaptureOptions(
-        url=url, out=out, steps=steps, phase=phase, api_key=api_key, admin_api_key=admin_api_key, load=spec,
+        url=url, out=out, steps=steps, expect=tuple(pairs), phase=phase, api_key=api_key, admin_api_key=admin_api_key, load=spec,
         analyze=analyze, prefix=prefix,
         timeout_s=timeout, ramp_timeout_s=ramp_timeout, min_batch=min_batch,
         activities=tuple(a.strip().upper() for a in activities.split(",") if a.strip()),

@@ -159,7 +159,8 @@ class Gate:
         else:
             for m in diff.classes:
                 if thresholds_for(m.metric, self.thresholds):
-                    checks.append(self._metric(m, floor_us))
+                    check = self._metric(m, floor_us)
+                    checks.append(attribute_comm(check, diff) if m.metric == "class.comm" else check)
         checks.extend(self._findings(diff))
         return GateResult(checks, diff, self.settings())
 
@@ -216,6 +217,8 @@ class Gate:
                          data)
         noise = noise_test(m.base_samples, m.cand_samples, self.alpha)
         data["noise"] = noise.to_json()
+        if m.pooled:
+            data["noise"]["pooled"] = m.pooled
         if noise.decided and not noise.significant:
             return Check(m.metric, "regression", "pass", f"{change}; exceeds {limits} but {noise.reason}", data)
         return Check(m.metric, "regression", "fail",
@@ -265,6 +268,36 @@ class Gate:
         if not out:
             out.append(Check("findings", "finding", "pass", "no findings in either run"))
         return out
+
+
+def attribute_comm(check: Check, diff: Diff) -> Check:
+    """A collective-time regression split into waiting and transfer. When the growth is waiting for a
+    rank that arrives late, the failing check points at that rank (``late-rank.TP1``), not at the
+    collectives: their transfer did not get slower."""
+    split = diff.comm or {}
+    b, c = split.get("base"), split.get("cand")
+    if check.status != "fail" or not b or not c:
+        return check
+    dw, dt = c["wait_us"] - b["wait_us"], c["transfer_us"] - b["transfer_us"]
+    data = dict(check.data, wait_delta_us=round(dw, 3), transfer_delta_us=round(dt, 3))
+    if dw <= dt:
+        return Check(check.id, check.kind, check.status,
+                     f"{check.message}; the growth is transfer ({_signed_us(dt)} per step; waiting "
+                     f"{_signed_us(dw)})", data, summary=check.summary)
+    grown = {r: v - b["caused_us"].get(r, 0.0) for r, v in c["caused_us"].items()}
+    late = max(grown, key=lambda r: grown[r]) if grown and max(grown.values()) > 0 else c.get("straggler")
+    if late is None:
+        return Check(check.id, check.kind, check.status,
+                     f"{check.message}; the growth is waiting for other ranks ({_signed_us(dw)} per step), not "
+                     f"transfer ({_signed_us(dt)}); no single rank arrives last", data, summary=check.summary)
+    name = c["labels"].get(late) or f"rank {late}"
+    data.update(late_rank=late, late_rank_label=name, caused_delta_us=round(grown.get(late, 0.0), 3))
+    return Check(f"late-rank.{name}", check.kind, check.status,
+                 f"{name} arrives late at the collectives: the other ranks wait {fmt_us(dw)} more per step "
+                 f"({name} now causes {fmt_us(c['caused_us'].get(late, 0.0))} of waiting per step); the "
+                 f"transfer itself changed by {_signed_us(dt)}. Look at what delays {name} (its compute, host "
+                 f"launches, clocks), not at the collectives. [{check.message}]", data,
+                 summary=f"{name} arrives late: collective wait {_signed_us(dw)} per step (class.comm)")
 
 
 def gate_documents(base: dict[str, Any], cand: dict[str, Any], **kw: Any) -> GateResult:

@@ -10,7 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from traceinspect.gate.document import class_samples, class_values, label, num, step_samples, step_value
+from traceinspect.gate.document import (
+    class_samples,
+    class_values,
+    comm_split,
+    label,
+    num,
+    rank_class_samples,
+    server_config,
+    step_samples,
+    step_value,
+)
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 
@@ -45,6 +55,7 @@ class MetricDelta:
     base_samples: list[float] | None = None
     cand_samples: list[float] | None = None
     note: str | None = None  # why a side is missing
+    pooled: str | None = None  # how the samples were pooled across ranks, when they were
 
     @property
     def delta(self) -> float | None:
@@ -67,6 +78,8 @@ class MetricDelta:
                "n_cand_samples": len(self.cand_samples or [])}
         if self.note:
             out["note"] = self.note
+        if self.pooled:
+            out["pooled"] = self.pooled
         return out
 
 
@@ -86,6 +99,9 @@ class Diff:
     findings_note: str | None
     base_step_us: float | None = None
     notes: list[str] = field(default_factory=list)
+    server_config: list[dict[str, Any]] = field(default_factory=list)  # key, base, cand: the keys that differ
+    server_config_note: str | None = None
+    comm: dict[str, Any] | None = None  # base / cand: collective wait and transfer per step (comm_split)
 
     def mismatches(self) -> list[dict[str, Any]]:
         """Compatibility facts that differ (device, TP size, ranks, phase)."""
@@ -104,6 +120,8 @@ class Diff:
             "gemm_note": self.gemm_note,
             "findings": self.findings,
             "findings_note": self.findings_note,
+            "server_config": self.server_config,
+            "server_config_note": self.server_config_note,
             "notes": self.notes,
         }
 
@@ -126,9 +144,26 @@ def _classes(base: dict[str, Any], cand: dict[str, Any]) -> tuple[list[MetricDel
         return [], f"the {side} has no per-class time: classes not compared"
     out = []
     for cls in sorted(set(bv) | set(cv), key=lambda c: -max(bv.get(c, 0.0), cv.get(c, 0.0))):
-        out.append(MetricDelta(f"class.{cls}", bv.get(cls, 0.0), cv.get(cls, 0.0),
-                               class_samples(base, cls), class_samples(cand, cls)))
+        rb, rc = rank_class_samples(base, cls), rank_class_samples(cand, cls)
+        if rb is not None and rc is not None:  # each rank's steps are samples of the same work
+            nb, nc = ((d.get("run") or {}).get("ranks") for d in (base, cand))
+            out.append(MetricDelta(f"class.{cls}", bv.get(cls, 0.0), cv.get(cls, 0.0), rb, rc,
+                                   pooled=f"per-step samples of every rank pooled ({nb} and {nc} ranks)"))
+        else:
+            out.append(MetricDelta(f"class.{cls}", bv.get(cls, 0.0), cv.get(cls, 0.0),
+                                   class_samples(base, cls), class_samples(cand, cls)))
     return out, None
+
+
+def _server_config(base: dict[str, Any], cand: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """The server-config keys whose values differ between the two runs (a key only one side has too)."""
+    b, c = server_config(base), server_config(cand)
+    if b is None or c is None:
+        missing = [s for s, x in (("baseline", b), ("candidate", c)) if x is None]
+        return [], (f"no server configuration in the {' and '.join(missing)} (no server_info.json beside its "
+                    "traces): server config not compared")
+    return [{"key": k, "base": b.get(k), "cand": c.get(k)} for k in sorted(set(b) | set(c))
+            if b.get(k) != c.get(k)], None
 
 
 GEMM_KEY = ("cls", "op", "dtype", "m", "n", "k", "batch", "groups")
@@ -242,6 +277,7 @@ def diff_documents(base: dict[str, Any], cand: dict[str, Any], disabled_rules: s
     classes, classes_note = _classes(base, cand)
     gemm, gemm_note = _gemm(base, cand)
     findings, findings_note = _findings(base, cand, set(disabled_rules or ()))
+    config, config_note = _server_config(base, cand)
     notes = []
     for side, doc in (("baseline", base), ("candidate", cand)):
         if step_samples(doc) is None:
@@ -252,4 +288,6 @@ def diff_documents(base: dict[str, Any], cand: dict[str, Any], disabled_rules: s
         step=MetricDelta("step", step_value(base), step_value(cand), step_samples(base), step_samples(cand)),
         classes=classes, classes_note=classes_note, gemm=gemm, gemm_note=gemm_note,
         findings=findings, findings_note=findings_note, base_step_us=step_value(base), notes=notes,
+        server_config=config, server_config_note=config_note,
+        comm={"base": comm_split(base), "cand": comm_split(cand)},
     )

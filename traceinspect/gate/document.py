@@ -168,6 +168,55 @@ def class_values(doc: dict[str, Any]) -> dict[str, float] | None:
     return out
 
 
+# classes whose time on one rank depends on the other ranks (a collective waits for the last to arrive):
+# their per-rank samples are not independent draws, so they are never pooled across ranks
+NOT_POOLED = frozenset({"comm"})
+
+
+def rank_class_samples(doc: dict[str, Any], cls: str) -> list[float] | None:
+    """Per-rank per-step us of one class (0 where it did not run), pooled over the ranks, or None when
+    the document has no per-rank samples or the class is one that cannot be pooled."""
+    if cls in NOT_POOLED:
+        return None
+    samples = (doc.get("steps") or {}).get("rank_samples")
+    if not isinstance(samples, list) or not samples:
+        return None
+    out = []
+    for s in samples:
+        per = s.get("classes") if isinstance(s, dict) else None
+        if not isinstance(per, dict):
+            return None
+        v = num(per.get(cls, 0.0))
+        out.append(v if v is not None else 0.0)
+    return out or None
+
+
+def server_config(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The server configuration recorded in a document (None when it has none)."""
+    sc = doc.get("server_config")
+    return sc if isinstance(sc, dict) and sc else None
+
+
+def comm_split(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """Collective time per step split into waiting and transfer (mean over ranks), and the wait each
+    rank causes on the others by arriving late, from the ``collectives`` section."""
+    coll = doc.get("collectives")
+    if not isinstance(coll, dict) or coll.get("applicable") is False:
+        return None
+    per = [r for r in coll.get("per_rank") or [] if isinstance(r, dict)]
+    waits = [num(r.get("wait_us_per_step")) for r in per]
+    xfers = [num(r.get("transfer_us_per_step")) for r in per]
+    if not per or any(v is None for v in waits + xfers):
+        return None
+    labels = {r.get("rank"): r.get("label") for r in doc.get("ranks") or [] if isinstance(r, dict)}
+    caused = {int(r["rank"]): num(r.get("wait_caused_us_per_step")) or 0.0 for r in per
+              if isinstance(r.get("rank"), int)}
+    st = coll.get("straggler") if isinstance(coll.get("straggler"), dict) else {}
+    return {"wait_us": sum(waits) / len(waits), "transfer_us": sum(xfers) / len(xfers),  # type: ignore[arg-type]
+            "caused_us": caused, "labels": {k: str(v) for k, v in labels.items()},
+            "straggler": st.get("rank") if isinstance(st.get("rank"), int) else None}
+
+
 def class_samples(doc: dict[str, Any], cls: str) -> list[float] | None:
     """Per-step us of one class (0 in steps where it did not run), or None without samples."""
     samples = (doc.get("steps") or {}).get("samples")

@@ -13,6 +13,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from traceinspect.gate.stats import DEFAULT_ALPHA, needs_text, samples_needed
+
 if TYPE_CHECKING:
     from traceinspect.gate.core import GateResult
     from traceinspect.gate.diff import Diff
@@ -202,6 +204,15 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
                   md_escape(x["cand"].get("title") or "")] for x in f["unchanged"]]
         lines += (_table(["change", "severity", "rule", "title"], rows) if rows else ["No findings in either run."])
         lines.append("")
+    lines += [f"{heading}# Server configuration", ""]
+    if diff.server_config_note:
+        lines += [md_escape(diff.server_config_note), ""]
+    elif diff.server_config:
+        lines += _table(["key", "baseline", "candidate"], [[md_escape(r["key"]), md_escape(r["base"]),
+                                                              md_escape(r["cand"])] for r in diff.server_config])
+        lines.append("")
+    else:
+        lines += ["The same in both runs.", ""]
     for n in diff.notes:
         lines.append(f"- {md_escape(n)}")
     return "\n".join(lines).rstrip() + "\n"
@@ -242,6 +253,14 @@ def _cols(rows: list[list[str]], indent: str = "  ") -> list[str]:
             for r in rows]
 
 
+def server_config_lines(diff: Diff) -> list[str]:
+    """The server-config keys that differ, one line each (or why they could not be compared)."""
+    if diff.server_config_note:
+        return [f"  server config: {plain(diff.server_config_note)}"]
+    return [f"  server config differs: {plain(r['key'])}: {plain(r['base'])} -> {plain(r['cand'])}"
+            for r in diff.server_config]
+
+
 def diff_text(diff: Diff, show_all: bool = False) -> str:
     """The diff for a terminal (plain text)."""
     lines = [f"traceinspect diff: {plain(diff.base_label)} -> {plain(diff.cand_label)}"]
@@ -249,6 +268,7 @@ def diff_text(diff: Diff, show_all: bool = False) -> str:
         if r["same"] is False:
             tag = "MISMATCH" if r["compat"] else "changed"
             lines.append(f"  {tag}: {r['label']}: {plain(r['base'])} -> {plain(r['cand'])}")
+    lines += server_config_lines(diff)
     s = diff.step
     lines.append(f"  median step: {_us(s.base)} -> {_us(s.cand)} ({_sus(s.delta)}, {_pct(s.pct)})")
     lines.append("")
@@ -303,7 +323,14 @@ def gate_text(result: GateResult, verbose: bool = False) -> str:
     ``verbose``, and the verdict line last."""
     lines = []
     if result.diff is not None:
-        lines.append(f"traceinspect gate: {plain(result.diff.base_label)} -> {plain(result.diff.cand_label)}")
+        d = result.diff
+        lines.append(f"traceinspect gate: {plain(d.base_label)} -> {plain(d.cand_label)}")
+        lines += server_config_lines(d)
+        nb, nc = len(d.step.base_samples or []), len(d.step.cand_samples or [])
+        need = samples_needed(float(result.settings.get("alpha") or DEFAULT_ALPHA))
+        if min(nb, nc) < need:
+            lines.append(f"  note: the step-time noise test has {nb} baseline and {nc} candidate per-step samples; "
+                         f"{needs_text(float(result.settings.get('alpha') or DEFAULT_ALPHA))}")
     shown = [c for c in result.checks if verbose or c.status != "pass" or c.kind == "regression"
              and c.id == "step"]
     for c in shown:

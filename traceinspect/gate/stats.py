@@ -93,6 +93,27 @@ def _normal_sf(z: float) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
+EDGE_STEPS = 2  # the first and last profiled step of each rank are not analysed
+
+
+def samples_needed(alpha: float = DEFAULT_ALPHA, n_other: int | None = None) -> int:
+    """The fewest per-step samples a side needs for the noise test to be able to decide at ``alpha``
+    (the smallest attainable one-sided p-value, 1 / C(n1 + n2, n2), below alpha): with ``n_other``
+    samples on the other side, or the same number on both sides."""
+    for n in range(MIN_SAMPLES, 200):
+        other = n if n_other is None else max(n_other, 1)
+        if 1.0 / math.comb(n + other, n) < alpha:
+            return n
+    return 200
+
+
+def needs_text(alpha: float = DEFAULT_ALPHA) -> str:
+    """What the noise test needs, in words: samples per side and the capture that gives them."""
+    n = samples_needed(alpha)
+    return (f"the noise test needs at least {n} per-step samples on each side at alpha {alpha:g} "
+            f"(capture --steps {n + EDGE_STEPS}: the first and last profiled step are not analysed)")
+
+
 def noise_test(base: list[float] | np.ndarray | None, cand: list[float] | np.ndarray | None,
                alpha: float = DEFAULT_ALPHA) -> NoiseTest:
     """Is the candidate slower than the baseline beyond step-to-step noise?"""
@@ -100,15 +121,15 @@ def noise_test(base: list[float] | np.ndarray | None, cand: list[float] | np.nda
     y = _clean(cand)
     if len(x) < MIN_SAMPLES or len(y) < MIN_SAMPLES:
         return NoiseTest(False, None, None, "none", len(x), len(y), alpha,
-                         f"too few per-step samples to test noise (baseline {len(x)}, candidate {len(y)}; "
-                         f"need >= {MIN_SAMPLES} each): threshold and floor alone decide")
+                         f"too few per-step samples to test noise (baseline {len(x)}, candidate {len(y)}); "
+                         f"{needs_text(alpha)}: threshold and floor alone decide")
     p, method, p_min = mann_whitney_greater(x, y)
     if p_min >= alpha:
         return NoiseTest(False, None, p, method, len(x), len(y), alpha,
                          f"noise test cannot decide: with n={len(x)}/{len(y)} per-step samples"
                          f"{' and these ties' if len(np.unique(np.r_[x, y])) < len(x) + len(y) else ''} "
-                         f"the smallest attainable p-value is {p_min:.3g} >= alpha {alpha:g}: "
-                         f"threshold and floor alone decide")
+                         f"the smallest attainable p-value is {p_min:.3g} >= alpha {alpha:g}; "
+                         f"{needs_text(alpha)}: threshold and floor alone decide")
     sig = p < alpha
     verdict = "beyond" if sig else "within"
     return NoiseTest(True, sig, p, method, len(x), len(y), alpha,

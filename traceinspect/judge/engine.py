@@ -290,8 +290,9 @@ def _finding(rule: Rule, sub: M.Subject, env: dict[str, Any], missing: dict[str,
             notes.append("impact unavailable: " + _explain_none(rule.impact, why, missing))
     else:
         impact = _default_impact(sub)
-    if impact is not None:
-        impact, _ = units.clamp_estimate(impact, step_us)
+    if impact is not None:  # the time of what it points at fits in the step (and in its idle, for idle)
+        idle = _num(ctx.run.get("idle_us_per_step")) if rule.removes == "idle" else None
+        impact, _ = units.clamp_estimate(impact, step_us, idle)
     est_v, why = evaluate_explain(rule.estimate, env)
     est = _num(est_v)
     if est is None:

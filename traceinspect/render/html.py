@@ -270,8 +270,8 @@ def class_breakdown_svg(doc: dict[str, Any]) -> tuple[Markup, list[str]]:
         for c, us in segs:
             w = us * scale
             fill = class_color(c)
-            share = us / total if total else 0
-            tip = f"{r.get('label')} · {c}: {fmt_us(us)} per step ({fmt_pct(share)} of kernel time)"
+            share = step_share(us, doc) or 0.0
+            tip = f"{r.get('label')} · {c}: {fmt_us(us)} per step ({fmt_pct(share)} of the step time)"
             kids = [el("title", None, tip)]
             out.append(el("rect", {"x": x, "y": y, "width": max(w, 0.0), "height": bar_h, "fill": fill}, *kids))
             if w > 34:
@@ -311,24 +311,26 @@ def glance_svg(doc: dict[str, Any]) -> Markup:
     for c, us in classes:
         w = us / total * width
         fill = class_color(c)
+        share = step_share(us, doc) or 0.0
         out.append(el("rect", {"x": x, "y": 0, "width": w, "height": h, "fill": fill},
-                      el("title", None, f"{c}: {fmt_us(us)} per step ({fmt_pct(us / total)})")))
-        label = f"{c} {fmt_pct(us / total, 0)}"
+                      el("title", None, f"{c}: {fmt_us(us)} per step ({fmt_pct(share)} of the step time)")))
+        label = f"{c} {fmt_pct(share, 0)}"
         if w > 7 * len(label) + 10:
             out.append(el("text", {"x": x + 6, "y": h / 2 + 4.5, "fill": text_color(fill), "class": "seg",
                                    "font-size": "12.5"}, label))
         elif w > 7 * 4 + 6:
             out.append(el("text", {"x": x + 4, "y": h / 2 + 4.5, "fill": text_color(fill), "class": "seg"},
-                          fmt_pct(us / total, 0)))
+                          fmt_pct(share, 0)))
         x += w
     if idle_us > 0:
         w = idle_us / total * width
         out.append(el("rect", {"x": x + 0.5, "y": 0.5, "width": max(w - 1, 0.0), "height": h - 1,
                                "fill": "url(#glance-hatch)", "stroke": IDLE_STROKE},
-                      el("title", None, f"GPU idle inside the step: {fmt_us(idle_us)} ({fmt_pct(idle_us / total)})")))
+                      el("title", None, f"GPU idle inside the step: {fmt_us(idle_us)} "
+                                        f"({fmt_pct(step_share(idle_us, doc))} of the step time)")))
         if w > 70:
             out.append(el("text", {"x": x + 6, "y": h / 2 + 4.5, "class": "seg", "fill": "#444"},
-                          f"idle {fmt_pct(idle_us / total, 0)}"))
+                          f"idle {fmt_pct(step_share(idle_us, doc), 0)}"))
     defs = el("defs", None, el("pattern", {"id": "glance-hatch", "width": 6, "height": 6,
                                            "patternUnits": "userSpaceOnUse", "patternTransform": "rotate(45)"},
                                el("rect", {"width": 6, "height": 6, "fill": "#ffffff"}),

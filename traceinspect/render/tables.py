@@ -43,7 +43,7 @@ def kernels_table(a: Analysis, doc: dict[str, Any]) -> pd.DataFrame:
     g["name"] = g["name"].astype(str)
     g["cls"] = g["cls"].astype(str)
     ops = launching_ops(k)
-    g["launched_by"] = g["name"].map(ops).fillna("")
+    g["launched_by"] = [ops.get(n, "") for n in g["name"]]
     per = _per(a)
     g["calls_per_step"] = g["calls"] / per
     g["us_per_step"] = g["total_us"] / per
