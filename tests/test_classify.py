@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from traceinspect.classify import (
     classify_kernels,
     classify_name,
     load_class_table,
+    model_has_experts,
 )
 from traceinspect.errors import RuleError
 from traceinspect.model import RankInfo, TraceSet
@@ -47,7 +49,8 @@ def table() -> ClassTable:
 
 
 def test_classes_and_shipped_table(table: ClassTable) -> None:
-    assert len(CLASSES) == 18 and CLASSES[0] == "fp4_gemm" and CLASSES[-1] == "other"
+    assert len(CLASSES) == 20 and CLASSES[0] == "fp4_gemm" and CLASSES[-1] == "other"
+    assert {"fp32_gemm", "conv"} <= set(CLASSES)
     assert table.source == rules_dir() / "kernel_classes.yaml"
     assert table.source.is_file()
     assert {r.cls for r in table.rules} <= set(CLASSES)
@@ -291,6 +294,84 @@ def test_softmax_expert_size_check() -> None:
     assert got[sm.format(8)][0] == "elementwise" and "not MoE routing" in got[sm.format(8)][1]
     # without an expert count the generic label stands
     assert classify_name(sm.format(8)).cls == "moe_dispatch"
+
+
+def test_routing_labels_only_where_the_model_has_experts() -> None:
+    """A generic softmax / top-k / sort is MoE routing only in a model with experts: with no expert
+    count and no MoE kernel or op in the trace it is elementwise, with the reason recorded."""
+    sm = "void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, true>(float*)"
+    sort = "void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<int>(int)"
+    for experts in (False, True):
+        ts, st = _trace(graph=True, kv_mode="full")
+        k = ts.kernels
+        extra = [{**k.iloc[0].to_dict(), "name": n, "ts": -10.0 - i} for i, n in enumerate((sm, sort))]
+        if experts:
+            extra.append({**k.iloc[0].to_dict(), "name": "fused_moe_kernel", "ts": -20.0})
+        ts.kernels = pd.concat([k, pd.DataFrame(extra)], ignore_index=True)
+        has, why = model_has_experts(ts)
+        assert not has and "no expert count" in why if not experts else True
+        classify_kernels(ts, st)
+        got = dict(zip(ts.kernels["name"], zip(ts.kernels["cls"], ts.kernels["cls_evidence"], strict=True),
+                       strict=True))
+        for n in (sm, sort):
+            if experts:
+                assert got[n][0] == "moe_dispatch", got[n]
+            else:
+                assert got[n][0] == "elementwise" and "the model has no experts" in got[n][1], got[n]
+        if experts:
+            assert model_has_experts(ts) == (True, "expert GEMM kernels in the trace")
+
+
+@pytest.mark.parametrize(("name", "op_path", "want"), [
+    ("volta_sgemm_128x64_nt", "", "fp32_gemm"),
+    ("volta_sgemm_128x64_nt", "aten::addmm", "fp32_gemm"),
+    ("ampere_sgemm_64x32_sliced1x4_nn", "aten::mm", "fp32_gemm"),
+    ("sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma_aligna4", "", "fp32_gemm"),
+    ("void cutlass::Kernel2<cutlass_80_simt_sgemm_128x32_8x5_nn_align1>(cutlass_80_simt_sgemm_128x32_8x5_nn"
+     "_align1::Params)", "aten::linear > aten::matmul > aten::mm", "fp32_gemm"),
+    ("sm80_xmma_gemm_tf32f32_tf32f32_f32_tn_n_tilesize64x64x32", "", "fp32_gemm"),
+    ("void cutlass::Kernel<cutlass_80_tensorop_s1688gemm_256x64_16x4_nn_align4>(cutlass_80_tensorop_s1688gemm"
+     "_256x64_16x4_nn_align4::Params)", "aten::mm", "fp32_gemm"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_s16816gemm_bf16_128x64_64x6_tn_align8>(x)", "aten::mm", "bf16_gemm"),
+    ("void epilogue::impl::globalKernel<float, float, float, true, true>(int, int, long, float*)", "", "fp32_gemm"),
+    ("volta_sgemm_128x64_nt", "aten::cudnn_convolution", "conv"),
+    ("void implicit_convolve_sgemm<float, float, 1024, 6, 7, 3, 3, 5, 1, false, true, true>(int)", "", "conv"),
+    ("void cudnn::winograd_nonfused::winogradForwardData4x4<float, float>(x)", "", "conv"),
+    ("volta_scudnn_winograd_128x128_ldg1_ldg4_relu_tile148t_nt_v1", "", "conv"),
+    ("void cudnn::detail::dgrad_engine<float, 512, 6, 5, 3, 3, 3, false>(int)", "", "conv"),
+    ("sm80_xmma_fprop_implicit_gemm_indexed_f16f16_f16f32_f32_nhwckrsc_nhwc", "", "conv"),
+    ("_ZN19cutlass_cudnn_train6KernelINS_4conv6kernel23ImplicitGemmConvolutionINS1_11threadblock", "", "conv"),
+    ("void cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, int, 512, true, 1>(x)", "", "norm"),
+    ("void at::native::batch_norm_collect_statistics_kernel<float, float, float, 512>(x)", "", "norm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous)::foo>(int)",
+     "aten::batch_norm > aten::native_batch_norm", "norm"),
+    ("convert_fp8_kernel", "", "dtype_cast"),
+    ("void causal_conv1d_fwd_kernel<x>(int)", "", "attention"),
+    ("void dpsk::ep::internode::dispatch<8, 4, 128>(int*)", "", "moe_dispatch"),
+    ("void dpsk::ep::internode::combine<__nv_bfloat16, 8>(int*)", "", "moe_dispatch"),
+    ("void dpsk::ep::internode::notify_dispatch<8>(int)", "", "moe_dispatch"),
+    ("void deep_ep::intranode::dispatch<8, 768>(int*)", "", "moe_dispatch"),
+    ("triton_poi_fused_add_all_reduce_embedding_mul_0", "", "elementwise"),
+    ("triton_poi_fused_add_all_reduce_embedding_mul_0", "c10d::allreduce_", "elementwise"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "", "comm"),
+    ("cross_device_reduce_1stage<__nv_bfloat16, 8>", "", "comm"),
+])
+def test_new_classes_and_namespaces(table: ClassTable, name: str, op_path: str, want: str) -> None:
+    lb = classify_name(name, op_path, table=table)
+    assert lb.cls == want, lb
+
+
+FP32_GEMM_NAME = re.compile(r"(?<![a-z])sgemm|f32f32|tf32|simt_sgemm|<float, float, float\b", re.IGNORECASE)
+
+
+def test_no_fp32_gemm_in_the_corpus_is_bf16(table: ClassTable) -> None:
+    """The corpus' fp32 / tf32 GEMMs (by name) are fp32_gemm; the traces are checked in test_real_traces."""
+    n = 0
+    for r in csv.DictReader(CORPUS.open(), delimiter="\t"):
+        if FP32_GEMM_NAME.search(r["name"]) and "gemm" in r["name"].lower():
+            assert classify_name(r["name"], table=table).cls == "fp32_gemm" == r["class"], r["name"]
+            n += 1
+    assert n >= 2
 
 
 def test_class_table_rows() -> None:

@@ -108,16 +108,16 @@ def test_rank_without_kernels_fails_with_the_cupti_hint(tmp_path: Path) -> None:
 
 
 def test_no_steps_is_explained(tmp_path: Path) -> None:
-    """A handful of back-to-back kernels and no step markers: no source of steps applies."""
+    """A handful of back-to-back kernels and no step markers: the whole capture is one step, with a
+    warning that says so and how to mark steps."""
     evs = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "ts": 1000.0 + 10 * i, "dur": 5.0, "pid": 0, "tid": 7,
             "args": {"device": 0, "stream": 7, "correlation": i}} for i in range(5)]
     d = write_set(tmp_path / "s", {"fixture-TP-0.trace.json": {"traceEvents": evs}}, server_info=None)
-    checks, ok, text = diag(d)
-    assert not ok
+    checks, ok, text = diag(d, phase="all")
+    assert ok
     s = check(checks, "steps")
-    assert s.status == FAIL and "no steps found (tried step[...] spans, ProfilerStep#N" in s.summary
-    assert any("record_function" in x or "step[...]" in x for x in s.details)
-    assert "[FAIL] steps" in text
+    assert s.status == WARN and "no step marker: the whole capture is one step" in s.summary
+    assert "step[...]" in s.summary and "[warn] steps" in text
 
 
 def test_unreadable_files_are_each_named(tmp_path: Path) -> None:

@@ -73,12 +73,24 @@ def test_spec_table_is_complete_and_dense() -> None:
     # no fp8/fp4 tensor path on Ampere: unknown, not zero
     assert specs["A100 SXM4 80GB"].peak("fp8") is None
     for s in specs.values():  # the Blackwell parts have fp4, Hopper/CDNA3 do not
-        assert ("fp4" in s.peak_tflops) == (s.compute_capability in ("10.0", "12.0"))
+        assert ("fp4" in s.peak_tflops) == (s.compute_capability in ("10.0", "10.3", "12.0"))
+    # every entry names its source; a figure no source gave is left out, never zero
+    for s in specs.values():
+        assert s.source and all(v > 0 for v in s.peak_tflops.values()), s.name
+    for name in ("H800", "H20", "GH200", "GB300", "B300", "L40S", "L4", "A10", "T4", "V100 SXM2", "RTX 4090",
+                 "RTX 2080 Ti", "MI355X", "MI300X"):
+        assert name in specs, name
+    assert specs["B300"].compute_capability == "10.3" and specs["L40S"].peak("fp8") == pytest.approx(1466 / 2)
+    assert specs["H20"].peak("fp8") is None  # no source gives it
+    assert match_gpu("Tesla V100-SXM2-32GB", "7.0").name == "V100 SXM2"
+    assert match_gpu("NVIDIA H800", "9.0").name == "H800" and match_gpu("NVIDIA H20", "9.0").name == "H20"
 
 
 def test_unknown_and_ambiguous_gpu() -> None:
-    spec, why = resolve_gpu("NVIDIA L4", "8.9")
+    spec, why = resolve_gpu("NVIDIA Quadro K600", "3.0")
     assert spec is None and "not in the GPU table" in why and "--gpu" in why
+    spec, why = resolve_gpu("NVIDIA RTX 4000 Ada Generation", "8.9")  # L4, L40S, RTX 4090 share 8.9
+    assert spec is None and "L40S" in why and "L4" in why
     spec, why = resolve_gpu("Some Hopper", "9.0")  # H100 and H200 share 9.0: no guess
     assert spec is None and "H200" in why and "H100 SXM" in why
     spec, why = resolve_gpu(None, None)

@@ -144,7 +144,7 @@ def test_the_story_is_one_order_and_places_what_no_finding_explains() -> None:
     a, doc = _analysis("fixtures/kv-full-cast-graph")
     doc = dict(doc, unexplained=[{"cls": "dtype_cast", "share": 0.69, "explain_with": "shapes of the casts"}],
                undecided=[{"rule": "kv-full-pool-cast", "share": 0.4, "missing": ["kv_pool_tokens"],
-                           "how_to_supply": "save server_info.json beside the traces"}])
+                           "how_to_supply": ["save server_info.json beside the traces"]}])
     term, page, md = _terminal(a, doc), render_html(a, doc), render_markdown(a, doc)
     banner = _text(_between(page, '<section class="headline"', "</section>"))
     head = term.split("Ranks (per step")[0]
@@ -152,6 +152,14 @@ def test_the_story_is_one_order_and_places_what_no_finding_explains() -> None:
     for out in (head, banner, _html.unescape(md_head).replace("\\", "")):
         assert "Unexplained: dtype_cast" in out and "shapes of the casts" in out
         assert "Undecided: kv-full-pool-cast" in out and "save server_info.json beside the traces" in out
+        assert "['" not in out  # lists read as phrases
+    # the undecided share (of GPU time in the analysis) is shown as a share of the step time
+    from traceinspect.render.story import gpu_to_step_share
+    from traceinspect.units import fmt_pct
+
+    kernel = sum(v["us_per_step"] for v in doc["classes"].values())
+    assert gpu_to_step_share(0.4, doc) == pytest.approx(0.4 * kernel / doc["steps"]["median_us"])
+    assert f"at stake: {fmt_pct(gpu_to_step_share(0.4, doc))} of the step time" in banner
 
 
 def test_host_sync_estimate_never_exceeds_the_idle_it_removes() -> None:

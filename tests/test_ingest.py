@@ -32,7 +32,7 @@ def assert_same(a: parse.ParsedRank, b: parse.ParsedRank) -> None:
         assert getattr(a, m) == getattr(b, m), m
 
 
-def _events(n: int = 40) -> list[dict[str, Any]]:
+def _events(n: int = 120) -> list[dict[str, Any]]:
     ev: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "py"}}]
     for i in range(n):
         t = 1000.0 + 10 * i
@@ -130,7 +130,9 @@ def test_gzip_members_and_damage(backend: str, tmp_path: Path, monkeypatch: pyte
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda s: s.replace(b'"ts":1010.0', b'"ts":"1010"', 1), "not a Kineto trace"),
+    (lambda s: s.replace(b'"traceEvents":', b'"traceEventz":', 1), "not a Kineto trace: no traceEvents array"),
+    (lambda s: s.replace(b'"traceEvents":[', b'"traceEvents":{"a":[', 1)[:-1] + b"}}",
+     "not a Kineto trace: no traceEvents array"),
     (lambda s: s.replace(b'"ts":1010.0', b'"ts":1010.0,,', 1), "not valid JSON"),
     (lambda s: s[: len(s) - 30], "not valid JSON"),
     (lambda s: b"[" + s + b"]", "not a Kineto trace"),

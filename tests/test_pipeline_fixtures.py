@@ -165,8 +165,15 @@ def test_error_no_steps(tmp_path: Path) -> None:
         doc["traceEvents"] = [e for e in ev if e.get("cat") != "kernel"] + kernels
 
     rewrite_trace(fixture_dir(EAGER) / "fixture-TP-0.trace.json.gz", tmp_path / "fixture-TP-0.trace.json.gz", strip)
-    _one_line_error(run_cli("analyze", str(tmp_path)), "no steps found", "step[...] spans", "ProfilerStep",
-                    "cudaGraphLaunch")
+    out = tmp_path / "a.json"
+    r = run_cli("analyze", str(tmp_path), "-q", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    # nothing marks a step: the whole capture is one step, of unknown phase, and the user is told
+    assert doc["steps"]["source"] == "whole_capture" and doc["steps"]["count"] == 1
+    assert doc["steps"]["phase"] == "unknown" and doc["ranks"][0]["steps_found"] == {"unknown": 1}
+    assert any("states the phase" in w for w in doc["warnings"]), doc["warnings"]
+    assert doc["coverage"]["kernels_analysed"] == 50
 
 
 def test_error_no_decode_steps(tmp_path: Path) -> None:
@@ -178,8 +185,14 @@ def test_error_no_decode_steps(tmp_path: Path) -> None:
     for r in (0, 1):
         rewrite_trace(fixture_dir(EAGER) / f"fixture-TP-{r}.trace.json.gz",
                       tmp_path / f"fixture-TP-{r}.trace.json.gz", prefill)
-    _one_line_error(run_cli("analyze", str(tmp_path)), "no complete decode steps", "prefill")
+    _one_line_error(run_cli("analyze", str(tmp_path), "--phase", "decode"), "no complete decode steps", "prefill")
     assert run_cli("analyze", str(tmp_path), "--phase", "prefill", "-q").returncode == 0
+    # without --phase, a trace of prefill steps only is analysed as such, and says so
+    out = tmp_path / "a.json"
+    assert run_cli("analyze", str(tmp_path), "-q", "--json", str(out)).returncode == 0
+    doc = json.loads(out.read_text())
+    assert doc["steps"]["phase"] == "prefill" and doc["run"]["kind"] == "prefill"
+    assert any("no decode steps: analysed its" in w and "prefill step(s)" in w for w in doc["warnings"])
 
 
 def test_server_info_flag_and_missing_rank_warning(tmp_path: Path) -> None:

@@ -348,7 +348,7 @@ def _analysis(cast_us: float = 900.0, pool: int | None = 1000, with_shapes: bool
                cpu_ops=pd.DataFrame(ops), capture_traces={}, kernels=k, warnings=[])
     samples = pd.DataFrame({"step_us": [span] * 3})
     return NS(trace=trace, kernels=k, selected=sel, steps=sel, efficiency=None, collectives=None, n_ranks=2,
-              phase="decode", server_info=si, options=NS(gpu=None), steps_per_rank=lambda: 3,
+              phase="decode", rule_phase="decode", server_info=si, options=NS(gpu=None), steps_per_rank=lambda: 3,
               step_samples=lambda: samples)
 
 
@@ -391,9 +391,12 @@ def test_kv_rule_silent_when_share_small() -> None:
 
 def test_rule_scope_skips_other_phases() -> None:
     a = _analysis()
-    a.phase = "prefill"
+    a.phase = a.rule_phase = "prefill"
     out = explain(a, load_rule_set(only=["kv-full-pool-cast"]))
     assert out[0].status == "skipped"
+    a.phase, a.rule_phase = "decode", "training"  # a training run: no decode advice
+    out = explain(a, load_rule_set(only=["kv-full-pool-cast"]))
+    assert out[0].status == "skipped" and "training steps" in out[0].reasons[0]
 
 
 def test_findings_sorted_by_saving(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from traceinspect.link import link
 from traceinspect.load import load_trace_set
 from traceinspect.measure.time import class_step_time, class_totals, percentile, top_kernels
 from traceinspect.model import TraceSet
-from traceinspect.steps import build_steps, select_steps
+from traceinspect.steps import RunKind, build_steps, resolve_phase, run_kind, select_steps
 
 if TYPE_CHECKING:
     from traceinspect.judge import Finding
@@ -38,7 +38,7 @@ SCHEMA = "traceinspect.analysis/1"
 class Options:
     """What an analysis was asked to do (also recorded in the JSON)."""
 
-    phase: str = "decode"
+    phase: str = "auto"  # decode | prefill | all | auto (decode, else the one phase the trace holds)
     server_info: str | Path | None = None
     gpu: str | None = None  # GPU spec override: a name in rules/gpus.yaml or a YAML file
     rules: Sequence[str | Path] = ()
@@ -66,10 +66,17 @@ class Analysis:
     findings: list[Finding] = field(default_factory=list)
     graph_ops: GraphOps | None = None  # CPU ops of CUDA-graph replays, from the capture traces
     rule_set: Any = None  # the rules the findings were judged with (their texts go into the report)
+    run_kind: RunKind | None = None  # decode, prefill, mixed or training, decided once (steps.run_kind)
 
     @property
     def phase(self) -> str:
         return self.options.phase
+
+    @property
+    def rule_phase(self) -> str:
+        """The steps rules are scoped by: the analysed phase, or ``training`` in a training run (whose
+        steps no inference advice fits)."""
+        return "training" if self.run_kind is not None and self.run_kind.kind == "training" else self.phase
 
     @property
     def n_ranks(self) -> int:
@@ -152,6 +159,8 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: Any) -> Analysis:
     steps = build_steps(ts)
     recovered = recover_graph_ops(ts)
     classify_kernels(ts, steps, graph_ops=recovered)
+    opts.phase, notes = resolve_phase(steps, opts.phase)
+    ts.warnings += notes
     selected = select_steps(steps, opts.phase)
     ts.warnings += step_count_warnings(selected, ts, opts.phase)
     if not len(selected):
@@ -163,6 +172,7 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: Any) -> Analysis:
     result = Analysis(
         trace=ts, options=opts, steps=steps, selected=selected, kernels=kernels,
         class_steps=class_step_time(kernels), class_totals=class_totals(kernels), graph_ops=recovered,
+        run_kind=run_kind(ts, steps),
     )
     _measure_and_judge(result, rule_set)
     return result
@@ -236,6 +246,7 @@ def _run_meta(a: Analysis) -> dict[str, Any]:
         "cuda_graph": bool(a.kernels["graph_replay"].mean() > 0.5) if len(a.kernels) else False,
         "cuda_runtime_version": info.cuda_runtime_version,
         "cuda_driver_version": info.cuda_driver_version,
+        **(a.run_kind.to_json() if a.run_kind is not None else {"kind": None, "kind_evidence": "not decided"}),
     }
 
 
@@ -342,6 +353,7 @@ def to_json(a: Analysis) -> dict[str, Any]:
             "p90_us": _num(percentile(samples["step_us"], 90)),
             "source": step_sources[0] if len(step_sources) == 1 else step_sources,
             "found": {str(k): int(v) for k, v in a.steps.groupby("phase").size().items()},
+            "analysed": {str(k): int(v) for k, v in a.selected.groupby("phase").size().items()},
             "excluded_edge": int(a.steps["edge"].sum()),
             "samples": [{"step_us": _num(r["step_us"]),
                          "classes": {c[6:]: _num(v) for c, v in r.items() if c.startswith("class.")}}

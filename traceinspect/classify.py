@@ -48,9 +48,9 @@ if TYPE_CHECKING:
     from traceinspect.graphs import GraphOps
 
 CLASSES: tuple[str, ...] = (
-    "fp4_gemm", "fp8_gemm", "bf16_gemm", "moe_gemm", "moe_dispatch", "attention", "kv_write", "kv_cast",
-    "dtype_cast", "comm", "norm", "activation", "rotary", "quantize", "sampling", "memcpy", "elementwise",
-    "other",
+    "fp4_gemm", "fp8_gemm", "bf16_gemm", "fp32_gemm", "conv", "moe_gemm", "moe_dispatch", "attention", "kv_write",
+    "kv_cast", "dtype_cast", "comm", "norm", "activation", "rotary", "quantize", "sampling", "memcpy",
+    "elementwise", "other",
 )
 DEFAULT_FILE = "kernel_classes.yaml"
 RULE_KEYS = {"id", "class", "secondary", "priority", "name", "not_name", "op", "not_op", "has_op", "kind",
@@ -526,19 +526,47 @@ def _routing_size(name: str, o: int, inputs: _OpInputs | None) -> tuple[int | No
     return None, ""
 
 
+_MOE_OPS = re.compile(r"moe|expert|deep_ep|select_experts|fused_topk", re.IGNORECASE)
+
+
+def model_has_experts(ts: TraceSet, table: ClassTable | None = None) -> tuple[bool, str]:
+    """Whether the model has experts (MoE), and the evidence: an expert count in server_info /
+    model_info, else expert GEMMs, MoE routing kernels named as such, or MoE ops in the trace. The
+    one place this is decided: routing labels of generic softmax / top-k / sort kernels stand only
+    where it is true."""
+    si = ts.server_info if isinstance(ts.server_info, dict) else {}
+    n_exp, exp_src = _model_int(si, _EXPERT_KEYS)
+    if n_exp is not None:
+        return n_exp > 1, f"{n_exp} experts ({exp_src})"
+    table = table or _default_table()
+    generic = {r.id for r in table.rules if r.verify == "experts"}
+    k = ts.kernels
+    if len(k) and "cls" in k:
+        cls = text_values(k["cls"])
+        if (cls == "moe_gemm").any():
+            return True, "expert GEMM kernels in the trace"
+        ev = k["cls_evidence"].to_numpy(dtype=object)
+        named = {e for e in unique_text(ev[cls == "moe_dispatch"])
+                 if (m := _RULE_ID.match(str(e))) and m.group(1) not in generic}
+        if named:
+            return True, "MoE routing / dispatch kernels in the trace"
+    if len(ts.cpu_ops):
+        names = pd.Series(unique_text(ts.cpu_ops["name"].to_numpy(dtype=object)), dtype=object)
+        if names.str.contains(_MOE_OPS).any():
+            return True, "MoE ops in the trace"
+    return False, "no expert count in server_info and no expert GEMM, MoE routing kernel or MoE op in the trace"
+
+
 def verify_experts(ts: TraceSet, table: ClassTable | None = None) -> None:
-    """Re-label kernels of ``verify: experts`` rules whose softmax / top-k size is known and is not
-    the model's expert count (vocabulary-wide -> sampling, else elementwise)."""
+    """Re-label kernels of ``verify: experts`` rules where the model has no experts (-> elementwise), or
+    whose softmax / top-k size is known and is not the model's expert count (vocabulary-wide ->
+    sampling, else elementwise)."""
     table = table or _default_table()
     ids = {r.id for r in table.rules if r.verify == "experts"}
     k = ts.kernels
     if not ids or not len(k):
         return
     si = ts.server_info if isinstance(ts.server_info, dict) else {}
-    n_exp, exp_src = _model_int(si, _EXPERT_KEYS)
-    if n_exp is None:
-        return
-    vocab, _ = _model_int(si, ("vocab_size",))
     ev = k["cls_evidence"].to_numpy(dtype=object)
     uniq = unique_text(ev)
     hit = {e for e in uniq if (m := _RULE_ID.match(str(e))) and m.group(1) in ids}
@@ -547,6 +575,18 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None) -> None:
     rows = np.nonzero(np.isin(ev, list(hit)))[0]
     cls = k["cls"].to_numpy(dtype=object).copy()
     ev = ev.copy()
+    has, why = model_has_experts(ts, table)
+    if not has:
+        for r in rows:
+            ev[r] = f"elementwise: not MoE routing, the model has no experts ({why}); was {cls[r]} by {ev[r]}"
+            cls[r] = "elementwise"
+        _set_text(k, "cls", cls)
+        _set_text(k, "cls_evidence", ev)
+        return
+    n_exp, exp_src = _model_int(si, _EXPERT_KEYS)
+    if n_exp is None:
+        return
+    vocab, _ = _model_int(si, ("vocab_size",))
     names = k["name"].to_numpy(dtype=object)
     op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
     inputs = _OpInputs(ts.cpu_ops) if len(ts.cpu_ops) else None

@@ -1,9 +1,17 @@
 """Stage 3, steps: segment each rank into forward steps and attribute kernels to them.
 
-Step sources, in order: SGLang ``step[...]`` spans, ``ProfilerStep#N``, one ``cudaGraphLaunch``
-per step, and last a gap-based split of the GPU timeline. Kernels belong to the step whose CPU
-window holds the runtime call that launched them (GPU work lags the CPU, so GPU time windows would
-misattribute); only the gap fallback, which has no CPU side, uses GPU time.
+Step sources, in order (the first that marks steps on a rank is used; ``rules/steps.yaml`` holds the
+patterns and thresholds): SGLang ``step[...]`` spans; ``ProfilerStep#N`` in any category (a
+``user_annotation``, or a ``cpu_op``/``Operator`` in PyTorch 1.8-era traces; the GPU-side
+``gpu_user_annotation`` copy where no CPU one exists); a serving engine's forward markers (vLLM's
+``execute_model``), outermost spans, so every CUDA-graph replay of one forward is one step; repeated
+iteration annotations on the CPU, else on the GPU; one ``cudaGraphLaunch`` per step; idle gaps on the
+GPU timeline, only where they are periodic and the pieces alike. A rank with none of these is one
+step, the whole capture (source ``whole_capture``), never cut into arbitrary pieces.
+
+Kernels belong to the step whose CPU window holds the runtime call that launched them (GPU work lags
+the CPU, so GPU time windows would misattribute); only GPU-side sources (GPU annotations, gaps) use
+GPU time. Steps whose phase no marker states are ``unknown``; they are never relabelled.
 
 ``steps`` table columns: rank, idx (order within the rank), phase, bs, toks, name, source,
 cpu_start, cpu_end, gpu_start, gpu_end, n_kernels, kernel_us, busy_us, span_us, idle_us,
@@ -13,12 +21,13 @@ edge (first/last step of the rank), included (analysed).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from traceinspect.errors import TraceInputError
 from traceinspect.link import GRAPH_LAUNCH
 from traceinspect.model import TraceSet
 
@@ -27,7 +36,9 @@ PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")
 BS = re.compile(r"\bbs=(\d+)")
 TOKS = re.compile(r"\btoks=(\d+)")
 PHASES = {"decode": "decode", "extend": "prefill", "prefill": "prefill", "mixed": "mixed", "idle": "idle"}
-SOURCES_TRIED = "step[...] spans, ProfilerStep#N, cudaGraphLaunch per step, GPU idle gaps"
+SOURCES_TRIED = ("step[...] spans, ProfilerStep#N, forward markers, iteration annotations, cudaGraphLaunch "
+                 "per step, periodic GPU idle gaps")
+WHOLE_CAPTURE = "whole capture (no step marker)"
 
 STEP_COLUMNS = [
     "rank", "idx", "phase", "bs", "toks", "name", "source", "cpu_start", "cpu_end",
@@ -41,6 +52,39 @@ class _Windows:
     end: np.ndarray
     name: list[str]
     source: str
+    phase: list[str] | None = None  # per window, where the source states it
+    gpu: bool = False  # windows in GPU time: kernels are assigned by their own start
+
+
+@dataclass(frozen=True)
+class StepRules:
+    """``rules/steps.yaml``: forward-marker patterns and the thresholds of the weaker sources."""
+
+    forward: list[re.Pattern[str]]
+    iteration_min_repeats: int
+    iteration_min_share: float
+    iteration_ignore: re.Pattern[str]
+    gap_min_pieces: int
+    gap_count_spread: float
+    gap_name_overlap: float
+    gap_period_spread: float
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@lru_cache(maxsize=1)
+def step_rules() -> StepRules:
+    import yaml
+
+    from traceinspect.resources import rules_dir
+
+    doc = yaml.safe_load((rules_dir() / "steps.yaml").read_text(encoding="utf-8"))
+    it, gaps = doc["iteration"], doc["gaps"]
+    return StepRules(
+        forward=[re.compile(m["pattern"]) for m in doc["forward_markers"]],
+        iteration_min_repeats=int(it["min_repeats"]), iteration_min_share=float(it["min_kernel_share"]),
+        iteration_ignore=re.compile(it["ignore"]), gap_min_pieces=int(gaps["min_pieces"]),
+        gap_count_spread=float(gaps["max_kernel_count_spread"]), gap_name_overlap=float(gaps["min_name_overlap"]),
+        gap_period_spread=float(gaps["max_period_spread"]), raw=doc)
 
 
 def phase_of(name: str) -> str:
@@ -69,25 +113,139 @@ def union_us(ts: np.ndarray, end: np.ndarray) -> float:
     return float(np.sum(seg_end - seg_start))
 
 
+def _rank_rows(df: pd.DataFrame, rank: int) -> pd.DataFrame:
+    return df[df["rank"] == rank] if len(df) else df
+
+
+def _clip(start: np.ndarray, end: np.ndarray) -> None:
+    """Windows never overlap: clip each at the next one's start (in place; sorted by start)."""
+    end[:-1] = np.minimum(end[:-1], start[1:])
+
+
 def _span_windows(ts: TraceSet, rank: int) -> _Windows | None:
-    ann = ts.annotations[ts.annotations["rank"] == rank]
-    spans = ann[ann["name"].str.match(STEP_SPAN)]
-    source = "step_span"
-    if not len(spans):
-        spans = ann[ann["name"].str.match(PROFILER_STEP)]
-        source = "profiler_step"
+    ann = _rank_rows(ts.annotations, rank)
+    spans = ann[ann["name"].str.match(STEP_SPAN)] if len(ann) else ann
     if not len(spans):
         return None
     spans = spans.sort_values("ts")
     start, end = spans["ts"].to_numpy().copy(), spans["end"].to_numpy().copy()
-    if source == "step_span":
-        # sampling runs after the step span but inside scheduler.run_batch: widen to it
-        rb = ann[ann["name"] == "scheduler.run_batch"]
-        if len(rb):
-            _widen(start, end, rb["ts"].to_numpy(), rb["end"].to_numpy())
-    # windows never overlap: clip each at the next one's start
-    end[:-1] = np.minimum(end[:-1], start[1:])
-    return _Windows(start, end, spans["name"].tolist(), source)
+    # sampling runs after the step span but inside scheduler.run_batch: widen to it
+    rb = ann[ann["name"] == "scheduler.run_batch"]
+    if len(rb):
+        _widen(start, end, rb["ts"].to_numpy(), rb["end"].to_numpy())
+    _clip(start, end)
+    names = spans["name"].tolist()
+    return _Windows(start, end, names, "step_span", [phase_of(n) for n in names])
+
+
+def _profiler_windows(ts: TraceSet, rank: int) -> _Windows | None:
+    """``ProfilerStep#N`` as a user annotation or a CPU op (``cat: Operator`` in PyTorch 1.8/1.9), else
+    its GPU-side copy."""
+    parts = []
+    for df in (ts.annotations, ts.cpu_ops):
+        r = _rank_rows(df, rank)
+        if len(r):
+            parts.append(r.loc[r["name"].str.match(PROFILER_STEP), ["name", "ts", "end"]])
+    spans = pd.concat(parts) if parts else pd.DataFrame(columns=["name", "ts", "end"])
+    gpu = False
+    if not len(spans):
+        g = _rank_rows(ts.gpu_annotations, rank)
+        spans = g.loc[g["name"].str.match(PROFILER_STEP), ["name", "ts", "end"]] if len(g) else g
+        gpu = True
+    if not len(spans):
+        return None
+    spans = spans.drop_duplicates(["name", "ts"]).sort_values("ts")
+    start, end = spans["ts"].to_numpy(dtype=float).copy(), spans["end"].to_numpy(dtype=float).copy()
+    _clip(start, end)
+    return _Windows(start, end, spans["name"].tolist(), "profiler_step_gpu" if gpu else "profiler_step", gpu=gpu)
+
+
+def _outermost(start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Indices of the spans no earlier span contains (arrays sorted by start, longer first on ties)."""
+    keep, reach = [], -np.inf
+    for i in range(len(start)):
+        if end[i] > reach:
+            keep.append(i)
+            reach = end[i]
+    return np.asarray(keep, dtype=np.int64)
+
+
+def _forward_windows(ts: TraceSet, rank: int) -> _Windows | None:
+    """A serving engine's forward markers: one step per outermost marked span; the step's phase from
+    the request counts a marker inside it names."""
+    ann = _rank_rows(ts.annotations, rank)
+    if not len(ann):
+        return None
+    rules = step_rules()
+    names = ann["name"].to_numpy(dtype=object)
+    uniq = pd.unique(names)
+    hit = {n for n in uniq if any(p.search(n) for p in rules.forward)}
+    if not hit:
+        return None
+    m = ann[np.isin(names, list(hit))].sort_values(["ts", "end"], ascending=[True, False])
+    start, end = m["ts"].to_numpy(dtype=float), m["end"].to_numpy(dtype=float)
+    mnames = m["name"].tolist()
+    outer = _outermost(start, end)
+    ws, we = start[outer].copy(), end[outer].copy()
+    phases = ["unknown"] * len(outer)
+    for j, (s0, e0) in enumerate(zip(ws, we, strict=True)):
+        found = set()
+        for i in np.nonzero((start >= s0) & (end <= e0))[0]:
+            ph = _marker_phase(mnames[i], rules)
+            if ph:
+                found.add(ph)
+        if found:
+            phases[j] = found.pop() if len(found) == 1 else "mixed"
+    _clip(ws, we)
+    return _Windows(ws, we, [mnames[i] for i in outer], "forward_marker", phases)
+
+
+def _marker_phase(name: str, rules: StepRules) -> str | None:
+    for p in rules.forward:
+        m = p.search(name)
+        if m and "prefill" in p.groupindex and "decode" in p.groupindex:
+            pre, dec = int(m.group("prefill")), int(m.group("decode"))
+            return "mixed" if pre and dec else "prefill" if pre else "decode" if dec else None
+    return None
+
+
+def _iteration_windows(ts: TraceSet, rank: int, kr: pd.DataFrame, launch: np.ndarray) -> _Windows | None:
+    """Repeated iteration annotations: the family of names (digits ignored) that repeats, never
+    overlaps itself and holds the most of the rank's kernel time (at least ``min_kernel_share``);
+    CPU annotations first (kernels by launch time), else GPU annotations (kernels by start)."""
+    rules = step_rules()
+    total = float(kr["dur"].sum())
+    if total <= 0:
+        return None
+    for gpu, df in ((False, ts.annotations), (True, ts.gpu_annotations)):
+        a = _rank_rows(df, rank)
+        if not len(a):
+            continue
+        a = a[~a["name"].str.contains(rules.iteration_ignore)]
+        if not len(a):
+            continue
+        fam = a["name"].str.replace(r"\d+", "#", regex=True)
+        k_at = kr["ts"].to_numpy() if gpu else launch
+        kdur = kr["dur"].to_numpy()
+        best: tuple[float, int, pd.DataFrame] | None = None
+        for _, g in a.groupby(fam, sort=False):
+            if len(g) < rules.iteration_min_repeats:
+                continue
+            g = g.sort_values("ts")
+            s0, e0 = g["ts"].to_numpy(dtype=float), g["end"].to_numpy(dtype=float)
+            if (s0[1:] < e0[:-1]).any():  # instances overlap: not iterations
+                continue
+            pos = np.searchsorted(s0, k_at, side="right") - 1
+            ok = (pos >= 0) & ~np.isnan(k_at)
+            ok[ok] &= k_at[ok] <= e0[pos[ok]]
+            share = float(kdur[ok].sum()) / total
+            if share >= rules.iteration_min_share and (best is None or (share, len(g)) > best[:2]):
+                best = (share, len(g), g)
+        if best is not None:
+            g = best[2]
+            return _Windows(g["ts"].to_numpy(dtype=float).copy(), g["end"].to_numpy(dtype=float).copy(),
+                            g["name"].tolist(), "iteration_gpu" if gpu else "iteration", gpu=gpu)
+    return None
 
 
 def _widen(start: np.ndarray, end: np.ndarray, rbs: np.ndarray, rbe: np.ndarray) -> None:
@@ -121,20 +279,37 @@ def _graph_windows(ts: TraceSet, rank: int) -> _Windows | None:
     return _Windows(start, end, ["cudaGraphLaunch"] * len(start), "graph_launch")
 
 
-def _gap_steps(k: pd.DataFrame) -> np.ndarray:
-    """Step number per kernel from idle gaps on the GPU timeline (no CPU evidence)."""
+def _gap_steps(k: pd.DataFrame) -> np.ndarray | None:
+    """Step number per kernel from idle gaps on the GPU timeline (no CPU evidence), or None unless
+    the gaps are periodic and the pieces alike (``gaps`` in rules/steps.yaml)."""
+    rules = step_rules()
     order = np.argsort(k["ts"].to_numpy(), kind="stable")
     ts, end = k["ts"].to_numpy()[order], k["end"].to_numpy()[order]
-    run_end = np.maximum.accumulate(end)
+    run_end = np.maximum.accumulate(end) if len(end) else end
     gaps = ts[1:] - run_end[:-1]
     if len(gaps) < 2:
-        return np.full(len(k), -1)
+        return None
     pos = gaps[gaps > 0]
     thresh = max(10 * float(np.median(pos)) if len(pos) else 0.0, 100.0)
     big = gaps > thresh
-    if not big.any():
-        return np.full(len(k), -1)
+    n = int(big.sum()) + 1
+    if n < rules.gap_min_pieces:
+        return None
     seg = np.concatenate([[0], np.cumsum(big)])
+    counts = np.bincount(seg, minlength=n)
+    inner = counts[1:-1] if n >= 3 else counts  # the edge pieces may be cut by the profiler
+    med = float(np.median(inner))
+    if med <= 0 or (np.abs(inner - med) > rules.gap_count_spread * med).any():
+        return None
+    starts = ts[np.searchsorted(seg, np.arange(n))]
+    periods = np.diff(starts)[1:-1] if n >= 4 else np.diff(starts)
+    if len(periods) and (np.abs(periods - np.median(periods)) > rules.gap_period_spread * np.median(periods)).any():
+        return None
+    names = k["name"].to_numpy(dtype=object)[order]
+    sets = [set(names[seg == i]) for i in range(1, n - 1)] if n >= 3 else [set(names[seg == i]) for i in range(n)]
+    ref = sets[0]
+    if any(len(ref & x) / max(len(ref | x), 1) < rules.gap_name_overlap for x in sets[1:]):
+        return None
     out = np.empty(len(k), dtype=np.int64)
     out[order] = seg
     return out
@@ -150,21 +325,29 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
         rank = info.rank
         kmask = (k["rank"] == rank).to_numpy()
         kr = k[kmask]
-        win = _span_windows(ts, rank) or _graph_windows(ts, rank)
+        rt_idx = kr["rt_idx"].to_numpy()
+        launch = np.where(rt_idx >= 0, rt_ts[np.maximum(rt_idx, 0)] if len(rt_ts) else np.nan, np.nan)
+        win = (_span_windows(ts, rank) or _profiler_windows(ts, rank) or _forward_windows(ts, rank)
+               or _iteration_windows(ts, rank, kr, launch) or _graph_windows(ts, rank))
+        phases: list[str] | None = None
         if win is not None:
-            rt_idx = kr["rt_idx"].to_numpy()
-            launch = np.where(rt_idx >= 0, rt_ts[np.maximum(rt_idx, 0)] if len(rt_ts) else np.nan, np.nan)
-            pos = np.searchsorted(win.start, launch, side="right") - 1
-            valid = (pos >= 0) & ~np.isnan(launch)
-            valid[valid] &= launch[valid] <= win.end[pos[valid]]
+            at = kr["ts"].to_numpy() if win.gpu else launch
+            pos = np.searchsorted(win.start, at, side="right") - 1
+            valid = (pos >= 0) & ~np.isnan(at)
+            valid[valid] &= at[valid] <= win.end[pos[valid]]
             local = np.where(valid, pos, -1)
-            names, source = win.name, win.source
-            cpu = list(zip(win.start, win.end, strict=True))
+            names, source, phases = win.name, win.source, win.phase
+            cpu = [(np.nan, np.nan)] * len(names) if win.gpu else list(zip(win.start, win.end, strict=True))
         else:
-            local = _gap_steps(kr)
-            n = int(local.max()) + 1 if len(local) else 0
-            names, source = ["gap-segment"] * n, "gpu_gaps"
-            cpu = [(np.nan, np.nan)] * n
+            gap = _gap_steps(kr)
+            if gap is not None:
+                local = gap
+                n = int(local.max()) + 1
+                names, source = ["gap-segment"] * n, "gpu_gaps"
+            else:  # nothing marks a step: the whole capture is one
+                local = np.zeros(len(kr), dtype=np.int64)
+                names, source = ([WHOLE_CAPTURE] if len(kr) else []), "whole_capture"
+            cpu = [(np.nan, np.nan)] * len(names)
         base = len(rows)
         step_col[np.nonzero(kmask)[0]] = np.where(local >= 0, local + base, -1)
         kts, kend, kdur = kr["ts"].to_numpy(), kr["end"].to_numpy(), kr["dur"].to_numpy()
@@ -176,8 +359,8 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
             sel = by_step[bounds[i]:bounds[i + 1]]
             name = names[i]
             bs, toks = BS.search(name), TOKS.search(name)
-            if source == "step_span":
-                phase = phase_of(name)
+            if phases is not None:
+                phase = phases[i]
             elif source == "graph_launch":
                 phase = "decode"  # SGLang replays CUDA graphs for decode only
             else:
@@ -202,16 +385,91 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
             if r["n_kernels"] == 0:
                 r["included"] = False
     k["step"] = step_col
-    steps = pd.DataFrame(rows, columns=STEP_COLUMNS)
-    if not len(steps):
-        raise TraceInputError(f"no steps found (tried {SOURCES_TRIED})", ts.ranks[0].path.parent)
-    return steps
+    return pd.DataFrame(rows, columns=STEP_COLUMNS)
+
+
+def resolve_phase(steps: pd.DataFrame, phase: str) -> tuple[str, list[str]]:
+    """The phase to analyse for a request (``auto``: decode steps, else the one phase the trace holds)
+    and what the user must be told about it: steps of unknown phase are analysed as the requested
+    phase only with a note saying so, never silently relabelled."""
+    inc = steps[steps["included"]]
+    counts = inc.groupby("phase").size().to_dict()
+    n_unknown = int(counts.pop("unknown", 0))
+    known = {p: int(n) for p, n in counts.items() if n}
+    notes: list[str] = []
+    if phase == "auto":
+        if "decode" in known or not (known or n_unknown):
+            phase = "decode"
+        elif len(known) == 1 and not n_unknown:
+            phase = next(iter(known))
+            notes.append(f"the trace holds no decode steps: analysed its {known[phase]} {phase} step(s) "
+                         f"(--phase selects the phase)")
+        elif not known:
+            phase = "unknown"
+            notes.append(f"no marker in the trace states the phase of its steps: analysed {n_unknown} step(s) "
+                         "of unknown phase as they are (--phase decode or prefill treats them as that phase)")
+        else:
+            phase = "all"
+            notes.append(f"the trace holds no decode steps: analysed all its steps "
+                         f"({', '.join(f'{p} {n}' for p, n in sorted(known.items()))}"
+                         f"{f', unknown {n_unknown}' if n_unknown else ''})")
+    if phase in ("decode", "prefill") and n_unknown:
+        notes.append(f"{n_unknown} analysed step(s) are of unknown phase (no marker in the trace states it): they "
+                     f"are analysed as {phase} steps because --phase {phase} asks, not known to be {phase} steps")
+    return phase, notes
 
 
 def select_steps(steps: pd.DataFrame, phase: str) -> pd.DataFrame:
-    """Included steps of the requested phase ('decode', 'prefill' or 'all'); steps of unknown phase
-    count for every phase."""
+    """Included steps of the requested phase ('decode', 'prefill', 'unknown', 'all', or 'auto': see
+    :func:`resolve_phase`); steps of unknown phase count for decode and prefill too."""
     s = steps[steps["included"]]
+    if phase == "auto":
+        phase = resolve_phase(steps, phase)[0]
     if phase == "all":
         return s
+    if phase == "unknown":
+        return s[s["phase"] == "unknown"]
     return s[(s["phase"] == phase) | (s["phase"] == "unknown")]
+
+
+TRAINING_OPS = re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^Optimizer\.step#|^## backward ##$")
+
+
+@dataclass
+class RunKind:
+    """What kind of run the trace is: decode, prefill, mixed, training, or None (undecided) with why."""
+
+    kind: str | None
+    evidence: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "kind_evidence": self.evidence}
+
+
+def run_kind(ts: TraceSet, steps: pd.DataFrame) -> RunKind:
+    """Decide the run's kind once: training where backward ops, autograd's engine or optimizer steps
+    appear; else from the phases of its steps."""
+    hits: dict[str, int] = {}
+    for df in (ts.cpu_ops, ts.annotations):
+        if not len(df):
+            continue
+        names = pd.Series(pd.unique(df["name"].to_numpy(dtype=object)), dtype=object)
+        found = names[names.str.contains(TRAINING_OPS)]
+        if len(found):
+            n = df["name"].isin(set(found)).sum()
+            hits[", ".join(sorted(found)[:3])] = int(n)
+    if hits:
+        what = "; ".join(f"{n} x {k}" for k, n in hits.items())
+        return RunKind("training", f"backward / optimizer ops in the trace ({what})")
+    inc = steps[steps["included"]] if len(steps) else steps
+    phases = set(inc["phase"]) - {"idle"}
+    if not phases:
+        return RunKind(None, "no analysed steps")
+    if "unknown" in phases:
+        return RunKind(None, "no marker in the trace states the phase of its steps (SGLang step[...] spans "
+                             "or a forward annotation with request counts); no backward or optimizer ops")
+    if phases == {"decode"}:
+        return RunKind("decode", "every step is a decode step")
+    if phases == {"prefill"}:
+        return RunKind("prefill", "every step is a prefill step")
+    return RunKind("mixed", f"steps of phases {', '.join(sorted(phases))}")

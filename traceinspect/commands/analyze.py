@@ -10,13 +10,14 @@ import click
 
 from traceinspect.fileio import write_json_atomic
 
-PHASES = click.Choice(["decode", "prefill", "all"])
+PHASES = click.Choice(["auto", "decode", "prefill", "all"])
 
 
 def analysis_options(f: Any) -> Any:
     """Options shared by analyze, report and gate."""
     for opt in reversed([
-        click.option("--phase", type=PHASES, default="decode", show_default=True, help="Steps to analyse."),
+        click.option("--phase", type=PHASES, default="auto", show_default=True,
+                     help="Steps to analyse (auto: decode, else the one phase the trace holds)."),
         click.option("--server-info", type=click.Path(dir_okay=False), default=None,
                      help="server_info.json to use (default: the one beside the traces)."),
         click.option("--gpu", default=None, help="GPU spec: a name from rules/gpus.yaml or a YAML file."),

@@ -180,8 +180,11 @@ def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | Non
 
 
 def _steps_check(ts: Any, steps: Any, selected: Any, phase: str, label: dict[int, str]) -> Check:
-    src_text = {"step_span": "step[...] spans", "profiler_step": "ProfilerStep#N", "graph_launch":
-                "one cudaGraphLaunch per step", "gpu_gaps": "GPU idle gaps (no CPU step markers)"}
+    src_text = {"step_span": "step[...] spans", "profiler_step": "ProfilerStep#N", "profiler_step_gpu":
+                "ProfilerStep#N on the GPU timeline", "forward_marker": "the serving engine's forward markers",
+                "iteration": "repeated iteration annotations", "iteration_gpu": "repeated GPU iteration annotations",
+                "graph_launch": "one cudaGraphLaunch per step", "gpu_gaps": "periodic GPU idle gaps (no CPU step "
+                "markers)", "whole_capture": f"nothing (no step marker: the whole capture is one step; {STEP_HINT})"}
     sources = ", ".join(src_text.get(s, s) for s in sorted(steps["source"].unique()))
     details = []
     for i in ts.ranks:
@@ -196,7 +199,8 @@ def _steps_check(ts: Any, steps: Any, selected: Any, phase: str, label: dict[int
         return Check("steps", FAIL, f"no complete {phase} steps (found per phase: {found or 'none'}); "
                      "first and last steps are excluded as partial" + ("; try --phase all" if phase != "all" else ""),
                      details)
-    status = WARN if "gpu_gaps" in set(steps["source"]) or n.nunique() > 1 or int(n.min()) < 3 else OK
+    status = WARN if {"gpu_gaps", "whole_capture"} & set(steps["source"]) or n.nunique() > 1 or int(n.min()) < 3 \
+        else OK
     return Check("steps", status, f"{int(n.min())} complete {phase} step(s) per rank, from {sources}", details)
 
 

@@ -376,7 +376,7 @@ def explain(analysis: Analysis, rule_set: RuleSet) -> list[Outcome]:
     out: list[Outcome] = []
     for rule in rule_set:
         try:
-            out.extend(_evaluate_rule(rule, ctx, subjects, analysis.phase))
+            out.extend(_evaluate_rule(rule, ctx, subjects, analysis.rule_phase))
         except Exception as e:  # noqa: BLE001
             out.append(Outcome(rule.id, "error", reasons=[f"{type(e).__name__}: {e}"]))
     return out

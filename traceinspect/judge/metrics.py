@@ -51,8 +51,9 @@ DTYPE_BYTES = {
     "bool": 1, "c10::float4_e2m1fn_x2": 1, "c10::complex<float>": 8,
 }
 CLASS_IDS_FALLBACK = (
-    "fp4_gemm", "fp8_gemm", "bf16_gemm", "moe_gemm", "moe_dispatch", "attention", "kv_write", "kv_cast",
-    "dtype_cast", "comm", "norm", "activation", "rotary", "quantize", "sampling", "memcpy", "elementwise", "other",
+    "fp4_gemm", "fp8_gemm", "bf16_gemm", "fp32_gemm", "conv", "moe_gemm", "moe_dispatch", "attention", "kv_write",
+    "kv_cast", "dtype_cast", "comm", "norm", "activation", "rotary", "quantize", "sampling", "memcpy", "elementwise",
+    "other",
 )
 
 

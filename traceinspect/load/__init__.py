@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from traceinspect.consistency import rank_set_warnings
 from traceinspect.errors import TraceInputError
 from traceinspect.load.discover import RankFile, discover, read_server_info
-from traceinspect.load.parse import GPU_KINDS, ParsedRank, parse_file
+from traceinspect.load.parse import GPU_KINDS, ParsedRank, drop_summary, parse_file
 from traceinspect.model import RankInfo, TraceSet
 
 if TYPE_CHECKING:
@@ -330,8 +330,8 @@ def load_trace_set(
                 "trace has no GPU kernel events (CUPTI may have failed to start, or the profile ran "
                 "without the CUDA activity)", f.path)
         if p.dropped:
-            warnings.append(f"{f.path.name}: dropped {p.dropped} events with non-finite or negative times "
-                            "or durations over a day")
+            warnings.append(f"{f.path}: dropped {p.dropped} of {p.n_events} events as unusable "
+                            f"({drop_summary(p.drops)}; {p.gpu_dropped} of them GPU events)")
     infos = _assign_ranks(files, parsed, hashes, fsizes, warnings)
     ranks = [i.rank for i in infos]
     by_path = {f.path: p for f, p in zip(files, parsed, strict=True)}

@@ -26,7 +26,7 @@ from traceinspect.model import DeviceInfo
 if TYPE_CHECKING:
     import pandas as pd
 
-PARSER_VERSION = "3"
+PARSER_VERSION = "4"
 TABLES = ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations")
 # columns of Python objects (str or bytes or None): read back as dictionaries so that equal values
 # share one object, as they do after a parse
@@ -81,7 +81,8 @@ def load(root: Path, sha256: str) -> ParsedRank | None:
         cuda_driver_version=meta["cuda_driver_version"],
         trace_id=meta["trace_id"],
         n_events=meta["n_events"],
-        dropped=meta["dropped"],
+        drops=meta["drops"],
+        gpu_dropped=meta["gpu_dropped"],
     )
 
 
@@ -146,7 +147,8 @@ def store(root: Path, sha256: str, parsed: ParsedRank) -> None:
             "cuda_driver_version": parsed.cuda_driver_version,
             "trace_id": parsed.trace_id,
             "n_events": parsed.n_events,
-            "dropped": parsed.dropped,
+            "drops": parsed.drops,
+            "gpu_dropped": parsed.gpu_dropped,
         }
         (tmp / "meta.json").write_text(json.dumps(meta))
         try:

@@ -1,4 +1,4 @@
-"""Decode one Kineto Chrome-trace file into column tables.
+r"""Decode one Kineto Chrome-trace file into column tables.
 
 The file is decompressed in bounded blocks (ISA-L when installed, else zlib; both release the GIL,
 so a large file is inflated on a second thread while this one decodes). The ``traceEvents`` array
@@ -10,6 +10,47 @@ until a measure stage asks for them.
 A piece is accepted only when it decodes as a JSON array of event objects, which can only happen
 when both of its ends lie between two events; anything else (an odd layout, a broken file) sends the
 whole document through the one-shot decoder, so errors read exactly as for a plain decode.
+
+Tolerance rules (what is read, dropped or rejected; any other reader must give the same tables)
+-------------------------------------------------------------------------------------------------
+Well-typed text takes the typed fast path. A piece (or document) that the typed decoder refuses
+for a type is decoded again (syntax first, then event by event) under these rules, which give the
+same values as the fast path wherever that one succeeds:
+
+* Document. One UTF-8 byte-order mark (EF BB BF) at the start of the decompressed text is skipped.
+  The file is rejected (``TraceInputError``: one line, exit 2) only when it is not JSON (syntax
+  error, truncated text or gzip), when the top level is not an object with a ``traceEvents``
+  array, or when more than 1% (``MAX_BAD_GPU_SHARE``) of its GPU events (kernel, memcpy, memset)
+  are dropped by the rules below. Fields not listed here, at any level, are ignored. Top-level
+  ``deviceProperties`` that is not an array, ``distributedInfo`` that is not an object, and
+  ``cuda_runtime_version``, ``cuda_driver_version`` or ``trace_id`` that is neither an integer nor
+  a string count as absent; ``deviceProperties`` entries that are not objects are skipped.
+* Numbers. Wherever a number is read, a string whose whole text is a JSON number
+  (``-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?``: no spaces, no ``+``, no ``nan``/``inf``,
+  no backslash escapes) is read as that number (ROCm writes ``"bytes": "32768"``); ``true``,
+  ``false`` and ``null`` are not numbers, nor is a value beyond the double range (``1e400``).
+  An integer field (``args.correlation``, ``args["External id"]``, ``args.device``,
+  ``args.stream``) takes a number whose value is an integer within int64 (``5.0`` is 5); anything
+  else there is absent (-1). ``args.bytes`` takes any number as a float; anything else is absent
+  (-1). ``args`` that is not an object counts as absent (every field absent).
+* Kept as text. ``args.grid``, ``args.block``, ``args["Input Dims"]``, ``args["Input type"]`` and
+  ``args["Concrete Inputs"]`` are the raw JSON text of the value as written, whatever its type
+  (grid/block: ``""`` when absent; the others: None when absent).
+* Which events. An entry of ``traceEvents`` that is not an object is dropped (reason
+  ``not_object``). Only ``ph == "X"`` events whose ``cat`` (a string, matched case-insensitively)
+  names a kind in ``_KIND`` are used; ``ph`` or ``cat`` that is not a string leaves the event
+  unused (not counted). A ``python_function`` event goes into the annotations table only when its
+  name, after the last ``"): "`` (the whole name when there is none), is in
+  ``PY_FORWARD_FUNCTIONS`` (vLLM's ``gpu_model_runner.py(1002): execute_model``); it is checked
+  (and a non-string name dropped, reason ``name``) like any used event. ``tid``: a number whose value is an integer within int64 is that integer;
+  a string of the form ``-?[0-9]+`` (leading zeros allowed) within int64 is that integer, any
+  other string is CRC-32 of its UTF-8 bytes & 0x7FFFFFFF; any other value (or none) is 0.
+* Needed fields of a used event, else the event is dropped and counted by reason: ``name`` a
+  string (absent: ``""``; any other value: reason ``name``); ``ts`` present, a number, finite
+  (reason ``ts``); ``dur`` a number (absent: 0), finite, >= 0 and at most a day (``MAX_DUR_US``:
+  Kineto writes ~1.8e16 when an end time underflows) (reason ``dur``).
+* Reporting. ``ParsedRank.drops`` maps reason -> count (``gpu_dropped``: how many of those were
+  GPU events); the load stage turns them into one warning per file naming the counts.
 """
 
 from __future__ import annotations
@@ -51,6 +92,9 @@ _ZLIB_ERRORS: tuple[type[Exception], ...] = (zlib.error, getattr(_zlib, "error",
 _I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 # no real event lasts a day: Kineto writes ~1.8e16 when an end time underflows; such events are dropped
 MAX_DUR_US = 86_400e6
+MAX_BAD_GPU_SHARE = 0.01  # more dropped GPU events than this share: the file is not read
+_BOM = b"\xef\xbb\xbf"
+_NAN = float("nan")
 
 
 class _Args(msgspec.Struct, gc=False):
@@ -70,7 +114,7 @@ class _Event(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str = ""
     name: str = ""
-    ts: float = 0.0
+    ts: float = _NAN  # absent: dropped (reason ts)
     dur: float = 0.0
     tid: _I64 | str = 0
     args: _Args | None = None
@@ -98,12 +142,21 @@ _KIND = {
     "operator": "cpu_op",
     "user_annotation": "annotation",
     "gpu_user_annotation": "gpu_annotation",
+    "python_function": "python_function",  # only forward markers are kept, as annotations
 }
 _KINDS = ("kernel", "memcpy", "memset", "runtime", "cpu_op", "annotation", "gpu_annotation")
+# python_function events (with_stack captures) kept, as annotations, when the function name (after
+# the last "): ") is one of these: a serving engine's forward (vLLM's worker and model runner)
+PY_FORWARD_FUNCTIONS = frozenset({"execute_model"})
+
+
+def _py_marker(name: str) -> bool:
+    return name.rpartition("): ")[2] in PY_FORWARD_FUNCTIONS
 GPU_KINDS = ["kernel", "memcpy", "memset"]
 
 _DECODER = msgspec.json.Decoder(_Trace)
 _EVENTS = msgspec.json.Decoder(list[_Event])
+_ARGS = msgspec.json.Decoder(_Args)
 
 BLOCK = 1 << 20  # compressed bytes read at a time
 PIECE = 8 << 20  # decompressed bytes decoded at a time
@@ -127,9 +180,27 @@ class ParsedRank:
     cuda_driver_version: str | None = None
     trace_id: str | None = None
     n_events: int = 0
-    dropped: int = 0
+    drops: dict[str, int] = field(default_factory=dict)  # reason -> events dropped (see the rules above)
+    gpu_dropped: int = 0  # how many of the dropped events were GPU events
     linked: bool = False  # link columns added (see traceinspect.link.link_tables)
     link_dups: int = 0
+
+    @property
+    def dropped(self) -> int:
+        return sum(self.drops.values())
+
+
+def drop_summary(drops: dict[str, int]) -> str:
+    """``3 with no usable ts, 2 with an unusable dur``: the counts of ``ParsedRank.drops`` in words."""
+    return ", ".join(f"{n} {_REASON_TEXT.get(r, r)}" for r, n in sorted(drops.items()) if n)
+
+
+_REASON_TEXT = {
+    "dur": "with an unusable dur (not a number, negative or over a day)",
+    "name": "with a name that is not a string",
+    "not_object": "that are not JSON objects",
+    "ts": "with no usable ts",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,14 +378,17 @@ def _devices(props: list[dict[str, Any]]) -> list[DeviceInfo]:
     return out
 
 
+_DECIMAL = re.compile(r"-?[0-9]+")
+
+
 def _tid(t: int | str) -> int:
     if isinstance(t, int):
         return t
-    try:
+    if len(t) <= 20 and _DECIMAL.fullmatch(t):
         v = int(t)
-    except ValueError:
-        return zlib.crc32(t.encode()) & 0x7FFFFFFF  # a stable id for a named thread
-    return v if -(2**63) <= v < 2**63 else zlib.crc32(t.encode()) & 0x7FFFFFFF
+        if -(2**63) <= v < 2**63:
+            return v
+    return zlib.crc32(t.encode()) & 0x7FFFFFFF  # a stable id for a named thread
 
 
 _NO_ARGS = _Args()
@@ -367,23 +441,44 @@ class _Builder:
         self.kinds = {k: _Columns() for k in _KINDS}
         self.route: dict[str, str | None] = dict(_KIND)
         self.n_events = 0
+        self.drops: dict[str, int] = {}  # found while salvaging (ts/dur drops are counted in frames)
+        self.gpu_dropped = 0
         self.bytes_memo: dict[bytes, bytes | None] = {b"": None}
         self.str_memo: dict[bytes, str] = {b"": ""}
+        self.py_memo: dict[str, bool] = {}
 
     def add(self, events: list[_Event]) -> None:
-        self.n_events += len(events)
+        if isinstance(events, _Salvaged):
+            self.n_events += events.entries
+            for r, n in events.drops.items():
+                self.drops[r] = self.drops.get(r, 0) + n
+            self.gpu_dropped += events.gpu_dropped
+        else:
+            self.n_events += len(events)
         groups: dict[str, list[_Event]] = {k: [] for k in _KINDS}
+        memo, ann = self.py_memo, groups["annotation"].append
+
+        def py_app(ev: _Event) -> None:  # a forward marker joins the annotations in event order
+            keep = memo.get(ev.name)
+            if keep is None:
+                keep = memo[ev.name] = _py_marker(ev.name)
+            if keep:
+                ann(ev)
+
+        def appender(kind: str | None) -> Callable[[_Event], None] | None:
+            return None if kind is None else py_app if kind == "python_function" else groups[kind].append
+
         appenders: dict[str, Callable[[_Event], None] | None] = {}
         route = self.route
         for cat, kind in route.items():
-            appenders[cat] = groups[kind].append if kind else None
+            appenders[cat] = appender(kind)
         get_app = appenders.get
         for ev in events:
             if ev.ph == "X":
                 app = get_app(ev.cat, _MISSING)
                 if app is _MISSING:
                     kind = route.setdefault(ev.cat, _KIND.get(ev.cat.lower()))
-                    app = appenders[ev.cat] = groups[kind].append if kind else None
+                    app = appenders[ev.cat] = appender(kind)
                 if app is not None:
                     app(ev)
         for kind, evs in groups.items():
@@ -485,15 +580,16 @@ class _Builder:
         c.add("ts", _floats(ts))
         c.add("dur", _floats(dur))
 
-    def frames(self) -> tuple[dict[str, pd.DataFrame], int]:
-        """The five tables, and the number of events dropped for non-finite or negative times."""
+    def frames(self) -> tuple[dict[str, pd.DataFrame], dict[str, int], int]:
+        """The five tables, the events dropped by reason, and how many of those were GPU events."""
         import pandas as pd
 
-        dropped = 0
+        drops = dict(self.drops)
+        gpu_dropped = self.gpu_dropped
         out: dict[str, pd.DataFrame] = {}
 
         def frame(columns: list[str], kinds: list[str]) -> pd.DataFrame:
-            nonlocal dropped
+            nonlocal gpu_dropped
             data: dict[str, Any] = {}
             for col in columns:
                 if col in ("rank", "end", "kind"):
@@ -512,9 +608,16 @@ class _Builder:
                 codes = np.repeat(np.arange(len(kinds), dtype=np.int8), sizes)
                 data["kind"] = pd.Categorical.from_codes(codes, categories=GPU_KINDS)
             ts, dur = data["ts"], data["dur"]
-            ok = np.isfinite(ts) & np.isfinite(dur) & (dur >= 0) & (dur <= MAX_DUR_US)
+            ts_ok = np.isfinite(ts)
+            ok = ts_ok & np.isfinite(dur) & (dur >= 0) & (dur <= MAX_DUR_US)
             if not ok.all():
-                dropped += int(n - ok.sum())
+                n_ts = int(n - ts_ok.sum())
+                n_dur = int(n - ok.sum()) - n_ts
+                for r, k in (("ts", n_ts), ("dur", n_dur)):
+                    if k:
+                        drops[r] = drops.get(r, 0) + k
+                if kinds is GPU_KINDS:
+                    gpu_dropped += n_ts + n_dur
                 data = {k: (v[ok] if not isinstance(v, pd.Categorical) else v[ok]) for k, v in data.items()}
             data["end"] = data["ts"] + data["dur"]
             for c in ("name", "grid", "block", "input_dims", "input_types", "concrete"):
@@ -533,14 +636,18 @@ class _Builder:
         out["cpu_ops"] = frame(CPU_OP_COLUMNS, ["cpu_op"])
         out["annotations"] = frame(ANNOTATION_COLUMNS, ["annotation"])
         out["gpu_annotations"] = frame(GPU_ANNOTATION_COLUMNS, ["gpu_annotation"])
-        return out, dropped
+        return out, drops, gpu_dropped
 
 
 _MISSING: Any = object()
 
 
-def _ranked(b: _Builder, trace: _Trace) -> ParsedRank:
-    tables, dropped = b.frames()
+def _ranked(b: _Builder, trace: _Trace, path: Path) -> ParsedRank:
+    tables, drops, gpu_dropped = b.frames()
+    n_gpu = len(tables["kernels"]) + gpu_dropped
+    if gpu_dropped and gpu_dropped > MAX_BAD_GPU_SHARE * n_gpu:
+        raise TraceInputError(f"{gpu_dropped} of {n_gpu} GPU events are unusable, more than "
+                              f"{MAX_BAD_GPU_SHARE:.0%} (dropped: {drop_summary(drops)})", path)
     dist = trace.distributedInfo if isinstance(trace.distributedInfo, dict) else {}
     return ParsedRank(
         **tables,
@@ -550,7 +657,8 @@ def _ranked(b: _Builder, trace: _Trace) -> ParsedRank:
         cuda_driver_version=_version(trace.cuda_driver_version),
         trace_id=None if trace.trace_id is None else str(trace.trace_id),
         n_events=b.n_events,
-        dropped=dropped,
+        drops=drops,
+        gpu_dropped=gpu_dropped,
     )
 
 
@@ -562,10 +670,205 @@ class _Fallback(Exception):
     """The streaming split could not be used: decode the whole document instead."""
 
 
-def _decode_whole(data: bytes, path: Path) -> _Trace:
+# ---- the tolerant path (see "Tolerance rules" above): every value read as raw JSON text first
+
+
+class _RawEvent(msgspec.Struct, gc=False):
+    ph: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    cat: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    name: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    ts: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    dur: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    tid: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    args: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+
+
+class _RawArgs(msgspec.Struct, gc=False):
+    correlation: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    external_id: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="External id")
+    device: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    stream: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    grid: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    block: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    bytes: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    input_dims: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input Dims")
+    input_types: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input type")
+    concrete: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Concrete Inputs")
+
+
+class _RawTrace(msgspec.Struct):
+    traceEvents: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # noqa: N815 - Kineto's key
+    deviceProperties: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # noqa: N815
+    distributedInfo: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)  # noqa: N815
+    cuda_runtime_version: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    cuda_driver_version: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    trace_id: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+
+
+class _Salvaged(list):
+    """Events of a piece read under the tolerance rules, with what was dropped while reading them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drops: dict[str, int] = {}
+        self.gpu_dropped = 0
+        self.entries = 0  # entries of the array read, used or not
+
+    def drop(self, reason: str, gpu: bool) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+        self.gpu_dropped += gpu
+
+
+_EVENT = msgspec.json.Decoder(_Event)
+_RAW_EVENT = msgspec.json.Decoder(_RawEvent)
+_RAW_ARGS = msgspec.json.Decoder(_RawArgs)
+_RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
+_RAW_TRACE = msgspec.json.Decoder(_RawTrace)
+_NUMBER = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_INT_TEXT = re.compile(rb"-?[0-9]+")
+_GPU_KIND_SET = frozenset(GPU_KINDS)
+
+
+def _number_text(raw: bytes) -> bytes | None:
+    """The text of a JSON number, or of a string holding one; None for anything else."""
+    if raw[:1] == b'"':
+        if b"\\" in raw:  # an escaped string never spells a plain number
+            return None
+        raw = raw[1:-1]
+    return raw if _NUMBER.fullmatch(raw) else None
+
+
+def _raw_float(raw: bytes) -> float:
+    """A number read as a float; NaN when the value is absent or not a number."""
+    t = _number_text(raw)
+    if t is None:
+        return _NAN
+    v = float(t)
+    return v if v - v == 0 else _NAN  # float() gives inf past the double range
+
+
+def _raw_int(raw: bytes) -> int | None:
+    """A number whose value is an integer within int64; None otherwise."""
+    t = _number_text(raw)
+    if t is None:
+        return None
+    if _INT_TEXT.fullmatch(t):
+        if len(t) > 20:  # past int64 (and past what int() converts at all)
+            return None
+        v = int(t)
+    else:
+        f = float(t)
+        if not f.is_integer():
+            return None
+        v = int(f)
+    return v if -(2**63) <= v < 2**63 else None
+
+
+def _raw_str(raw: bytes) -> str | None:
+    return msgspec.json.decode(raw) if raw[:1] == b'"' else None
+
+
+def _salvage_args(raw: bytes) -> _Args | None:
+    if raw[:1] != b"{":
+        return None
     try:
-        return _DECODER.decode(data)
-    except msgspec.ValidationError as e:
+        return _ARGS.decode(raw)
+    except msgspec.ValidationError:
+        pass
+    r = _RAW_ARGS.decode(raw)
+    n = _raw_float(bytes(r.bytes))
+    return _Args(correlation=_raw_int(bytes(r.correlation)), external_id=_raw_int(bytes(r.external_id)),
+                 device=_raw_int(bytes(r.device)), stream=_raw_int(bytes(r.stream)), grid=r.grid, block=r.block,
+                 bytes=None if n != n else n, input_dims=r.input_dims, input_types=r.input_types,
+                 concrete=r.concrete)
+
+
+def _salvage_event(raw: bytes, out: _Salvaged) -> None:
+    """Append one ``traceEvents`` entry that the typed decoder refused, read under the rules."""
+    try:
+        out.append(_EVENT.decode(raw))
+        return
+    except msgspec.ValidationError:
+        pass
+    try:
+        r = _RAW_EVENT.decode(raw)
+    except msgspec.ValidationError:  # not an object
+        out.drop("not_object", False)
+        return
+    ph, cat = _raw_str(bytes(r.ph)) if r.ph else "", _raw_str(bytes(r.cat)) if r.cat else ""
+    if ph != "X" or cat is None:
+        return  # an event the analysis never uses: not checked
+    kind = _KIND.get(cat.lower())
+    if kind is None:
+        return
+    name = _raw_str(bytes(r.name)) if r.name else ""
+    if name is None:
+        out.drop("name", kind in _GPU_KIND_SET)
+        return
+    tid_raw = bytes(r.tid)
+    tid: int | str = 0
+    if tid_raw[:1] == b'"':
+        tid = msgspec.json.decode(tid_raw)
+    elif tid_raw:
+        tid = _raw_int(tid_raw) or 0
+    out.append(_Event(ph=ph, cat=cat, name=name, ts=_raw_float(bytes(r.ts)),
+                      dur=_raw_float(bytes(r.dur)) if r.dur else 0.0, tid=tid,
+                      args=_salvage_args(bytes(r.args))))
+
+
+def _salvage(text: bytes | memoryview) -> _Salvaged:
+    """The events of a JSON array of events that the typed decoder refused for a type."""
+    out = _Salvaged()
+    raws = _RAW_LIST.decode(text)
+    out.entries = len(raws)
+    for raw in raws:
+        _salvage_event(bytes(raw), out)
+    return out
+
+
+class _NotATrace(Exception):
+    pass
+
+
+def _any(raw: msgspec.Raw) -> Any:
+    try:
+        return msgspec.json.decode(raw) if raw else None
+    except (msgspec.ValidationError, msgspec.DecodeError):  # a number out of range
+        return None
+
+
+def _salvage_trace(data: bytes | memoryview) -> _Trace:
+    """A document the typed decoder refused for a type, read under the rules (``_NotATrace``: it is
+    no trace: the top level is not an object with a traceEvents array)."""
+    try:
+        r = _RAW_TRACE.decode(data)
+    except msgspec.ValidationError:
+        raise _NotATrace("the top level is not a JSON object") from None
+    ev = bytes(r.traceEvents)
+    if ev[:1] != b"[":
+        raise _NotATrace("no traceEvents array")
+    props = _any(r.deviceProperties)
+    dist = _any(r.distributedInfo)
+
+    def version(raw: msgspec.Raw) -> int | str | None:
+        v = _any(raw)
+        return v if isinstance(v, (int, str)) and not isinstance(v, bool) else None
+
+    return _Trace(traceEvents=_salvage(ev), deviceProperties=props if isinstance(props, list) else [],
+                  distributedInfo=dist if isinstance(dist, dict) else None,
+                  cuda_runtime_version=version(r.cuda_runtime_version),
+                  cuda_driver_version=version(r.cuda_driver_version), trace_id=version(r.trace_id))
+
+
+def _decode_whole(data: bytes | memoryview, path: Path) -> _Trace:
+    if data[:3] == _BOM:
+        data = memoryview(data)[3:]
+    try:
+        try:
+            return _DECODER.decode(data)
+        except msgspec.ValidationError:
+            return _salvage_trace(data)
+    except _NotATrace as e:
         raise TraceInputError(f"not a Kineto trace: {e}", path) from None
     except msgspec.DecodeError as e:
         raise TraceInputError(f"not valid JSON: {e}", path) from None
@@ -597,8 +900,11 @@ def _last_boundary(buf: bytearray, lo: int) -> tuple[int, int] | None:
 def _decode_piece(buf: bytearray | memoryview, end: int) -> list[_Event] | None:
     text = b"".join((b"[", memoryview(buf)[:end], b"]"))
     try:
-        return _EVENTS.decode(text)
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        try:
+            return _EVENTS.decode(text)
+        except msgspec.ValidationError:  # a type the fast path refuses (the syntax is checked next)
+            return _salvage(text)
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 
@@ -616,7 +922,7 @@ def _parse_stream(blocks: Iterator[bytes], path: Path) -> ParsedRank:
             break
     if head_end < 0:
         raise _Fallback
-    header = bytes(buf[:head_end])
+    header = bytes(buf[:head_end]).removeprefix(_BOM)
     del buf[:head_end]
 
     # 2. the events, piece by piece
@@ -659,13 +965,16 @@ def _parse_stream(blocks: Iterator[bytes], path: Path) -> ParsedRank:
         i += 1
     trailer = bytes(buf[i:])
     try:
-        trace = _DECODER.decode(header + trailer)
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        try:
+            trace = _DECODER.decode(header + trailer)
+        except msgspec.ValidationError:
+            trace = _salvage_trace(header + trailer)
+    except (_NotATrace, msgspec.DecodeError, RecursionError):
         raise _Fallback from None
     if trace.traceEvents:
         raise _Fallback
     b.add(events)
-    return _ranked(b, trace)
+    return _ranked(b, trace, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -772,7 +1081,7 @@ def parse_bytes(data: bytes, path: Path) -> ParsedRank:
         b = _Builder()
         b.add(trace.traceEvents)
         trace.traceEvents = []
-        return _ranked(b, trace)
+        return _ranked(b, trace, path)
     finally:
         if gc_was:
             gc.enable()
@@ -839,7 +1148,7 @@ def parse_bytes_whole(data: bytes, path: Path) -> ParsedRank:
         b.add(trace.traceEvents)
         trace.traceEvents = []
         del data
-        return _ranked(b, trace)
+        return _ranked(b, trace, path)
     finally:
         if gc_was:
             gc.enable()

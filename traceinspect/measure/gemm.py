@@ -24,7 +24,9 @@ from traceinspect.tables import combine_codes, factorize_text, per_distinct, tex
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
-GEMM_CLASSES = frozenset({"fp4_gemm", "fp8_gemm", "bf16_gemm", "moe_gemm"})
+GEMM_CLASSES = frozenset({"fp4_gemm", "fp8_gemm", "bf16_gemm", "fp32_gemm", "moe_gemm"})
+# an fp32 GEMM on tensor cores computes in tf32: measured against the tf32 peak, not the fp32 (SIMT) one
+_TF32_KERNEL = re.compile(r"tf32|s1688gemm(?!_(bf16|f16|h))", re.IGNORECASE)
 MOE_PATH = re.compile(r"moe|expert", re.IGNORECASE)
 
 # PyTorch's "Input type" strings -> (dtype key, bytes per stored element)
@@ -48,7 +50,7 @@ _SCALAR_TYPES: dict[int, str] = {
 }
 # wider compute dtype wins when the two GEMM operands differ (e.g. bf16 x fp8 weight-only quant)
 _RANK = {"fp4": 0, "fp8": 1, "int8": 1, "fp16": 2, "bf16": 2, "fp32": 3, "fp64": 4}
-_PEAK_KEY = {"fp4": "fp4", "fp8": "fp8", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+_PEAK_KEY = {"fp4": "fp4", "fp8": "fp8", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "tf32": "tf32"}
 _HOST_LINK = re.compile(r"HtoD|DtoH|HtoH|PtoP|Pinned|Pageable", re.IGNORECASE)
 
 CALL_COLUMNS = [
@@ -755,6 +757,11 @@ def _rates(calls: pd.DataFrame, spec: GpuSpec | None) -> None:
     calls["tflops"] = tf
     calls["gbps"] = gb
     dts = calls["dtype"].to_numpy(dtype=object)
+    if (dts == "fp32").any():
+        tf32 = (dts == "fp32") & per_distinct(calls["name"], lambda n: bool(_TF32_KERNEL.search(str(n))))
+        if tf32.any():
+            dts = np.where(tf32, "tf32", dts).astype(object)
+            calls["dtype"] = dts
     peaks = {d: _peak(spec, d) for d in set(dts)}
     peak = np.fromiter((peaks[d] for d in dts), dtype=float, count=len(dts))
     calls["peak_tflops"] = peak

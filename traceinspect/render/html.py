@@ -53,7 +53,6 @@ _URL = re.compile(r"https?://[^\s<>\"')\]]+")
 TIMELINE_WIDTH = 1120
 # kernels a report timeline carries (over all lanes): keeps the report of a long multi-rank step small
 TIMELINE_KERNEL_BUDGET = 150_000
-TITLE_NAME_WIDTH = 90
 
 
 # --------------------------------------------------------------------------------------------- escaping
@@ -353,11 +352,6 @@ class TimelineInfo:
     @property
     def json(self) -> Markup:
         return script_json(self.data)
-
-
-def representative_steps(a: Analysis) -> tuple[int | None, dict[int, int]]:
-    """The aligned step position drawn (see :meth:`Analysis.representative_step`) and its rows."""
-    return a.representative_step()
 
 
 def _shapes_of(a: Analysis, k: pd.DataFrame) -> np.ndarray:
@@ -785,12 +779,6 @@ def _files_view(doc: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def _short_float(v: float) -> str:
-    """12.0 -> '12', 12.25 -> '12.2' (one decimal only when there is one)."""
-    text = f"{v:,.1f}"
-    return text[:-2] if text.endswith(".0") else text
-
-
 def _class_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for c, v in sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("us_per_step") or 0)):
@@ -799,23 +787,6 @@ def _class_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
                      "share": share, "share_t": fmt_pct(share),
                      "calls": v.get("calls_per_step"),
                      "calls_t": fmt_count(v["calls_per_step"]) if _isnum(v.get("calls_per_step")) else "n/a"})
-    return rows
-
-
-def _top_kernel_rows(doc: dict[str, Any], ops: dict[str, str]) -> list[dict[str, Any]]:
-    rows = []
-    per = max(int(_get(doc, "steps", "count") or 1), 1) * max(len(doc.get("ranks") or []), 1)
-    kernels = doc.get("top_kernels") or []
-    labels = kernel_labels([str(k.get("name", "")) for k in kernels], 72)
-    for i, k in enumerate(kernels):
-        op = ops.get(str(k.get("name", "")), "")
-        share = step_share(k["us"] / per, doc) if _isnum(k.get("us")) else None
-        rows.append({"i": i + 1, "name": str(k.get("name", "")), "short": labels[str(k.get("name", ""))],
-                     "op": op, "op_short": short_name(op, 34) if op else "–",
-                     "cls": str(k.get("cls", "")), "color": class_color(str(k.get("cls", ""))),
-                     "calls": k.get("calls"), "us": k.get("us"), "us_t": fmt_us(k.get("us")),
-                     "mean": k.get("mean_us"), "mean_t": fmt_us(k.get("mean_us")),
-                     "share": share, "share_t": fmt_pct(share)})
     return rows
 
 

@@ -19,6 +19,8 @@ CLASS_COLORS: dict[str, str] = {
     "bf16_gemm": "#1f5fa8",
     "fp8_gemm": "#4b93d1",
     "fp4_gemm": "#9cc7ec",
+    "fp32_gemm": "#0b3a6e",
+    "conv": "#17becf",
     "moe_gemm": "#137a78",
     "moe_dispatch": "#6cc3b8",
     "comm": "#f08c00",
@@ -49,7 +51,8 @@ SEVERITY_ORDER: dict[str, int] = {"critical": 0, "warning": 1, "info": 2}
 # Chrome-trace reserved colour names closest to each family (chrome://tracing ignores arbitrary hex).
 CHROME_CNAME: dict[str, str] = {
     "attention": "rail_animation", "kv_write": "rail_animation", "kv_cast": "terrible", "bf16_gemm": "thread_state_running",
-    "fp8_gemm": "thread_state_running", "fp4_gemm": "thread_state_running", "moe_gemm": "good",
+    "fp8_gemm": "thread_state_running", "fp4_gemm": "thread_state_running", "fp32_gemm": "thread_state_running",
+    "conv": "thread_state_running", "moe_gemm": "good",
     "moe_dispatch": "good", "comm": "rail_load", "dtype_cast": "terrible", "quantize": "bad",
     "norm": "olive", "rotary": "olive", "activation": "thread_state_iowait", "elementwise": "generic_work",
     "sampling": "rail_idle", "memcpy": "grey", "memset": "grey", "other": "white",

@@ -82,6 +82,20 @@ class Story:
     quiet: str = ""  # the headline when nothing fired
 
 
+def _words(v: Any) -> str:
+    """A text or a list of texts as one phrase."""
+    if isinstance(v, (list, tuple)):
+        return "; ".join(str(x).strip().rstrip(".") for x in v if str(x).strip())
+    return str(v or "").strip().rstrip(".")
+
+
+def gpu_to_step_share(share: float | None, doc: dict[str, Any]) -> float | None:
+    """A share of all GPU kernel time (as ``classes[].share``) as a share of the step time."""
+    step = step_us_of(doc)
+    kernel = sum(_num(v.get("us_per_step")) or 0.0 for v in (doc.get("classes") or {}).values())
+    return share * kernel / step if share is not None and step and kernel else None
+
+
 def _open_items(doc: dict[str, Any]) -> list[Open]:
     out: list[Open] = []
     classes = doc.get("classes") or {}
@@ -91,22 +105,21 @@ def _open_items(doc: dict[str, Any]) -> list[Open]:
         cls = str(u["cls"])
         share = step_share((classes.get(cls) or {}).get("us_per_step"), doc)
         if share is None:
-            share = _num(u.get("share"))
-        how = u.get("explain_with")
-        how = ", ".join(str(x) for x in how) if isinstance(how, list) else str(how or "")
+            share = gpu_to_step_share(_num(u.get("share")), doc)
+        how = _words(u.get("explain_with"))
         out.append(Open("unexplained", f"Unexplained: {cls} takes {fmt_pct(share)} of the {SHARE_BASIS} and no "
                         "finding explains it" + (f"; what would explain it: {how}" if how else "") + ".", cls, share))
     for u in doc.get("undecided") or []:
         if not isinstance(u, dict) or not u.get("rule"):
             continue
-        missing = u.get("missing")
-        missing = ", ".join(str(x) for x in missing) if isinstance(missing, list) else str(missing or "")
-        share = _num(u.get("share"))
+        share = gpu_to_step_share(_num(u.get("share")), doc)  # the analysis gives it of GPU time
         text = f"Undecided: {u['rule']}" + (f" (at stake: {fmt_pct(share)} of the {SHARE_BASIS})"
                                             if share is not None else "")
+        missing = _words(u.get("missing"))
         text += " could not be decided" + (f": missing {missing}" if missing else "")
-        if u.get("how_to_supply"):
-            text += f"; to decide it: {u['how_to_supply']}"
+        how = _words(u.get("how_to_supply"))
+        if how:
+            text += f"; to decide it: {how}"
         out.append(Open("undecided", text + ".", str(u["rule"]), share))
     return out
 

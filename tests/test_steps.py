@@ -1,0 +1,133 @@
+"""Step sources other than SGLang's spans, each checked against the spans they stand in for: repeated
+iteration annotations on the CPU or the GPU, ProfilerStep#N written as an operator, periodic idle gaps
+(and aperiodic ones, which are not steps), and the choice of phase."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from conftest import fixture_dir, rewrite_trace
+
+from traceinspect.analysis import analyze
+from traceinspect.link import link
+from traceinspect.load import load_trace_set
+from traceinspect.steps import build_steps, resolve_phase
+
+SRC = "kv-full-cast-eager"
+
+
+def _steps(path: Path) -> pd.DataFrame:
+    ts = load_trace_set([path], use_cache=False, jobs=1)
+    link(ts)
+    steps = build_steps(ts)
+    steps["kernels"] = [tuple(np.nonzero(ts.kernels["step"].to_numpy() == i)[0]) for i in range(len(steps))]
+    return steps
+
+
+def _rewrite(tmp_path: Path, name: str, edit) -> Path:  # noqa: ANN001 - a doc -> None callable
+    out = tmp_path / f"{name}-TP-0.trace.json.gz"
+    rewrite_trace(fixture_dir(SRC) / "fixture-TP-0.trace.json.gz", out, edit)
+    return out
+
+
+def test_iteration_annotations_on_cpu_and_gpu_cut_the_spans_steps(tmp_path: Path) -> None:
+    ref = _steps(fixture_dir(SRC) / "fixture-TP-0.trace.json.gz")
+    assert set(ref["source"]) == {"step_span"}
+
+    def cpu(doc: dict) -> None:
+        n = 0
+        for e in doc["traceEvents"]:
+            if str(e.get("name", "")).startswith("step["):
+                e["name"] = f"train_iteration_{n}"
+                n += 1
+            elif str(e.get("name", "")).startswith("scheduler."):
+                e["name"] = "x"
+
+    it = _steps(_rewrite(tmp_path, "cpu", cpu))
+    assert set(it["source"]) == {"iteration"} and len(it) == len(ref)
+    assert it["phase"].eq("unknown").all() and it["name"].tolist()[:2] == ["train_iteration_0", "train_iteration_1"]
+    # the windows are the spans themselves (the spans' run_batch widening aside): nearly the same kernels
+    inner = slice(1, len(ref) - 1)
+    same = [len(set(a) & set(b)) / max(len(b), 1) for a, b in zip(it["kernels"][inner], ref["kernels"][inner],
+                                                                   strict=True)]
+    assert min(same) > 0.9
+
+    wins = ref[["gpu_start", "gpu_end"]].to_numpy()
+
+    def gpu(doc: dict) -> None:
+        ev = [e for e in doc["traceEvents"] if not str(e.get("name", "")).startswith(("step[", "scheduler."))]
+        pid = next(e["pid"] for e in ev if e.get("cat") == "kernel")
+        for i, (g0, g1) in enumerate(wins):
+            ev.append({"ph": "X", "cat": "gpu_user_annotation", "name": f"iteration {i}", "pid": pid, "tid": 0,
+                       "ts": float(g0), "dur": float(g1 - g0)})
+        doc["traceEvents"] = ev
+
+    g = _steps(_rewrite(tmp_path, "gpu", gpu))
+    assert set(g["source"]) == {"iteration_gpu"} and len(g) == len(ref)
+    assert g["kernels"].tolist() == ref["kernels"].tolist()  # GPU windows drawn on the spans' kernels
+
+
+def test_profiler_step_as_an_operator(tmp_path: Path) -> None:
+    def op(doc: dict) -> None:
+        for e in doc["traceEvents"]:
+            name = str(e.get("name", ""))
+            if name.startswith("step["):
+                e["name"], e["cat"] = f"ProfilerStep#{int(e['ts']) % 1000}", "Operator"
+            elif name.startswith("scheduler."):
+                e["name"] = "x"
+
+    st = _steps(_rewrite(tmp_path, "op", op))
+    assert set(st["source"]) == {"profiler_step"} and len(st) == 12 and st["edge"].sum() == 2
+
+
+def test_idle_gaps_cut_only_periodic_alike_pieces(tmp_path: Path) -> None:
+    """The same kernels with no marker: the steps' idle gaps are periodic and the pieces alike, so gaps
+    cut them; with the pieces made unalike (half the kernels of every other step removed) they do not,
+    and the capture is one step."""
+    ref = _steps(fixture_dir(SRC) / "fixture-TP-0.trace.json.gz")
+    bounds = ref[["gpu_start", "gpu_end"]].to_numpy()
+
+    def bare(doc: dict) -> None:
+        doc["traceEvents"] = [e for e in doc["traceEvents"]
+                              if e.get("cat") not in ("user_annotation", "gpu_user_annotation")]
+
+    def unalike(doc: dict) -> None:
+        bare(doc)
+        drop = set()
+        for i, (g0, g1) in enumerate(bounds):
+            if i % 2:
+                ks = [j for j, e in enumerate(doc["traceEvents"]) if e.get("cat") == "kernel" and g0 <= e["ts"] <= g1]
+                drop |= set(ks[::2])
+        doc["traceEvents"] = [e for j, e in enumerate(doc["traceEvents"]) if j not in drop]
+
+    gaps = _steps(_rewrite(tmp_path, "bare", bare))
+    if set(gaps["source"]) == {"gpu_gaps"}:
+        assert len(gaps) >= 3
+    else:  # the fixture's gaps are not clean enough: then the whole capture is one step, never pieces
+        assert gaps["source"].tolist() == ["whole_capture"]
+    one = _steps(_rewrite(tmp_path, "unalike", unalike))
+    assert one["source"].tolist() == ["whole_capture"] and one["n_kernels"].iloc[0] > 1000
+
+
+def test_phase_resolution_says_what_it_did() -> None:
+    def steps(*phases: str) -> pd.DataFrame:
+        return pd.DataFrame({"phase": list(phases), "included": True})
+
+    assert resolve_phase(steps("decode", "prefill"), "auto") == ("decode", [])
+    p, notes = resolve_phase(steps("prefill", "prefill"), "auto")
+    assert p == "prefill" and "no decode steps: analysed its 2 prefill step(s)" in notes[0]
+    p, notes = resolve_phase(steps("unknown"), "auto")
+    assert p == "unknown" and "states the phase" in notes[0]
+    p, notes = resolve_phase(steps("unknown", "unknown"), "prefill")
+    assert p == "prefill" and "2 analysed step(s) are of unknown phase" in notes[0] and "not known to be" in notes[0]
+    p, notes = resolve_phase(steps("prefill", "mixed"), "auto")
+    assert p == "all" and "prefill 1" in notes[0] and "mixed 1" in notes[0]
+
+
+def test_a_training_step_gets_no_decode_advice() -> None:
+    a = analyze([fixture_dir(SRC)], jobs=1)
+    assert a.run_kind is not None and a.run_kind.kind == "decode" and a.rule_phase == "decode"
+    a.run_kind.kind = "training"
+    assert a.rule_phase == "training"
