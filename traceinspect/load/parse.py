@@ -1060,9 +1060,7 @@ def _scan_native(blocks: Iterator[bytes], path: Path) -> ParsedRank:
     parts = [b'"traceEvents":[]'] if res["events_seen"] else []
     parts += [msgspec.json.encode(k) + b":" + v for k, v in meta.items() if k in _TRACE_KEYS]
     trace = _decode_whole(b"{" + b",".join(parts) + b"}", path)
-    out = _ranked(b, trace)
-    out.drops_native = b.drops  # type: ignore[attr-defined]
-    return out
+    return _ranked(b, trace, path)
 
 
 _TRACE_KEYS = frozenset(f.encode_name for f in msgspec.structs.fields(_Trace)) - {"traceEvents"}
