@@ -128,6 +128,10 @@ def _doc(limit: int | None = None) -> bytes:
     doc["traceEvents"] = doc["traceEvents"][:limit] + ([] if limit else bad_gpu) + [
         {"ph": "X", "cat": "Kernel", "name": "k\u00e9\u4e2d\\}{\"", "ts": 1.5, "dur": 2, "tid": "stream 7",
          "args": {"bytes": "32768", "correlation": "12", "device": 1.0, "grid": [1, 2, 3]}},
+        {"ph": "X", "cat": "python_function", "name": "gpu_worker.py(88): execute_model", "ts": 3, "dur": 9,
+         "tid": 5},
+        {"ph": "X", "cat": "python_function", "name": "other.py(1): helper", "ts": 3, "dur": 1, "tid": 5},
+        {"ph": "X", "cat": "python_function", "name": ["not a name"], "ts": 3, "dur": 1},
         {"ph": "X", "cat": "cpu_op", "name": "\ud83d\ude00", "ts": "2.5", "dur": -0, "tid": "42",
          "args": {"Input Dims": [[1, 2], []], "Input type": None}},
         "not an event", 7,
@@ -218,6 +222,7 @@ _RAW = st.one_of(
         '"12"', '"-0"', '"1.5e3"', '"5.0"', '" 1"', '"+1"', '"0x10"', '"1_000"', '"01"', '"1."', '"nan"',
         '"inf"', '""', '"\\u0031"', '"X"', '"kernel"', '"Kernel"', '"cpu_op"', '"cuda_runtime"',
         '"gpu_user_annotation"', '"user_annotation"', '"gpu_memcpy"', '"\u212aernel"', '"stream 7"',
+        '"python_function"', '"worker.py(12): execute_model"',
         '"\\ud83d\\ude00"', '"caf\u00e9"', "true", "false", "null", "[]", "{}", "[1, 2, 3]", '[[1, 2], []]',
         '{"correlation": 1}', '{"bytes": "7"}', '{"device": 1.5}',
     ]),

@@ -159,6 +159,7 @@ static const char *COL_NAMES[NCOLS] = {
 static const char COL_TYPE[NCOLS] = {'s', 'f', 'f', 'i', 'i', 'i', 'i', 'i', 's', 's', 'f', 'r', 'r', 'r'};
 
 #define MAX_KINDS 16
+#define FILTERED 16 /* a route of FILTERED + k: kind k, for the names name_filter accepts */
 
 typedef struct {
     uint32_t mask; /* columns kept for this kind */
@@ -175,7 +176,9 @@ enum { S_START, S_KEY_FIRST, S_KEY, S_AFTER_VALUE, S_EV_FIRST, S_EV_NEXT, S_EV_V
 
 typedef struct {
     PyObject_HEAD
-    PyObject *route;   /* callable: category (str) -> kind index or None */
+    PyObject *route;   /* callable: category (str) -> kind index, -(kind index + 1) (names filtered) or None */
+    PyObject *name_filter; /* callable: name (str) -> bool, for the filtered kinds */
+    Buf name_ok;       /* per entry of strs: 0 not asked yet, 1 accepted, 2 refused */
     PyObject *meta;    /* dict: top-level key -> raw JSON bytes of its value */
     int nkinds;
     Kind kinds[MAX_KINDS];
@@ -1023,11 +1026,11 @@ static int route_of(Ctx *c, const Str *cat) {
     } else if (r != Py_None) {
         long v = PyLong_AsLong(r);
         if (v == -1 && PyErr_Occurred()) kind = -4;
-        else if (v < 0 || v >= s->nkinds) {
+        else if (v < -s->nkinds || v >= s->nkinds || (v < 0 && !s->name_filter)) {
             PyErr_SetString(PyExc_ValueError, "route returned an unknown kind");
             kind = -4;
         } else {
-            kind = (int)v;
+            kind = v >= 0 ? (int)v : FILTERED + (int)(-v - 1); /* -(k + 1): kind k, names filtered */
         }
     }
     Py_XDECREF(r);
@@ -1067,10 +1070,40 @@ static int add_event(Ctx *c, Event *e, const char *p) {
     if (kind == -2) return -1;
     if (kind < 0) return 0;
     Scanner *s = c->s;
+    int filtered = kind >= FILTERED;
+    if (filtered) kind -= FILTERED;
     if (e->name_bad) {
         s->drop_name++;
         if (s->gpu_kinds & (1u << kind)) s->drop_gpu++;
         return 0;
+    }
+    if (filtered) { /* kept only when name_filter accepts the name (asked once per distinct name) */
+        int64_t v = str_index(c, &e->name);
+        if (v == -2) return -1;
+        if (v < 0) return fail(c, EMEM, p, NULL), -1;
+        if (s->name_ok.n < s->strs.count) {
+            size_t grow = s->strs.count - s->name_ok.n;
+            if (buf_reserve(&s->name_ok, grow) < 0) return fail(c, EMEM, p, NULL), -1;
+            memset(s->name_ok.p + s->name_ok.n, 0, grow);
+            s->name_ok.n += grow;
+        }
+        char *ok = &s->name_ok.p[v];
+        if (!*ok) {
+            const size_t *offs = (const size_t *)s->strs.offs.p;
+            const uint32_t *lens = (const uint32_t *)s->strs.lens.p;
+            PyEval_RestoreThread(c->ts);
+            PyObject *str = PyUnicode_DecodeUTF8(s->strs.arena.p ? s->strs.arena.p + offs[v] : "",
+                                                 (Py_ssize_t)lens[v], "strict");
+            PyObject *r = str ? PyObject_CallOneArg(s->name_filter, str) : NULL;
+            Py_XDECREF(str);
+            int t = r ? PyObject_IsTrue(r) : -1;
+            Py_XDECREF(r);
+            c->ts = PyEval_SaveThread();
+            if (t < 0) return fail(c, EPY, p, NULL), -1;
+            ok = &s->name_ok.p[v]; /* (the buffer did not move: nothing was interned meanwhile) */
+            *ok = t ? 1 : 2;
+        }
+        if (*ok != 1) return 0;
     }
     if (e->typed) { /* the typed decoder's reading of the integer token -0 */
         if (e->ts_mz) e->ts = 0.0;
@@ -1322,9 +1355,16 @@ static Py_ssize_t scan(Ctx *c) {
 static PyObject *ScanError; /* (kind, message): kind 'json' or 'type' */
 
 static int Scanner_init(Scanner *self, PyObject *args, PyObject *kw) {
-    PyObject *route, *kinds, *gpu = NULL;
-    static char *kwlist[] = {"kinds", "route", "gpu_kinds", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O", kwlist, &kinds, &route, &gpu)) return -1;
+    PyObject *route, *kinds, *gpu = NULL, *name_filter = NULL;
+    static char *kwlist[] = {"kinds", "route", "gpu_kinds", "name_filter", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO", kwlist, &kinds, &route, &gpu, &name_filter)) return -1;
+    if (name_filter == Py_None) name_filter = NULL;
+    if (name_filter && !PyCallable_Check(name_filter)) {
+        PyErr_SetString(PyExc_TypeError, "name_filter must be callable");
+        return -1;
+    }
+    Py_XINCREF(name_filter);
+    Py_XSETREF(self->name_filter, name_filter);
     self->gpu_kinds = 0;
     if (gpu) {
         PyObject *g = PySequence_Fast(gpu, "gpu_kinds must be a sequence");
@@ -1404,11 +1444,13 @@ static void Scanner_clear(Scanner *self) {
     buf_free(&self->cat_route);
     buf_free(&self->scratch);
     buf_free(&self->carry);
+    buf_free(&self->name_ok);
 }
 
 static void Scanner_dealloc(Scanner *self) {
     Scanner_clear(self);
     Py_XDECREF(self->route);
+    Py_XDECREF(self->name_filter);
     Py_XDECREF(self->meta);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }

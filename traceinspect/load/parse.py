@@ -1005,9 +1005,13 @@ def native_available() -> bool:
 
 
 def _route(cat: str) -> int | None:
+    """The scanner's kind of a category: a kind's index, -(index + 1) for python_function events
+    (annotations, where :func:`_py_marker` accepts the name), or None (not kept)."""
     kind = _KIND.get(cat)
     if kind is None:
         kind = _KIND.get(cat.lower())
+    if kind == "python_function":
+        return -(_KINDS.index("annotation") + 1)
     return None if kind is None else _KINDS.index(kind)
 
 
@@ -1015,7 +1019,7 @@ def _scan_native(blocks: Iterator[bytes], path: Path) -> ParsedRank:
     """Scan a document with the native scanner into the same tables as the msgspec path."""
     assert _native is not None
     s = _native.Scanner([_NATIVE_COLUMNS[k] for k in _KINDS], _route,
-                        [_KINDS.index(k) for k in GPU_KINDS])
+                        [_KINDS.index(k) for k in GPU_KINDS], _py_marker)
     try:
         for block in blocks:
             s.feed(block)
