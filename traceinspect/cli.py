@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "capture": "traceinspect.commands.capture:capture_cmd",
     "doctor": "traceinspect.commands.doctor:doctor_cmd",
     "cache": "traceinspect.commands.cache:cache_cmd",
+    "whatif": "traceinspect.commands.whatif:whatif_cmd",
 }
 
 
