@@ -296,9 +296,11 @@ def test_injected_names_are_escaped_everywhere(tmp_path: Path) -> None:
         assert EVIL_OP in set(a.kernels["op_name"])
         if EVIL_OP in top_ops:
             assert htmllib.escape(EVIL_OP, quote=False) in html
-    # exactly the page's own scripts: the JSON blob, the timeline data and the page's code
-    assert len(re.findall(r"<script\b", html)) == 3
-    for sid in ("traceinspect-analysis", "timeline-data"):
+    # exactly the page's own scripts: the JSON blob, the timeline data (measured, and after the top finding's
+    # replayed fix when there is one) and the page's code
+    after = 'id="timeline-after-data"' in html
+    assert len(re.findall(r"<script\b", html)) == 3 + after
+    for sid in ("traceinspect-analysis", "timeline-data") + (("timeline-after-data",) if after else ()):
         blob = re.search(rf'<script type="application/json" id="{sid}">(.*?)</script>', html, re.S)
         assert "<" not in blob.group(1)
         assert EVIL_KERNEL in json.dumps(json.loads(blob.group(1)))  # the value survives, escaped

@@ -120,9 +120,11 @@ def test_injected_kernel_name_renders_as_text(browser, tmp_path: Path) -> None:
         assert seen["console"] == [] and seen["pageerror"] == [] and seen["network"] == [], seen
         cell = page.locator("#kernel-table td.kname", has_text=EVIL_KERNEL)
         assert cell.count() >= 1 and cell.first.inner_text() == EVIL_KERNEL
-        # only the report's own script elements exist: the analysis JSON, the timeline data, the code
+        # only the report's own script elements exist: the analysis JSON, the timeline data (and the replayed
+        # after-fix timeline's), the code
         types = page.eval_on_selector_all("script", "els => els.map(e => e.type || 'js')")
-        assert sorted(types) == ["application/json", "application/json", "js"], types
+        after = page.locator("#timeline-after-data").count()
+        assert sorted(types) == ["application/json"] * (2 + after) + ["js"], types
     finally:
         page.close()
 
@@ -282,5 +284,29 @@ def test_timeline_zoom_hover_table_sort_filter_and_csv_download(browser, eager_r
         assert got == to_csv(report_tables(a, doc)["kernels"])
         assert got.splitlines()[0].startswith("name,cls,launched_by,calls")
         assert seen["network"] == [] and seen["console"] == [] and seen["pageerror"] == [], seen
+    finally:
+        page.close()
+
+
+def test_after_fix_timeline_beside_the_measured_one(browser, tmp_path: Path) -> None:
+    """The top finding's replayed fix is drawn as a second timeline on the measured step's axis, shorter
+    by the replayed saving, and the all-fixed step is shown under the findings."""
+    from traceinspect.render.html import write_html
+
+    a = _analysis(_present("kv-full-cast-graph"))
+    doc = a.to_json()
+    path = write_html(a, tmp_path / "after.html", doc)
+    page, seen = open_report(browser, path, shot="report-after-fix.png")
+    try:
+        assert seen["console"] == [] and seen["pageerror"] == [] and seen["network"] == [], seen
+        assert page.locator("#timeline-after canvas").is_visible()
+        geo = page.evaluate("() => { const m = document.getElementById('timeline-main').timeline.data,"
+                            " f = document.getElementById('timeline-after').timeline.data;"
+                            " return {ms: m.span, fs: f.span, mend: Math.max(...m.marks.map(x => x.end)),"
+                            " fend: Math.max(...f.marks.map(x => x.end))}; }")
+        assert geo["fs"] == pytest.approx(geo["ms"], rel=1e-3)  # one time axis
+        assert geo["fend"] < 0.7 * geo["mend"]  # the gather-then-cast replay ends much earlier
+        assert "All findings fixed together" in page.locator("#all-fixed").inner_text()
+        assert "gather-then-cast" in page.locator("#f-0").inner_text()
     finally:
         page.close()

@@ -67,6 +67,8 @@ class Analysis:
     graph_ops: GraphOps | None = None  # CPU ops of CUDA-graph replays, from the capture traces
     rule_set: Any = None  # the rules the findings were judged with (their texts go into the report)
     run_kind: RunKind | None = None  # decode, prefill, mixed or training, decided once (steps.run_kind)
+    replay: Any = None  # the what-if replayer (traceinspect.measure.replay), built on first use
+    all_fixed: Any = None  # the step with every finding fixed, from one replay (traceinspect.judge.fixes)
 
     @property
     def phase(self) -> str:
@@ -183,6 +185,7 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: Any) -> Analysis:
 
 def _measure_and_judge(result: Analysis, rule_set: Any = None) -> None:
     from traceinspect.judge import evaluate, load_rule_set
+    from traceinspect.judge.fixes import order_findings, replay_findings
     from traceinspect.measure.collectives import analyze_collectives
     from traceinspect.measure.gemm import measure_efficiency
     from traceinspect.parallel import Beside
@@ -196,7 +199,9 @@ def _measure_and_judge(result: Analysis, rule_set: Any = None) -> None:
     if rule_set is None:
         rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
     result.rule_set = rule_set
-    result.findings = evaluate(result, rule_set)
+    findings = evaluate(result, rule_set)
+    result.all_fixed = replay_findings(result, findings, rule_set)
+    result.findings = order_findings(findings)
 
 
 def _num(x: Any, nd: int = 3) -> Any:
@@ -377,4 +382,18 @@ def to_json(a: Analysis) -> dict[str, Any]:
         doc.update(a.efficiency.to_json())
     if a.collectives is not None:
         doc.update(a.collectives.to_json())
+    doc["replay"] = replay_json(a)
     return doc
+
+
+def replay_json(a: Analysis) -> dict[str, Any]:
+    """``replay``: the replay model's size and fidelity, and the step with every finding fixed."""
+    out: dict[str, Any] = {"all_fixed": a.all_fixed.to_json() if a.all_fixed is not None else None}
+    rp = a.replay
+    if rp is not None:
+        base = rp.as_measured()
+        out["model"] = rp.describe()
+        out["measured_step_us"] = _num(base.measured_step_us, 1)
+        out["replayed_step_us"] = _num(base.replayed_step_us, 1)
+        out["ranks"] = base.rank_rows()
+    return out

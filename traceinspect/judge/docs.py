@@ -68,11 +68,21 @@ def rule_markdown(rule: Rule, generated_note: bool = True) -> str:
     out += ["## Estimated saving", ""]
     impact = rule.impact.source if rule.impact else "us_per_step (the selected kernels' time per step)"
     basis = "the step time (step_us)"
-    out += [f"- impact (time per step of what the rule points at): `{impact}`; the finding's `share` is "
-            f"impact / {basis}",
-            f"- estimate (time per step that fixing it saves): `{rule.estimate.source}`, capped at the impact "
-            "and at the step time" + (", and at the GPU idle time inside the step" if rule.removes == "idle" else ""),
-            ""]
+    if rule.fixes:
+        out += ["The saving is the step time a replay of the fix saves (see [../whatif.md](../whatif.md)): the "
+                "analysed steps are replayed as measured and with the fix's edits, and the finding's "
+                "`est_saving_us_per_step` is the first variant's replayed step minus its predicted step "
+                "(`share`: that over the replayed step). Fixes (`traceinspect whatif --fix ID:VARIANT`):", ""]
+        for fx in rule.fixes:
+            edits = "; ".join(" ".join(f"{k}: {v}" for k, v in fe.spec.items())
+                              + (f" value: `{fe.value.source}`" if fe.value is not None else "") for fe in fx.edits)
+            out.append(f"- `{rule.id}:{fx.variant}`: {fx.label} (edits: {edits})")
+        out += [""]
+    out += [f"- impact (time per step of what the rule points at): `{impact}`, over {basis}",
+            f"- the rule's own local estimate (`evidence.rule_estimate_us_per_step`): `{rule.estimate.source}`, "
+            "capped at the impact and at the step time"
+            + (", and at the GPU idle time inside the step" if rule.removes == "idle" else "")
+            + ("" if rule.fixes else "; it is the finding's saving, since the rule declares no fix to replay"), ""]
     if rule.notes:
         out += [_para(rule.notes), ""]
     out += ["## Options", ""]

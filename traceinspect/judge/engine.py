@@ -43,6 +43,14 @@ class Finding:
     ranks: list[int]
     evidence: dict[str, Any]
     remediation: str
+    # what the rule's fixes act on: the subject's selection, ranks and the fix edits' values
+    fix_context: dict[str, Any] = field(default_factory=dict, repr=False)
+    # replays of the rule's fixes (traceinspect.judge.fixes): variant, label, predicted step, saving, edits
+    fixes: list[dict[str, Any]] = field(default_factory=list)
+    estimate_source: str = "rule"  # 'replay' when the saving comes from replaying a fix
+    parent: str | None = None  # the finding (rule id) sharing this one's cause with the larger saving
+    children: list[str] = field(default_factory=list)
+    prediction: Any = field(default=None, repr=False)  # the replay behind the estimate (not serialised)
 
     @property
     def id(self) -> str:
@@ -53,6 +61,9 @@ class Finding:
         return {
             "rule": self.rule, "severity": self.severity, "title": self.title, "message": self.message,
             "share": _round(self.share), "est_saving_us_per_step": _round(self.est_saving_us_per_step),
+            "estimate_source": self.estimate_source,
+            "fixes": list(self.fixes),
+            "group": {"parent": self.parent, "children": list(self.children)},
             "ranks": list(self.ranks), "evidence": {k: _json_value(v) for k, v in self.evidence.items()},
             "remediation": self.remediation,
         }
@@ -323,8 +334,49 @@ def _finding(rule: Rule, sub: M.Subject, env: dict[str, Any], missing: dict[str,
         rule=rule.id, severity=rule.severity, title=rule.title, message=format_message(rule, env),
         share=share, est_saving_us_per_step=est, ranks=list(sub.ranks), evidence=evidence,
         remediation=" ".join(rule.remediation.split()) if "\n-" not in rule.remediation
-        else rule.remediation.strip(),
+        else rule.remediation.strip(), fix_context=_fix_context(rule, sub, env, est),
     )
+
+
+def _fix_context(rule: Rule, sub: M.Subject, env: dict[str, Any], est: float | None) -> dict[str, Any]:
+    """What ``select: subject`` / ``rank: subject`` and the ``value`` expressions of the rule's fixes
+    resolve to for this subject."""
+    sel = rule.select
+    ctx: dict[str, Any] = {"ranks": list(sub.ranks), "rule_estimate_us_per_step": est}
+    spec: dict[str, Any] = {}
+    if sel.scope == "kernels":
+        body = sel.text.get("kernels") or {}
+        for key in ("class", "name", "not_name", "op", "not_op", "kind"):
+            if key in body:
+                v = body[key]
+                spec[key] = "|".join(f"(?:{x})" for x in v) if isinstance(v, list) and key not in ("class", "kind") \
+                    else (list(v) if isinstance(v, list) else v)
+        if sel.group_by == "name" and isinstance(sub.values.get("name"), str):
+            spec["name"] = "^" + re.escape(sub.values["name"]) + "$"
+        elif sel.group_by == "cls" and isinstance(sub.values.get("cls"), str):
+            spec["class"] = sub.values["cls"]
+    elif sel.scope == "gemm":
+        spec["class"] = ["moe_gemm"] if sub.values.get("is_moe") else ["fp4_gemm", "fp8_gemm", "bf16_gemm", "moe_gemm"]
+    elif sel.scope == "class" and isinstance(sub.values.get("cls"), str):
+        spec["class"] = sub.values["cls"]
+    ctx["select"] = spec
+    if sel.scope == "rank" and sub.ranks:
+        ctx["rank"] = sub.ranks[0]
+    values: list[list[float | None]] = []
+    for fx in rule.fixes:
+        row: list[float | None] = []
+        for fe in fx.edits:
+            if fe.value is None:
+                row.append(None)
+                continue
+            try:
+                v, _ = evaluate_explain(fe.value, env)
+            except ExprError:
+                v = None
+            row.append(_num(v))
+        values.append(row)
+    ctx["values"] = values
+    return ctx
 
 
 _PLACE = re.compile(r"\{\{|\}\}|\{[^{}]*\}")

@@ -25,9 +25,13 @@ SEVERITIES = ("critical", "warning", "info")
 SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 PHASE_SCOPES = ("decode", "prefill", "all")
 REQUIRED = ("id", "title", "severity", "scope", "when", "estimate", "message", "why", "remediation", "references")
-OPTIONAL = ("select", "let", "impact", "share_of", "removes", "evidence", "params", "tests", "example", "override", "notes")
+OPTIONAL = ("select", "let", "impact", "share_of", "removes", "evidence", "params", "tests", "example", "override",
+            "notes", "fixes")
 SHARE_OF = ("step_time",)  # every share is of the step time; the key stays readable for older rule files
 REMOVES = ("time", "idle")  # what fixing the finding removes: kernel time, or GPU idle inside the step
+FIX_KEYS = {"variant", "label", "edits"}
+EDIT_KEYS = {"edit", "select", "value", "rank", "from"}
+RANK_REFS = ("subject", "fastest", "latest")
 KERNEL_SELECT_KEYS = {"class", "name", "not_name", "op", "not_op", "kind", "graph"}
 GROUP_BY = {"kernels": ("none", "name", "cls"), "gemm": ("none", "shape", "cls", "moe"), "rank": ("rank",),
             "class": ("class",), "run": ("none",)}
@@ -64,6 +68,23 @@ class Selector:
 
 
 @dataclass
+class FixEdit:
+    """One edit of a fix as declared: ``value`` is an expression over the rule's names (or None)."""
+
+    spec: dict[str, Any]
+    value: Expr | None = None
+
+
+@dataclass
+class Fix:
+    """A named way to fix what a rule finds, as replay edits (``fixes:`` of a rule)."""
+
+    variant: str
+    label: str
+    edits: list[FixEdit]
+
+
+@dataclass
 class Rule:
     """One validated rule."""
 
@@ -92,6 +113,7 @@ class Rule:
     line: int = 0
     override: bool = False
     shipped: bool = False
+    fixes: list[Fix] = field(default_factory=list)
 
     @property
     def where(self) -> str:
@@ -488,7 +510,64 @@ def parse_rule(ctx: _Ctx, rule: Any, index: int, line: int) -> Rule:
         references=[str(x) for x in refs], evidence=evidence, params=params, tests=_tests(ctx, rule, rid),
         example=_text(ctx, rule, "example", rid, required=False), notes=_text(ctx, rule, "notes", rid, required=False),
         source=ctx.path, line=line, override=override, let=let, share_of=str(share_of), removes=str(removes),
+        fixes=_fixes(ctx, rule, rid, s, names),
     )
+
+
+def _fixes(ctx: _Ctx, rule: LDict, rid: str, scope: str, names: dict[str, Any]) -> list[Fix]:
+    """``fixes:``: a list of ``{variant, label, edits: [{edit, select, value, rank, from}]}``."""
+    from traceinspect.measure.replay.edits import KINDS, SELECT_KEYS
+
+    raw = rule.get("fixes")
+    if raw is None:
+        return []
+    if not isinstance(raw, LList) or not raw:
+        raise ctx.err(line_of(rule, "fixes"), f"rule {rid!r}: fixes must be a non-empty list")
+    out: list[Fix] = []
+    for i, fx in enumerate(raw):
+        ln = line_of(raw, i)
+        if not isinstance(fx, LDict):
+            raise ctx.err(ln, f"rule {rid!r}: fixes[{i}] must be a mapping with variant, label and edits")
+        bad = set(fx) - FIX_KEYS
+        if bad:
+            raise ctx.err(line_of(fx, sorted(bad)[0]), f"rule {rid!r}: fixes[{i}]: unknown key {sorted(bad)[0]!r}")
+        variant, label, edits = fx.get("variant"), fx.get("label"), fx.get("edits")
+        if not isinstance(variant, str) or not ID_RE.match(variant):
+            raise ctx.err(ln, f"rule {rid!r}: fixes[{i}].variant must be kebab-case, got {variant!r}")
+        if variant in {f.variant for f in out}:
+            raise ctx.err(ln, f"rule {rid!r}: fix variant {variant!r} is declared twice")
+        if not isinstance(label, str) or not label.strip():
+            raise ctx.err(ln, f"rule {rid!r}: fixes[{i}].label must be text")
+        if not isinstance(edits, LList) or not edits:
+            raise ctx.err(ln, f"rule {rid!r}: fixes[{i}].edits must be a non-empty list")
+        fes: list[FixEdit] = []
+        for j, ed in enumerate(edits):
+            el = line_of(edits, j)
+            where = f"rule {rid!r}: fixes[{i}].edits[{j}]"
+            if not isinstance(ed, LDict):
+                raise ctx.err(el, f"{where} must be a mapping")
+            bad = set(ed) - EDIT_KEYS
+            if bad:
+                raise ctx.err(line_of(ed, sorted(bad)[0]), f"{where}: unknown key {sorted(bad)[0]!r}")
+            if ed.get("edit") not in KINDS:
+                raise ctx.err(el, f"{where}: edit must be one of {', '.join(KINDS)}")
+            sel = ed.get("select")
+            if sel is not None and sel != "subject" and (not isinstance(sel, LDict) or set(sel) - set(SELECT_KEYS)):
+                raise ctx.err(line_of(ed, "select"), f"{where}: select must be 'subject' or a mapping of "
+                              f"{', '.join(SELECT_KEYS)}")
+            for key in ("rank", "from"):
+                v = ed.get(key)
+                if v is not None and v not in RANK_REFS and not isinstance(v, int):
+                    raise ctx.err(line_of(ed, key), f"{where}: {key} must be a rank number or one of "
+                                  f"{', '.join(RANK_REFS)}")
+            value = None
+            if ed.get("value") is not None:
+                value = _expr(ctx, ed["value"], line_of(ed, "value"), rid, f"fixes[{i}].edits[{j}].value", scope,
+                              names)
+            spec = {k: (dict(v) if isinstance(v, LDict) else v) for k, v in ed.items() if k != "value"}
+            fes.append(FixEdit(spec=spec, value=value))
+        out.append(Fix(variant=str(variant), label=" ".join(str(label).split()), edits=fes))
+    return out
 
 
 # ============================================================================= files

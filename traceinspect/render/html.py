@@ -42,6 +42,7 @@ from traceinspect.render.palette import (
     text_color,
 )
 from traceinspect.render.story import Open, saving_share, saving_text, step_share, story
+from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
 from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
@@ -432,6 +433,39 @@ def timeline_svg(a: Analysis, budget: int = TIMELINE_KERNEL_BUDGET) -> TimelineI
     return TimelineInfo(data=data, caption=caption, kernels=len(k), lanes=len(data["lanes"]))
 
 
+def after_timeline(a: Analysis) -> tuple[TimelineInfo | None, str]:
+    """The representative step as the replay of the top finding's fix places it, on the measured step's
+    time axis; (None, reason) when there is nothing to show."""
+    top = a.findings[0] if a.findings else None
+    pred = getattr(top, "prediction", None) if top is not None else None
+    if top is None or pred is None or pred.run is None or a.replay is None:
+        return None, "no finding with a replayed fix"
+    m = a.replay.model
+    pos, rows = a.representative_step()
+    mask = m.g_pos == pos if pos is not None else np.zeros(m.n_ops, dtype=bool)
+    if not mask.any():
+        return None, "the representative step was not among the replayed steps"
+    k = a.kernels[a.kernels["step"].isin(list(rows.values()))]
+    t0, span = float(k["ts"].min()), float(k["end"].max() - k["ts"].min())
+    after = k[k.index.isin(m.g_kidx[mask])].copy()
+    after["ts"] = pd.Series(pred.run.g_start[mask], index=m.g_kidx[mask]).reindex(after.index).to_numpy()
+    after["end"] = pd.Series(pred.run.g_end[mask], index=m.g_kidx[mask]).reindex(after.index).to_numpy()
+    after["dur"] = after["end"] - after["ts"]
+    t0 = min(t0, float(after["ts"].min()))
+    data = timeline_payload(a, after, t0=t0)
+    data["span"] = round(max(span, data["span"]), 3)  # the measured step's axis, so the saving shows
+    labels = {r.rank: r.label for r in a.trace.ranks}
+    data["marks"] = [{"rank": int(r), "label": labels.get(int(r), str(r)),
+                      "start": round(float(g["ts"].min()) - t0, 3), "end": round(float(g["end"].max()) - t0, 3)}
+                     for r, g in after.groupby("rank")]
+    label = str(next((fx.get("label") for fx in top.fixes if fx.get("predicted_step_us") is not None), top.rule))
+    rep, new = pred.replayed_step_us, pred.predicted_step_us
+    caption = (f"{top.rule}: {label}. Step {pos + 1} as the replay places it with the fix applied, on the measured "
+               f"step's time axis; the TP step goes from {fmt_us(rep)} replayed to {fmt_us(new)} predicted (medians "
+               "over the replayed steps).")
+    return TimelineInfo(data=data, caption=caption, kernels=len(after), lanes=len(data["lanes"])), label
+
+
 def gemm_scatter_svg(doc: dict[str, Any]) -> tuple[Markup, str | None, list[str], str]:
     """M (log scale) vs achieved % of peak, bubble area = time per step, colour = class. Returns the
     SVG, the reason when there is none, the classes shown, and a note on what could not be placed."""
@@ -658,7 +692,9 @@ def _finding_view(i: int, f: dict[str, Any], doc: dict[str, Any], labels: dict[A
         "message": str(f.get("message") or ""),
         "saving": fmt_us(float(saving)) if _isnum(saving) else None,
         "saving_of_step": fmt_pct(saving_share(f, doc)) if _isnum(saving) else None,
-        "share": fmt_pct(f.get("share")) if _isnum(f.get("share")) else None,
+        # the impact's share of the step (``share`` itself is the replayed saving's)
+        "share": fmt_pct(step_share(ev.get("impact_us_per_step"), doc)) if _isnum(ev.get("impact_us_per_step"))
+        else None,
         "impact": fmt_us(float(ev["impact_us_per_step"])) if _isnum(ev.get("impact_us_per_step")) else None,
         "ranks": ", ".join(str(labels.get(r, r)) for r in ranks) if isinstance(ranks, list) and ranks else
         ("all" if ranks is None else str(ranks)),
@@ -666,6 +702,9 @@ def _finding_view(i: int, f: dict[str, Any], doc: dict[str, Any], labels: dict[A
         "remediation": str(f.get("remediation") or "").strip(),
         "why": str(f.get("why") or "").strip(),
         "references": refs,
+        "variants": variant_lines(f),
+        "group_note": group_note(f),
+        "child": bool((f.get("group") or {}).get("parent")),
     }
 
 
@@ -1027,6 +1066,7 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
     _add_rule_text(a, findings)
     breakdown, order = class_breakdown_svg(doc)
     timeline = timeline_svg(a)
+    after_tl, after_label = after_timeline(a)
     tl_classes = sorted({str(c) for c in factorize_text(a.kernels["cls"])[1]}) if len(a.kernels) else []
     gemm, gemm_reason, gemm_classes, gemm_note = gemm_scatter_svg(doc)
     coll, coll_reason = collectives_svg(doc)
@@ -1059,6 +1099,8 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
         "breakdown_legend": _legend_html(order, {c: (doc["classes"][c].get("share")) for c in order}),
         "class_rows": _class_rows(doc),
         "timeline": timeline,
+        "after_timeline": after_tl, "after_label": after_label,
+        "all_fixed": all_fixed_line(doc),
         "timeline_legend": _legend_html([c for c in order if c in tl_classes] +
                                         [c for c in tl_classes if c not in order]),
         "gemm_svg": gemm, "gemm_reason": gemm_reason, "gemm_note": gemm_note, "gemm_legend": _legend_html(gemm_classes),

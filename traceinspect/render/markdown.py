@@ -15,6 +15,7 @@ from traceinspect import __version__
 from traceinspect.fileio import write_text_atomic
 from traceinspect.render import fmt_pct, fmt_us, kernel_labels, launching_ops, short_name
 from traceinspect.render.story import saving_text, step_share, story
+from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -111,14 +112,23 @@ def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None
             sv = md(saving_text(f, doc) or "n/a")
             rk = f.get("ranks")
             rk = ", ".join(md(r) for r in rk) if isinstance(rk, list) and rk else "all"
-            out.append(f"| {md(f.get('severity'))} | **{md(f.get('title') or f.get('rule'))}** "
+            child = " ↳ " if (f.get("group") or {}).get("parent") else ""
+            out.append(f"| {md(f.get('severity'))} | {child}**{md(f.get('title') or f.get('rule'))}** "
                        f"({md(f.get('rule'))}) | {sv} | {rk} |")
         if len(findings) > TOP_FINDINGS:
             out.append(f"| | … and {len(findings) - TOP_FINDINGS} more (see the HTML report or JSON) | | |")
         out.append("")
+        line = all_fixed_line(doc)
+        if line:
+            out += [f"**{md(line)}**", ""]
         out += ["<details><summary>Details and fixes</summary>", ""]
         for f in findings[:TOP_FINDINGS]:
             out.append(f"- **{md(f.get('title') or f.get('rule'))}**: {md(f.get('message') or '')}")
+            for v in variant_lines(f):
+                out.append(f"  - {md(v)}")
+            note = group_note(f)
+            if note:
+                out.append(f"  - {md(note)}")
             if str(f.get("remediation") or "").strip():
                 out.append(f"  Fix: {md_rule(f.get('remediation'))}")
         out += ["", "</details>", ""]

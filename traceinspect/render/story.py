@@ -20,11 +20,14 @@ def _num(v: Any) -> float | None:
 
 
 def ordered_findings(findings: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """Findings (JSON form) in the one order of every output: severity, then estimated saving."""
+    """Findings (JSON form) in the one order of every output: severity, then estimated saving; a finding
+    that shares its cause with another (``group.parent``) follows that one."""
     from traceinspect.judge.engine import finding_order
+    from traceinspect.judge.fixes import group_children
 
-    return sorted(findings or [], key=lambda f: finding_order(f.get("severity"), f.get("est_saving_us_per_step"),
-                                                              f.get("share"), f.get("rule")))
+    ranked = sorted(findings or [], key=lambda f: finding_order(f.get("severity"), f.get("est_saving_us_per_step"),
+                                                                f.get("share"), f.get("rule")))
+    return group_children(ranked, lambda f: f.get("rule"), lambda f: (f.get("group") or {}).get("parent"))
 
 
 def step_us_of(doc: dict[str, Any]) -> float | None:

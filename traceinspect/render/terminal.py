@@ -13,6 +13,7 @@ from traceinspect.render import fmt_count, kernel_labels
 from traceinspect.render import fmt_pct as _pct
 from traceinspect.render import fmt_us as _us
 from traceinspect.render.story import saving_text, step_share, story
+from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -110,7 +111,15 @@ def render(a: Analysis, doc: dict[str, Any] | None = None, console: Console | No
             saving = saving_text(f, doc)
             if saving is not None:
                 con.print(f"          est. saving {escape(saving)}")
+            for line in variant_lines(f):
+                con.print(f"          {escape(line)}")
+            note = group_note(f)
+            if note:
+                con.print(f"          {escape(note)}")
             con.print(f"          fix: {escape(str(f['remediation']).strip())}")
+        line = all_fixed_line(doc)
+        if line:
+            con.print(f"\n[bold]{escape(line)}[/bold]")
     else:
         con.print(f"\n[green]{escape(st.quiet)}[/green]")
     for w in doc.get("warnings") or []:

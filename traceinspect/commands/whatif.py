@@ -1,0 +1,113 @@
+"""``traceinspect whatif``: replay the analysed steps with a rule's fix or hand-written edits and print
+the measured, replayed and predicted step time per rank and for the TP step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from traceinspect.commands.analyze import analysis_options, build_options
+from traceinspect.errors import ConfigError
+from traceinspect.fileio import write_json_atomic
+
+
+def _fix_edits(a: Any, spec: str) -> tuple[list[Any], str]:
+    """The edits of ``RULE[:VARIANT]`` for this analysis, and the variant's name and label."""
+    from traceinspect.judge.engine import Finding
+    from traceinspect.judge.fixes import fix_edits
+    from traceinspect.measure.replay import EditError, replayer
+
+    rule_id, _, variant = spec.partition(":")
+    rule = a.rule_set.get(rule_id) if a.rule_set is not None else None
+    if rule is None:
+        raise ConfigError(f"--fix {spec}: no rule {rule_id!r} (see `traceinspect rules list`)")
+    if not rule.fixes:
+        raise ConfigError(f"--fix {spec}: rule {rule_id!r} declares no fixes")
+    names = [f.variant for f in rule.fixes]
+    i = names.index(variant) if variant in names else (0 if not variant else -1)
+    if i < 0:
+        raise ConfigError(f"--fix {spec}: rule {rule_id!r} has no variant {variant!r} (it has {', '.join(names)})")
+    finding = next((f for f in a.findings if f.rule == rule_id), None)
+    if finding is None:
+        # the rule did not fire: its fix acts on what the rule selects, without a subject's values
+        from traceinspect.judge.engine import _fix_context
+        from traceinspect.judge.metrics import Subject
+
+        finding = Finding(rule=rule_id, severity=rule.severity, title=rule.title, message="", share=None,
+                          est_saving_us_per_step=None, ranks=[], evidence={}, remediation="")
+        finding.fix_context = _fix_context(rule, Subject(rule.select.scope, "", {}), {}, None)
+    try:
+        edits = fix_edits(replayer(a), a, finding, rule, i)
+    except EditError as e:
+        raise ConfigError(f"--fix {spec}: {e}") from None
+    return edits, f"{rule_id}:{rule.fixes[i].variant} ({rule.fixes[i].label})"
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v / 1000:,.3f} ms"
+
+
+@click.command("whatif")
+@click.argument("paths", nargs=-1, required=True)
+@analysis_options
+@click.option("--fix", "fixes", multiple=True, metavar="RULE[:VARIANT]",
+              help="Apply a fix a rule declares (repeatable), e.g. kv-full-pool-cast:gather.")
+@click.option("--edit", "edits", multiple=True, metavar="EXPR",
+              help="Apply an edit (repeatable), e.g. 'scale class=kv_cast 0.2', 'remove name~=foo', 'host-gaps 0'.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the prediction as JSON here.")
+def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str, ...], json_out: str | None,
+               **kw: Any) -> None:
+    """Predict the step time after a fix by replaying the trace with edits (none: replay as measured)."""
+    from traceinspect.analysis import analyze
+    from traceinspect.measure.replay import EditError, parse_edit, replayer
+
+    try:
+        parsed = [parse_edit(e) for e in edits]  # bad edits are reported before the traces are read
+    except EditError as e:
+        raise ConfigError(str(e)) from None
+    a = analyze(list(paths), build_options(**kw))
+    all_edits: list[Any] = []
+    labels: list[str] = []
+    for spec in fixes:
+        ed, label = _fix_edits(a, spec)
+        all_edits += ed
+        labels.append(label)
+    all_edits += parsed
+    labels += [e.describe() for e in parsed]
+    rp = replayer(a)
+    p = rp.predict(all_edits, label="; ".join(labels))
+    doc = p.to_json()
+    doc["fixes"] = list(fixes)
+    doc["model"] = rp.describe()
+    if json_out:
+        write_json_atomic(json_out, doc)
+    _print(p, doc, labels)
+
+
+def _print(p: Any, doc: dict[str, Any], labels: list[str]) -> None:
+    echo = click.echo
+    echo("what-if: " + ("; ".join(labels) if labels else "no edits (replay as measured)"))
+    for e in doc["edits"]:
+        echo(f"  edit: {e['text']}")
+    for n in doc["notes"]:
+        echo(f"  note: {n}")
+    for u in doc["undecided"]:
+        echo(f"  cannot be decided: {u}")
+    echo(f"  {'':10s} {'measured':>12s} {'replayed':>12s} {'predicted':>12s}")
+    for r in doc["ranks"]:
+        echo(f"  {'rank ' + str(r['rank']):10s} {_ms(r['measured_step_us']):>12s} {_ms(r['replayed_step_us']):>12s} "
+             f"{_ms(r['predicted_step_us']):>12s}")
+    echo(f"  {'TP step':10s} {_ms(doc['measured_step_us']):>12s} {_ms(doc['replayed_step_us']):>12s} "
+         f"{_ms(doc['predicted_step_us']):>12s}")
+    sv = doc["saving_us_per_step"]
+    if sv is not None and doc["replayed_step_us"]:
+        echo(f"  predicted change: {-sv / 1000:+,.3f} ms per step ({-sv / doc['replayed_step_us']:+.1%} of the "
+             "replayed step)")
+    moved = doc["critical_path"]["moved_onto"]
+    if moved:
+        echo("  moved onto the critical path: " + ", ".join(
+            f"{m['what']} +{m['us_per_step'] / 1000:,.3f} ms" for m in moved))
+    elif doc["edits"]:
+        echo("  moved onto the critical path: nothing new")
+    echo(f"  medians over {doc['steps_replayed']} replayed step(s) of {doc['model']['steps_available']}")

@@ -1,0 +1,224 @@
+"""Savings from replays: each finding's estimate is the step time its rule's fix saves when the step
+is replayed with the fix's edits (:mod:`traceinspect.measure.replay`); findings whose fixes overlap
+share a cause and are grouped under the one that saves most; the step with every finding fixed is
+one replay of all the fixes together, never a sum of savings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from traceinspect.measure.replay import EditError, Prediction, Replayer, replayer
+from traceinspect.measure.replay.edits import Edit, edit_from_mapping
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+    from traceinspect.judge.engine import Finding
+    from traceinspect.judge.rules import Rule, RuleSet
+
+# two findings share a cause when fixing both saves less than the sum of their savings by at least this
+# share of the smaller saving (their savings overlap)
+OVERLAP_SHARE = 0.5
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None or not np.isfinite(x) else round(float(x), 1)
+
+
+@dataclass
+class AllFixed:
+    """The step with every finding's (first decided) fix applied together, from one replay."""
+
+    prediction: Prediction | None
+    fixes: list[str] = field(default_factory=list)
+    undecided: list[str] = field(default_factory=list)
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.prediction
+        return {
+            "fixes": list(self.fixes),
+            "measured_step_us": _r(p.measured_step_us) if p else None,
+            "replayed_step_us": _r(p.replayed_step_us) if p else None,
+            "predicted_step_us": _r(p.predicted_step_us) if p else None,
+            "saving_us_per_step": _r(p.saving_us) if p else None,
+            "saving_share": _r_share(p),
+            "undecided": list(self.undecided),
+            "reason": self.reason,
+        }
+
+
+def _r_share(p: Prediction | None) -> float | None:
+    if p is None or p.saving_us is None or not p.replayed_step_us:
+        return None
+    return round(float(p.saving_us / p.replayed_step_us), 4)
+
+
+def _rank_refs(rp: Replayer, a: Analysis, subject_ranks: list[int]) -> dict[str, int | None]:
+    """``fastest``: the rank with the least host time per step (not the subject); ``latest``: the rank
+    arriving last at most collectives."""
+    m = rp.model
+    host: dict[int, float] = {}
+    for r in m.ranks:
+        idx = np.nonzero(m.h_rank == r)[0]
+        if len(idx):
+            per = {}
+            for q in np.unique(m.h_pos[idx]):
+                j = idx[m.h_pos[idx] == q]
+                per[int(q)] = float(m.h_end[j].max() - m.h_t[j].min())
+            host[r] = float(np.median(list(per.values())))
+    others = {r: v for r, v in host.items() if r not in subject_ranks}
+    fastest = min(others, key=lambda r: others[r]) if others else None
+    latest = None
+    coll = a.collectives
+    if coll is not None and coll.applicable and len(coll.per_rank):
+        pr = coll.per_rank.sort_values(["late_arrivals", "rank"], ascending=[False, True])
+        latest = int(pr["rank"].iloc[0])
+    return {"fastest_rank": fastest, "latest_rank": latest}
+
+
+def fix_edits(rp: Replayer, a: Analysis, f: Finding, rule: Rule, i: int) -> list[Edit]:
+    """The edits of fix ``i`` of ``rule`` for finding ``f``."""
+    ctx = dict(f.fix_context)
+    ctx.update(_rank_refs(rp, a, list(f.ranks)))
+    values = ctx.get("values") or []
+    edits = []
+    for j, fe in enumerate(rule.fixes[i].edits):
+        spec = dict(fe.spec)
+        if fe.value is not None:
+            v = values[i][j] if i < len(values) and j < len(values[i]) else None
+            if v is None:
+                raise EditError(f"the value of {spec.get('edit')} ({fe.value.source}) cannot be decided")
+            spec["value"] = max(float(v), 0.0)
+        edits.append(edit_from_mapping(spec, ctx))
+    return edits
+
+
+def _variant_json(rule: Rule, i: int, p: Prediction | None, why: str | None) -> dict[str, Any]:
+    fx = rule.fixes[i]
+    out: dict[str, Any] = {"variant": f"{rule.id}:{fx.variant}", "label": fx.label}
+    if p is None:
+        out.update({"predicted_step_us": None, "saving_us_per_step": None, "edits": [], "undecided": [why or ""]})
+        return out
+    out.update({
+        "predicted_step_us": _r(p.predicted_step_us), "saving_us_per_step": _r(p.saving_us),
+        "saving_share": _r_share(p),
+        "edits": [e.to_json() for e in p.edits], "undecided": list(p.undecided), "notes": list(p.notes),
+    })
+    return out
+
+
+def replay_findings(a: Analysis, findings: list[Finding], rule_set: RuleSet) -> AllFixed:
+    """Replace each finding's estimate by its replayed fix, group findings that share a cause and replay
+    all fixes together."""
+    try:
+        rp = replayer(a)
+    except Exception as e:  # noqa: BLE001 - a replay failure keeps the rules' own estimates, said so
+        a.trace.warnings.append(f"the what-if replay could not be built ({type(e).__name__}: {e}); savings are "
+                                "the rules' own estimates")
+        return AllFixed(None, reason=f"replay unavailable: {type(e).__name__}: {e}")
+    chosen: dict[int, tuple[Finding, list[Edit], Prediction]] = {}
+    for n, f in enumerate(findings):
+        rule = rule_set.get(f.rule)
+        f.evidence["rule_estimate_us_per_step"] = f.est_saving_us_per_step
+        if rule is None or not rule.fixes:
+            f.estimate_source = "rule"
+            continue
+        f.fixes = []
+        best: tuple[list[Edit], Prediction] | None = None
+        for i, fx in enumerate(rule.fixes):
+            try:
+                edits = fix_edits(rp, a, f, rule, i)
+            except EditError as e:
+                f.fixes.append(_variant_json(rule, i, None, str(e)))
+                continue
+            p = rp.predict(edits, label=fx.label)
+            f.fixes.append(_variant_json(rule, i, p, None))
+            if best is None and p.decided:
+                best = (edits, p)
+                f.fixes[-1]["moved_onto_critical_path"] = p.moved_onto_path()
+        f.estimate_source = "replay"
+        if best is None:
+            why = "; ".join(u for fx in f.fixes for u in fx.get("undecided", []) if u)
+            f.est_saving_us_per_step = None
+            f.share = None
+            f.evidence.setdefault("unavailable", []).append(f"no fix could be replayed: {why}")
+            continue
+        edits, p = best
+        f.prediction = p
+        saving = max(float(p.saving_us or 0.0), 0.0)
+        f.est_saving_us_per_step = saving
+        f.share = saving / p.replayed_step_us if p.replayed_step_us else None
+        f.evidence["saving_share"] = f.share
+        f.evidence["replayed_step_us"] = _r(p.replayed_step_us)
+        f.evidence["predicted_step_us"] = _r(p.predicted_step_us)
+        chosen[n] = (f, edits, p)
+    _group(rp, chosen)
+    # all fixed: one replay of every chosen fix (host timelines first, so later edits act on them)
+    if not chosen:
+        return AllFixed(None, reason="no finding has a replayable fix" if findings else "no findings")
+    order = sorted(chosen)
+    all_edits = [e for n in order for e in chosen[n][1] if e.kind == "host-from"]
+    all_edits += [e for n in order for e in chosen[n][1] if e.kind != "host-from"]
+    p = rp.predict(all_edits, label="all findings fixed")
+    return AllFixed(p, fixes=[_variant_of(chosen[n][0]) for n in order], undecided=list(p.undecided))
+
+
+def _variant_of(f: Finding) -> str:
+    for fx in f.fixes:
+        if fx.get("predicted_step_us") is not None:
+            return str(fx["variant"])
+    return f.rule
+
+
+def _group(rp: Replayer, chosen: dict[int, tuple[Finding, list[Edit], Prediction]]) -> None:
+    """Findings whose fixes overlap (fixing both saves clearly less than the sum) share a cause: the one
+    with the larger saving becomes the parent of the other."""
+    items = [(n, f, e, float(p.saving_us or 0.0)) for n, (f, e, p) in sorted(chosen.items()) if (p.saving_us or 0) > 0]
+    items.sort(key=lambda t: -t[3])  # parents first: a finding is grouped under the largest saving it overlaps
+    for x in range(len(items)):
+        for y in range(x + 1, len(items)):
+            _, fa, ea, sa = items[x]
+            _, fb, eb, sb = items[y]
+            if fb.parent or fb.children:
+                continue
+            both = rp.predict(ea + eb)
+            if both.saving_us is None:
+                continue
+            overlap = sa + sb - float(both.saving_us)
+            if overlap >= OVERLAP_SHARE * min(sa, sb):
+                parent, child = (fa, fb) if not fa.parent else (fb, fa)
+                if parent.parent or child.children:
+                    continue
+                child.parent = parent.rule
+                parent.children.append(child.rule)
+                child.evidence["shares_cause_with"] = parent.rule
+                child.evidence["overlap_us_per_step"] = _r(overlap)
+
+
+def group_children(ranked: list[Any], rule_of: Any, parent_of: Any) -> list[Any]:
+    """``ranked`` with every finding that shares a parent's cause moved right after that parent."""
+    present = {rule_of(f) for f in ranked}
+    kids: dict[Any, list[Any]] = {}
+    for f in ranked:
+        p = parent_of(f)
+        if p and p in present:
+            kids.setdefault(p, []).append(f)
+    out: list[Any] = []
+    for f in ranked:
+        p = parent_of(f)
+        if p and p in present:
+            continue
+        out.append(f)
+        out.extend(kids.get(rule_of(f), []))
+    return out
+
+
+def order_findings(findings: list[Finding]) -> list[Finding]:
+    """In the judge's order (:func:`~traceinspect.judge.engine.sort_findings`), each parent followed by the
+    findings that share its cause."""
+    from traceinspect.judge.engine import sort_findings
+
+    return group_children(sort_findings(findings), lambda f: f.rule, lambda f: f.parent)

@@ -1,0 +1,264 @@
+"""What-if replay: rebuild each analysed step's dependency graph (host calls, GPU operations,
+collectives), replay it as measured, and replay it with edits to predict the step a fix gives.
+
+``Replayer(a)`` builds the model once; ``predict(edits)`` replays with edits and returns a
+:class:`Prediction` (per rank and step: measured, replayed and predicted span and busy time, the
+TP step = the slowest rank's, medians over the replayed steps, and the replay's critical path).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from traceinspect.measure.replay.edits import Edit, EditError, apply_edits, parse_edit
+from traceinspect.measure.replay.model import Model, build_model, describe
+from traceinspect.measure.replay.sim import (
+    BY_LAUNCH,
+    BY_STREAM,
+    BY_XSTREAM,
+    Params,
+    Run,
+    measured_params,
+    simulate,
+)
+from traceinspect.steps import union_us
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+
+__all__ = ["Edit", "EditError", "Prediction", "Replayer", "parse_edit", "replayer"]
+
+
+def _r(x: float | None, nd: int = 1) -> float | None:
+    return None if x is None or not np.isfinite(x) else round(float(x), nd)
+
+
+@dataclass
+class Prediction:
+    """One replay with edits, beside the replay without them."""
+
+    edits: list[Edit]
+    per_step: pd.DataFrame  # rank, pos, measured_us, replayed_us, predicted_us, *_busy_us
+    undecided: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    run: Run | None = None
+    label: str = ""
+    _paths: Any = None  # () -> (path as replayed, path with the edits), computed on first use
+    _path_cache: tuple[dict[str, float], dict[str, float]] | None = None
+
+    def _path_pair(self) -> tuple[dict[str, float], dict[str, float]]:
+        if self._path_cache is None:
+            self._path_cache = self._paths() if self._paths is not None else ({}, {})
+        return self._path_cache
+
+    @property
+    def path_replayed(self) -> dict[str, float]:
+        return self._path_pair()[0]
+
+    @property
+    def path_predicted(self) -> dict[str, float]:
+        return self._path_pair()[1]
+
+    @property
+    def decided(self) -> bool:
+        return not self.undecided
+
+    def tp(self, col: str) -> float:
+        """Median over step positions of the slowest rank's value."""
+        if not len(self.per_step):
+            return float("nan")
+        pos = self.per_step["pos"].to_numpy()
+        v = self.per_step[col].to_numpy(dtype=np.float64)
+        o = np.argsort(pos, kind="stable")
+        bounds = np.flatnonzero(np.r_[True, pos[o][1:] != pos[o][:-1]])
+        return float(np.median(np.maximum.reduceat(v[o], bounds)))
+
+    @property
+    def measured_step_us(self) -> float:
+        return self.tp("measured_us")
+
+    @property
+    def replayed_step_us(self) -> float:
+        return self.tp("replayed_us")
+
+    @property
+    def predicted_step_us(self) -> float | None:
+        return self.tp("predicted_us") if self.decided else None
+
+    @property
+    def saving_us(self) -> float | None:
+        """Replayed minus predicted TP step (the model's own error cancels)."""
+        p = self.predicted_step_us
+        return None if p is None else self.replayed_step_us - p
+
+    def rank_rows(self) -> list[dict[str, Any]]:
+        out = []
+        for r, g in self.per_step.groupby("rank"):
+            out.append({"rank": int(r), "measured_step_us": _r(float(g["measured_us"].median())),
+                        "replayed_step_us": _r(float(g["replayed_us"].median())),
+                        "predicted_step_us": _r(float(g["predicted_us"].median())) if self.decided else None,
+                        "measured_busy_us": _r(float(g["measured_busy_us"].median())),
+                        "replayed_busy_us": _r(float(g["replayed_busy_us"].median())),
+                        "predicted_busy_us": _r(float(g["predicted_busy_us"].median())) if self.decided else None})
+        return out
+
+    def moved_onto_path(self, top: int = 3) -> list[dict[str, Any]]:
+        """Classes whose time on the replay's critical path grew most with the edits."""
+        keys = set(self.path_replayed) | set(self.path_predicted)
+        d = [(k, self.path_predicted.get(k, 0.0) - self.path_replayed.get(k, 0.0)) for k in keys]
+        d = [x for x in d if x[1] > 1.0]
+        d.sort(key=lambda x: -x[1])
+        return [{"what": k, "us_per_step": _r(v), "before_us": _r(self.path_replayed.get(k, 0.0)),
+                 "after_us": _r(self.path_predicted.get(k, 0.0))} for k, v in d[:top]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "label": self.label or None,
+            "measured_step_us": _r(self.measured_step_us),
+            "replayed_step_us": _r(self.replayed_step_us),
+            "predicted_step_us": _r(self.predicted_step_us),
+            "saving_us_per_step": _r(self.saving_us),
+            "edits": [e.to_json() for e in self.edits],
+            "undecided": list(self.undecided),
+            "notes": list(self.notes),
+            "ranks": self.rank_rows(),
+            "steps_replayed": int(self.per_step["pos"].nunique()) if len(self.per_step) else 0,
+            "critical_path": {"replayed_us": {k: _r(v) for k, v in sorted(self.path_replayed.items())},
+                              "predicted_us": {k: _r(v) for k, v in sorted(self.path_predicted.items())},
+                              "moved_onto": self.moved_onto_path()},
+        }
+
+
+class Replayer:
+    """The replay model of one analysis, its replay as measured, and replays with edits."""
+
+    def __init__(self, a: Analysis, max_steps: int | None = None) -> None:
+        self.a = a
+        self.model: Model = build_model(a, max_steps=max_steps)
+        self.base_params: Params = measured_params(self.model)
+        self.base: Run = simulate(self.model, self.base_params)
+        self._base_steps = self._step_table(self.base)
+        self._base_path: dict[str, float] | None = None
+        self._memo: dict[tuple[str, ...], Prediction] = {}
+        # facts edits need, found once (e.g. the active KV rows), and the replayed steps' rows
+        self.cache: dict[str, Any] = {"steps": a.steps.loc[self.model.step_rows["step"].to_numpy()]}
+        self.replays = 1
+
+    def base_path(self) -> dict[str, float]:
+        if self._base_path is None:
+            self._base_path = self._path(self.base, self.base_params)
+        return self._base_path
+
+    def describe(self) -> dict[str, Any]:
+        return describe(self.model)
+
+    # ------------------------------------------------------------------ per step
+    def _step_table(self, run: Run) -> pd.DataFrame:
+        m = self.model
+        rows = []
+        if not m.n_ops:
+            return pd.DataFrame(columns=["rank", "pos", "span_us", "busy_us"])
+        key = m.g_rank * 1_000_000 + m.g_pos
+        bounds = np.flatnonzero(np.r_[True, key[1:] != key[:-1], True])
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            s, e = run.g_start[a:b], run.g_end[a:b]
+            rows.append({"rank": int(m.g_rank[a]), "pos": int(m.g_pos[a]),
+                         "span_us": float(np.max(e) - np.min(s)), "busy_us": union_us(s, e)})
+        return pd.DataFrame(rows)
+
+    def _measured_vs_replayed(self) -> pd.DataFrame:
+        """rank, pos, measured and replayed span and busy time, in the order of the step tables."""
+        if "mvr" not in self.cache:
+            meas = self.model.step_rows[["rank", "pos", "span_us", "busy_us"]].rename(
+                columns={"span_us": "measured_us", "busy_us": "measured_busy_us"})
+            base = self._base_steps.rename(columns={"span_us": "replayed_us", "busy_us": "replayed_busy_us"})
+            self.cache["mvr"] = base[["rank", "pos"]].merge(meas, on=["rank", "pos"], how="left").assign(
+                replayed_us=base["replayed_us"].to_numpy(), replayed_busy_us=base["replayed_busy_us"].to_numpy())
+        return self.cache["mvr"]
+
+    def predict(self, edits: list[Edit], label: str = "") -> Prediction:
+        """The replay with ``edits`` (the same edits are replayed once)."""
+        key = tuple(e.describe() for e in edits)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return Prediction(edits=list(edits), per_step=hit.per_step, undecided=hit.undecided, notes=hit.notes,
+                              run=hit.run, label=label, _paths=hit._paths)
+        m = self.model
+        applied = apply_edits(self.a, m, edits, self.base_params, self.cache)
+        run = self.base if not edits else simulate(m, applied.params)
+        self.replays += 1
+        st = self._base_steps if not edits else self._step_table(run)
+        df = self._measured_vs_replayed()
+        if len(df):
+            df = df.assign(predicted_us=st["span_us"].to_numpy(), predicted_busy_us=st["busy_us"].to_numpy())
+        notes = list(applied.notes)
+        if run.order_conflicts:
+            notes.append(f"{run.order_conflicts} dependencies were resolved out of measured order (clock noise)")
+        pred = Prediction(edits=list(edits), per_step=df, undecided=applied.undecided, notes=notes, run=run,
+                          label=label,
+                          _paths=lambda: (self.base_path(), self._path(run, applied.params)))
+        self._memo[key] = pred
+        return pred
+
+    def as_measured(self) -> Prediction:
+        return self.predict([])
+
+    # ------------------------------------------------------------------ critical path
+    def _path(self, run: Run, p: Params) -> dict[str, float]:
+        """Mean per step of the time on the replay's critical path, by kernel class, 'comm' (transfer),
+        'host', 'launch' (latency) and 'gap' (back-to-back gaps on a stream)."""
+        m = self.model
+        comp: dict[str, float] = defaultdict(float)
+        if not m.n_ops:
+            return {}
+        steps = 0
+        for q in np.unique(m.g_pos):
+            idx = np.nonzero(m.g_pos == q)[0]
+            cur = int(idx[np.argmax(run.g_end[idx])])
+            steps += 1
+            seen: set[int] = set()
+            while cur >= 0 and cur not in seen:
+                seen.add(cur)
+                if m.g_inst[cur] >= 0:
+                    last = int(run.last_rank_op[cur])
+                    comp["comm"] += float(run.g_end[cur] - run.g_start[last])
+                    cur = last
+                else:
+                    comp[str(m.g_cls[cur])] += float(p.dur[cur])
+                how = int(run.bind[cur])
+                if how == BY_STREAM:
+                    comp["gap"] += max(float(run.g_start[cur] - run.g_end[m.g_prev[cur]]), 0.0)
+                    cur = int(m.g_prev[cur])
+                elif how == BY_XSTREAM:
+                    cur = int(m.g_xprev[cur])
+                elif how == BY_LAUNCH and m.g_launch[cur] >= 0:
+                    h = int(m.g_launch[cur])
+                    comp["launch"] += max(float(run.g_start[cur] - run.h_start[h]), 0.0)
+                    cur = -1
+                    while h >= 0:
+                        if run.h_waited[h] and m.h_wait[h] >= 0:
+                            comp["host"] += float(p.r[h])
+                            cur = int(m.h_wait[h])
+                            break
+                        pv = int(m.h_prev[h])
+                        if pv < 0:
+                            break
+                        comp["host"] += max(float(run.h_start[h] - run.h_start[pv]), 0.0)
+                        h = pv
+                else:
+                    cur = -1
+        return {k: v / max(steps, 1) for k, v in comp.items()}
+
+
+def replayer(a: Analysis) -> Replayer:
+    """The analysis's replayer, built on first use."""
+    rp = getattr(a, "replay", None)
+    if rp is None:
+        rp = Replayer(a)
+        a.replay = rp
+    return rp

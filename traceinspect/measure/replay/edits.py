@@ -1,0 +1,421 @@
+"""Edits of a replay, as data: what a fix changes in the measured step.
+
+Text form (``traceinspect whatif --edit``) and mapping form (a rule's ``fixes:`` in YAML):
+
+| edit | text | what it does |
+|---|---|---|
+| ``scale`` | ``scale SEL F`` | selected GPU operations take F times as long (collectives: their transfer) |
+| ``remove`` | ``remove SEL`` | selected operations go, with their launch call and their op's host time before it |
+| ``transfer`` | ``transfer [SEL] F`` | collective transfer (after the last arrival) scaled by F |
+| ``host-gaps`` | ``host-gaps US [rank=R]`` | host gaps between runtime calls of a step capped at US (a CUDA graph) |
+| ``launch-cost`` | ``launch-cost US [rank=R]`` | launch calls capped at US each |
+| ``host-from`` | ``host-from DST SRC`` | rank DST gets rank SRC's host timeline (gaps and call times) |
+| ``async`` | ``async [SEL]`` | blocking calls (by name: ``name~=Synchronize``) no longer wait for the GPU |
+| ``kv-rows`` | ``kv-rows SEL`` | the selected cast reads only the active KV rows: time x active rows / pool rows |
+| ``trim`` | ``trim SEL US`` | the selected operations lose US per step in total, in proportion to their time |
+| ``gemm-m`` | ``gemm-m SEL F`` | the selected GEMMs at F times their M (a batch change), from the measured M-efficiency curve |
+
+``SEL`` is ``key=value`` / ``key~=regex`` / ``key!~=regex`` terms joined by commas: ``class``,
+``name``, ``op`` (the enclosing CPU-op path), ``kind``, ``rank``; as in a rule's ``select:``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from traceinspect.errors import ConfigError
+from traceinspect.judge.saferegex import RegexError, compile_safe, search
+from traceinspect.tables import per_distinct, text_values
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+    from traceinspect.measure.replay.model import Model
+    from traceinspect.measure.replay.sim import Params
+
+KINDS = ("scale", "remove", "transfer", "host-gaps", "launch-cost", "host-from", "async", "kv-rows", "trim",
+         "gemm-m")
+SELECT_KEYS = ("class", "name", "not_name", "op", "not_op", "kind", "rank")
+
+
+class EditError(ConfigError):
+    """An edit that cannot be parsed."""
+
+
+@dataclass
+class Select:
+    """Which GPU operations (or host calls) an edit touches."""
+
+    classes: tuple[str, ...] = ()
+    name: re.Pattern[str] | None = None
+    not_name: re.Pattern[str] | None = None
+    op: re.Pattern[str] | None = None
+    not_op: re.Pattern[str] | None = None
+    kinds: tuple[str, ...] = ()
+    ranks: tuple[int, ...] = ()
+    text: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.text)
+
+
+@dataclass
+class Edit:
+    kind: str
+    select: Select = field(default_factory=Select)
+    value: float | None = None
+    src: int | None = None  # host-from: the rank whose timeline is given
+    dst: int | None = None
+    text: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"edit": self.kind, "text": self.text or self.describe()}
+        if self.select.text:
+            out["select"] = self.select.to_json()
+        if self.value is not None:
+            out["value"] = self.value
+        if self.kind == "host-from":
+            out["rank"], out["from"] = self.dst, self.src
+        return out
+
+    def describe(self) -> str:
+        sel = ",".join(f"{k}{'~=' if k in ('name', 'op') else '!~=' if k.startswith('not_') else '='}{v}"
+                       for k, v in self.select.text.items())
+        parts = [self.kind]
+        if self.kind == "host-from":
+            parts += [str(self.dst), str(self.src)]
+        else:
+            if sel:
+                parts.append(sel)
+            if self.value is not None:
+                parts.append(f"{self.value:g}")
+        return " ".join(parts)
+
+
+def _regex(v: str, what: str) -> re.Pattern[str]:
+    try:
+        return compile_safe(v)
+    except RegexError as e:
+        raise EditError(f"{what}: {e}") from None
+
+
+def make_select(spec: dict[str, Any] | None) -> Select:
+    """A selector from a mapping like a rule's ``select: kernels:`` (plus ``rank``)."""
+    spec = dict(spec or {})
+    bad = set(spec) - set(SELECT_KEYS)
+    if bad:
+        raise EditError(f"unknown selector key {sorted(bad)[0]!r} (expected {', '.join(SELECT_KEYS)})")
+
+    def many(v: Any) -> tuple[Any, ...]:
+        return tuple(v) if isinstance(v, (list, tuple)) else (v,)
+
+    sel = Select(text={k: v for k, v in spec.items()})
+    if "class" in spec:
+        sel.classes = tuple(str(x) for x in many(spec["class"]))
+    if "kind" in spec:
+        sel.kinds = tuple(str(x) for x in many(spec["kind"]))
+    if "rank" in spec:
+        try:
+            sel.ranks = tuple(int(x) for x in many(spec["rank"]))
+        except (TypeError, ValueError):
+            raise EditError(f"rank must be an integer, got {spec['rank']!r}") from None
+    for key in ("name", "not_name", "op", "not_op"):
+        if key in spec:
+            setattr(sel, key, _regex(str(spec[key]), key))
+    return sel
+
+
+_TERM = re.compile(r"^(class|name|op|kind|rank)(=|~=|!~=)(.+)$")
+
+
+def parse_select(text: str) -> Select:
+    """``class=kv_cast,name~=copy`` -> :class:`Select`."""
+    spec: dict[str, Any] = {}
+    for term in filter(None, (t.strip() for t in text.split(","))):
+        m = _TERM.match(term)
+        if not m:
+            raise EditError(f"bad selector term {term!r} (expected class=ID, name~=REGEX, op~=REGEX, "
+                            "name!~=REGEX, kind=kernel|memcpy|memset, rank=N)")
+        key, op, val = m.groups()
+        if op == "!~=":
+            if key not in ("name", "op"):
+                raise EditError(f"{key} cannot be negated")
+            key = "not_" + key
+        elif op == "~=" and key not in ("name", "op"):
+            raise EditError(f"{key} takes '=', not '~='")
+        elif op == "=" and key in ("name", "op"):
+            val = "^" + re.escape(val) + "$"
+        if key in ("class", "kind", "rank") and key in spec:
+            prev = spec[key] if isinstance(spec[key], list) else [spec[key]]
+            spec[key] = prev + [val]
+        else:
+            spec[key] = val
+    return make_select(spec)
+
+
+def _float(tok: str, what: str) -> float:
+    try:
+        v = float(tok)
+    except ValueError:
+        raise EditError(f"{what} must be a number, got {tok!r}") from None
+    if not np.isfinite(v) or v < 0:
+        raise EditError(f"{what} must be a finite number >= 0, got {tok!r}")
+    return v
+
+
+def parse_edit(text: str) -> Edit:
+    """One ``--edit`` expression (see the module docstring)."""
+    try:
+        toks = shlex.split(text)
+    except ValueError as e:
+        raise EditError(f"edit {text!r}: {e}") from None
+    if not toks:
+        raise EditError("empty edit")
+    kind, args = toks[0].lower(), toks[1:]
+    if kind not in KINDS:
+        raise EditError(f"edit {text!r}: unknown edit {kind!r} (expected {', '.join(KINDS)})")
+    e = Edit(kind=kind, text=text.strip())
+    try:
+        if kind in ("scale", "trim", "gemm-m"):
+            if len(args) != 2:
+                raise EditError(f"{kind} takes a selector and a number: '{kind} class=kv_cast 0.2'")
+            e.select, e.value = parse_select(args[0]), _float(args[1], "the factor" if kind == "scale" else "US")
+        elif kind in ("remove", "kv-rows"):
+            if len(args) != 1:
+                raise EditError(f"{kind} takes a selector: '{kind} class=kv_cast'")
+            e.select = parse_select(args[0])
+        elif kind == "transfer":
+            if len(args) not in (1, 2):
+                raise EditError("transfer takes [selector] factor: 'transfer 0.5'")
+            e.select = parse_select(args[0]) if len(args) == 2 else make_select({"class": "comm"})
+            e.value = _float(args[-1], "the factor")
+        elif kind in ("host-gaps", "launch-cost"):
+            if len(args) not in (1, 2):
+                raise EditError(f"{kind} takes microseconds and an optional rank=N: '{kind} 0'")
+            e.value = _float(args[0], "US")
+            if len(args) == 2:
+                e.select = parse_select(args[1])
+        elif kind == "host-from":
+            if len(args) != 2:
+                raise EditError("host-from takes two ranks: 'host-from 1 0' (rank 1 gets rank 0's host timeline)")
+            try:
+                e.dst, e.src = int(args[0]), int(args[1])
+            except ValueError:
+                raise EditError("host-from takes two rank numbers") from None
+        elif kind == "async":
+            e.select = parse_select(args[0]) if args else Select()
+    except EditError as err:
+        raise EditError(f"edit {text!r}: {err}") from None
+    return e
+
+
+def edit_from_mapping(d: dict[str, Any], subject: dict[str, Any] | None = None) -> Edit:
+    """An edit from its YAML form ``{edit: KIND, select: {...}, value: V, rank: R, from: S}``.
+    ``select: subject`` takes the finding's own selection; ``rank``/``from`` may name ``subject`` (the
+    finding's rank), ``fastest`` (the rank with the least host time per step, other than the subject)
+    or ``latest`` (the rank arriving last at most collectives), resolved from ``subject``."""
+    subject = subject or {}
+    kind = str(d.get("edit", "")).lower()
+    if kind not in KINDS:
+        raise EditError(f"unknown edit {kind!r} (expected {', '.join(KINDS)})")
+    bad = set(d) - {"edit", "select", "value", "rank", "from"}
+    if bad:
+        raise EditError(f"edit {kind}: unknown key {sorted(bad)[0]!r}")
+    sel = d.get("select")
+    if sel == "subject":
+        sel = subject.get("select", {})
+    e = Edit(kind=kind, select=make_select(sel if isinstance(sel, dict) else None))
+    v = d.get("value")
+    e.value = None if v is None else _float(str(v), f"edit {kind}: value")
+
+    def rank_of(ref: Any) -> int | None:
+        if ref is None or isinstance(ref, int):
+            return ref
+        got = subject.get("rank" if ref == "subject" else f"{ref}_rank")
+        return int(got) if got is not None else None
+
+    if kind == "host-from":
+        e.dst, e.src = rank_of(d.get("rank")), rank_of(d.get("from", "fastest"))
+    e.text = e.describe()
+    return e
+
+
+# ----------------------------------------------------------------------------- application
+def op_mask(a: Analysis, m: Model, sel: Select) -> np.ndarray:
+    """Ops of the model the selector picks."""
+    mask = np.ones(m.n_ops, dtype=bool)
+    if sel.classes:
+        mask &= np.isin(m.g_cls, list(sel.classes))
+    if sel.ranks:
+        mask &= np.isin(m.g_rank, list(sel.ranks))
+    texts = [(key, col, key.startswith("not_")) for key, col in
+             (("name", "name"), ("not_name", "name"), ("op", "op_path"), ("not_op", "op_path"))
+             if getattr(sel, key) is not None]
+    if not sel.kinds and not texts:
+        return mask
+    k = a.kernels.loc[m.g_kidx]  # only the columns' rows of the replayed ops, when a text test needs them
+    if sel.kinds:
+        mask &= np.isin(text_values(k["kind"]), list(sel.kinds))
+    for key, col, neg in texts:
+        rx = getattr(sel, key)
+        hit = per_distinct(k[col if col in k.columns else "op_name"], lambda s, rx=rx: search(rx, str(s)))
+        mask &= ~hit if neg else hit
+    return mask
+
+
+def kv_rows(a: Analysis, cache: dict[str, Any] | None = None) -> tuple[float | None, float | None, str]:
+    """(active rows, pool rows, where from or why not): the KV rows a decode step reads, from the ops that
+    gather rows out of a pool-shaped tensor (recorded shapes, or the CUDA-graph capture trace); found
+    once per ``cache``."""
+    from traceinspect.measure.replay.kvrows import active_kv_rows
+
+    if cache is not None and "kv_rows" in cache:
+        return cache["kv_rows"]
+    steps = cache.get("steps") if cache is not None else None
+    out = active_kv_rows(a, steps)
+    if cache is not None:
+        cache["kv_rows"] = out
+    return out
+
+
+@dataclass
+class Applied:
+    """Parameters after the edits, and what could not be decided."""
+
+    params: Params
+    undecided: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
+                cache: dict[str, Any] | None = None) -> Applied:
+    """Apply ``edits`` in order to a copy of ``base`` (``cache``: facts found once per replayer)."""
+    from dataclasses import replace
+
+    p = replace(base, dur=base.dur.copy(), res=base.res.copy(), lA=base.lA.copy(), lS=base.lS.copy(),
+                gap=base.gap.copy(), hdur=base.hdur.copy(), block=base.block.copy(), r=base.r.copy())
+    out = Applied(params=p)
+    coll = m.g_inst >= 0
+    for e in edits:
+        if e.kind in ("scale", "remove", "transfer", "kv-rows", "trim", "gemm-m"):
+            mask = op_mask(a, m, e.select)
+            if not mask.any():
+                out.notes.append(f"{e.describe()}: no operation in the replayed steps matched")
+                continue
+            if e.kind == "kv-rows":
+                active, pool, why = kv_rows(a, cache)
+                if active is None or pool is None or pool <= 0:
+                    out.undecided.append(f"{e.describe()}: the active KV row count cannot be decided ({why})")
+                    continue
+                factor = min(active / pool, 1.0)
+                out.notes.append(f"{e.describe()}: time x {active:,.0f} active / {pool:,.0f} pool rows = "
+                                 f"{factor:.4f} at the kernel's measured bandwidth ({why})")
+                _scale(p, mask, coll, factor)
+            elif e.kind == "trim":
+                total = float(p.dur[mask & ~coll].sum() + p.res[mask & coll].sum())
+                per_step = total / max(len(m.pos) * len(m.ranks), 1)
+                if e.value is None:
+                    out.undecided.append(f"{e.describe()}: the time to remove is not known")
+                    continue
+                factor = max(1.0 - e.value / per_step, 0.0) if per_step > 0 else 1.0
+                _scale(p, mask, coll, factor)
+            elif e.kind == "gemm-m":
+                from traceinspect.measure.replay.gemm_m import scale_m
+
+                n_, u_ = scale_m(a, m, mask & ~coll, float(e.value or 1.0), p.dur)
+                out.notes += [f"{e.describe()}: {x}" for x in n_]
+                out.undecided += [f"{e.describe()}: {x}" for x in u_]
+            elif e.kind == "scale":
+                _scale(p, mask, coll, float(e.value or 0.0))
+            elif e.kind == "transfer":
+                p.res[mask & coll] *= float(e.value or 0.0)
+            else:  # remove
+                p.dur[mask & ~coll] = 0.0
+                p.res[mask & coll] = 0.0
+                p.lS[mask] = 0.0
+                _remove_launches(m, p, mask)
+        elif e.kind in ("host-gaps", "launch-cost"):
+            hm = np.ones(len(m.h_t), dtype=bool)
+            if e.select.ranks:
+                hm &= np.isin(m.h_rank, list(e.select.ranks))
+            v = float(e.value or 0.0)
+            if e.kind == "host-gaps":
+                hm &= m.h_prev >= 0
+                p.gap[hm] = np.minimum(p.gap[hm], v)
+            else:
+                hm &= m.h_launches & ~p.block
+                p.hdur[hm] = np.minimum(p.hdur[hm], v)
+        elif e.kind == "host-from":
+            why = _host_from(m, p, e)
+            if why:
+                out.undecided.append(f"{e.describe()}: {why}")
+        elif e.kind == "async":
+            hm = p.block.copy()
+            if e.select.name is not None:
+                hm &= np.array([search(e.select.name, str(x)) for x in m.h_name], dtype=bool)
+            if e.select.ranks:
+                hm &= np.isin(m.h_rank, list(e.select.ranks))
+            p.block[hm] = False
+            p.hdur[hm] = p.r[hm]
+    return out
+
+
+def _scale(p: Params, mask: np.ndarray, coll: np.ndarray, f: float) -> None:
+    p.dur[mask & ~coll] *= f
+    p.res[mask & coll] *= f
+
+
+def _remove_launches(m: Model, p: Params, mask: np.ndarray) -> None:
+    """A removed op's launch call goes too, with its op's host time before it, when that call launches
+    nothing else (a CUDA-graph launch stays)."""
+    L = m.g_launch
+    has = L >= 0
+    if not has.any():
+        return
+    calls = np.unique(L[has & mask])
+    kept = np.unique(L[has & ~mask])
+    gone = np.setdiff1d(calls, kept)
+    if not len(gone):
+        return
+    gone = gone[~p.block[gone]]
+    p.gap[gone] = np.maximum(p.gap[gone] - m.h_op_in[gone], 0.0)
+    p.hdur[gone] = 0.0
+
+
+def _host_from(m: Model, p: Params, e: Edit) -> str | None:
+    """Give rank ``e.dst`` the host gaps and call times of rank ``e.src``, call by call, on each rank's
+    busiest thread. Refused when the two ranks' call sequences differ."""
+    if e.dst is None or e.src is None:
+        return "which rank's host timeline to give is not known"
+    if e.dst == e.src:
+        return "a rank cannot take its own host timeline"
+    for r in (e.dst, e.src):
+        if r not in m.ranks:
+            return f"rank {r} is not in the replayed trace set"
+
+    def main_calls(r: int) -> dict[int, np.ndarray]:
+        idx = np.nonzero(m.h_rank == r)[0]
+        tids, counts = np.unique(m.h_tid[idx], return_counts=True)
+        if not len(tids):
+            return {}
+        tid = tids[np.argmax(counts)]
+        idx = idx[m.h_tid[idx] == tid]
+        return {int(q): idx[m.h_pos[idx] == q] for q in np.unique(m.h_pos[idx])}
+
+    dst, src = main_calls(e.dst), main_calls(e.src)
+    done = 0
+    for q, di in dst.items():
+        si = src.get(q)
+        if si is None or len(si) != len(di) or any(m.h_name[x] != m.h_name[y] for x, y in zip(di, si, strict=True)):
+            return (f"the host call sequences of ranks {e.dst} and {e.src} differ in step position {q} "
+                    f"({len(di)} vs {0 if si is None else len(si)} calls)")
+        keep = m.h_prev[di] >= 0
+        p.gap[di[keep]] = p.gap[si[keep]]
+        nb = ~p.block[di] & ~p.block[si]
+        p.hdur[di[nb]] = p.hdur[si[nb]]
+        done += 1
+    return None if done else f"rank {e.dst} has no host calls in the replayed steps"

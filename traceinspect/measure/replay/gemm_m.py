@@ -1,0 +1,69 @@
+"""GEMM time at another M (rows per call: a batch change) from the M-efficiency curve measured in the
+trace for the GEMM's family (class, dtype, N, K)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+    from traceinspect.measure.replay.model import Model
+
+
+def _num(s: pd.Series) -> np.ndarray:
+    return pd.to_numeric(s, errors="coerce").to_numpy(dtype=np.float64)
+
+
+def scale_m(a: Analysis, m: Model, mask: np.ndarray, factor: float,
+            dur: np.ndarray) -> tuple[list[str], list[str]]:
+    """Set ``dur`` of the selected GEMMs to their time at M x ``factor``; (notes, undecided)."""
+    eff = a.efficiency
+    if eff is None or not len(eff.calls):
+        return [], ["no GEMM shapes were measured (the efficiency stage has no GEMM calls)"]
+    c = eff.calls[eff.calls["kind"] == "gemm"]
+    M, N, K = _num(c["m"]), _num(c["n"]), _num(c["k"])
+    fl, by, us = _num(c["flops"]), _num(c["bytes"]), c["us"].to_numpy(dtype=np.float64)
+    ok = (M > 0) & (N > 0) & (K > 0) & (fl > 0) & (us > 0)
+    c = c[ok].assign(m_=M[ok], n_=N[ok], k_=K[ok], fl_=fl[ok], by_=by[ok], us_=us[ok])
+    c = c.assign(tf=c["fl_"] / c["us_"], fam=list(zip(c["cls"], c["dtype"].astype(str), c["n_"], c["k_"],
+                                                      strict=True)))
+    row = pd.Series(np.arange(len(c)), index=c["kernel"].to_numpy())
+    row = row[~row.index.duplicated()]
+    sel = np.nonzero(mask)[0]
+    hit = row.reindex(m.g_kidx[sel]).to_numpy()
+    known = ~np.isnan(hit)
+    notes: list[str] = []
+    undecided: list[str] = []
+    if not known.any():
+        return [], [f"the M of the {len(sel)} selected GEMM(s) is not in the trace (no recorded shapes or "
+                    "graph-capture trace)"]
+    if (~known).any():
+        undecided.append(f"{int((~known).sum())} of {len(sel)} selected GEMMs have no recorded M")
+        return notes, undecided
+    curves = {fam: g.groupby("m_")["tf"].median().sort_index() for fam, g in c.groupby("fam", sort=False)}
+    best = c.groupby(c["dtype"].astype(str))["tf"].max().to_dict()
+    how: dict[str, int] = {}
+    rows = c.iloc[hit.astype(np.int64)]
+    for op, r in zip(sel, rows.itertuples(index=False), strict=True):
+        m0, m1 = float(r.m_), float(r.m_) * factor
+        curve = curves[r.fam]
+        fl1 = r.fl_ * m1 / m0
+        if len(curve) >= 2:
+            xs, ys = np.log(curve.index.to_numpy()), np.log(curve.to_numpy())
+            tf1 = float(np.exp(np.interp(np.log(m1), xs, ys)))
+            inside = curve.index.min() <= m1 <= curve.index.max()
+            key = "measured curve" if inside else "measured curve, held at its nearest end beyond it"
+            dur[op] = fl1 / tf1
+        else:
+            # one measured M: scale with the bytes moved (weights dominate at small M), no faster than the
+            # best throughput measured for this dtype
+            b0 = r.m_ * r.k_ + r.k_ * r.n_ + r.m_ * r.n_
+            b1 = m1 * r.k_ + r.k_ * r.n_ + m1 * r.n_
+            dur[op] = max(r.us_ * b1 / b0, fl1 / best.get(str(r.dtype), r.tf))
+            key = "one measured M (low confidence): bandwidth-bound scaling capped at the dtype's best throughput"
+        how[key] = how.get(key, 0) + 1
+    notes.append(f"GEMM M x {factor:g}: " + "; ".join(f"{n} call(s) from the {k}" for k, n in how.items()))
+    return notes, undecided

@@ -1,0 +1,101 @@
+"""The KV rows a decode step reads: the row count of the ops that gather rows out of a pool-shaped
+tensor, from recorded shapes (eager) or the CUDA-graph capture trace (graph replays)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from traceinspect.tables import per_distinct, text_values
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+
+GATHER_OP = re.compile(r"^aten::(index_select|index|gather|take|embedding)$")
+
+
+def _pool_rows(a: Analysis) -> tuple[float | None, str]:
+    si = a.server_info
+    v = si.get("max_total_num_tokens")
+    if isinstance(v, (int, float)) and v > 0:
+        return float(v), "server_info max_total_num_tokens"
+    k = a.kernels
+    casts = k[text_values(k["cls"]) == "kv_cast"] if len(k) else k
+    ops = a.trace.cpu_ops
+    rows = []
+    for oi in casts["op_idx"].to_numpy()[:64] if len(casts) else []:
+        if oi >= 0:
+            d = _dims(ops["input_dims"].iloc[int(oi)])
+            if d and len(d[0]) >= 2:
+                rows.append(d[0][0])
+    if rows:
+        return float(np.median(rows)), "rows of the tensor the KV cast reads"
+    return None, "no server_info max_total_num_tokens and no recorded shapes of the KV cast"
+
+
+def _dims(raw: object) -> list[list[int]]:
+    if raw is None:
+        return []
+    try:
+        val = json.loads(raw)
+    except (TypeError, ValueError):
+        return []
+    return [x for x in val if isinstance(x, list) and all(isinstance(y, int) for y in x)] if isinstance(val, list) \
+        else []
+
+
+def _active_in(ops: pd.DataFrame, pool: float) -> list[int]:
+    out: list[int] = []
+    if not len(ops):
+        return out
+    ops = ops[per_distinct(ops["name"], lambda nm: bool(GATHER_OP.match(str(nm))))]
+    seen: dict[object, list[int] | None] = {}
+    for raw in ops["input_dims"].to_numpy(dtype=object):
+        if raw in seen:
+            if seen[raw] is not None:
+                out.append(seen[raw][0])  # type: ignore[index]
+            continue
+        seen[raw] = None
+        d = _dims(raw)
+        # the pool tensor: its rows are the pool's, give or take padding rows (SGLang allocates one extra)
+        if not d or len(d[0]) < 2 or abs(d[0][0] - pool) > max(16.0, 1e-3 * pool):
+            continue
+        later = [x[0] for x in d[1:] if x and 0 < x[0] < 0.99 * pool]
+        if later:
+            seen[raw] = later
+            out.append(later[0])
+    return out
+
+
+def active_kv_rows(a: Analysis, steps: pd.DataFrame | None = None) -> tuple[float | None, float | None, str]:
+    """(active rows per step, pool rows, source or the reason it cannot be decided), from the ``steps``
+    rows (default: the analysed steps)."""
+    pool, psrc = _pool_rows(a)
+    if pool is None:
+        return None, None, psrc
+    sel = a.selected if steps is None else steps
+    ops = a.trace.cpu_ops
+    found: list[int] = []
+    src = ""
+    if len(ops) and len(sel):
+        o_rank, o_ts = ops["rank"].to_numpy(), ops["ts"].to_numpy(dtype=np.float64)
+        inside = np.zeros(len(ops), dtype=bool)
+        for row in sel[["rank", "cpu_start", "cpu_end"]].itertuples(index=False):
+            if np.isfinite(row.cpu_start) and np.isfinite(row.cpu_end):
+                inside |= (o_rank == row.rank) & (o_ts >= row.cpu_start) & (o_ts <= row.cpu_end)
+        found += _active_in(ops[inside], pool)
+        src = "recorded shapes of the ops gathering rows from the pool"
+    if not found and a.graph_ops is not None:
+        for r in sorted(set(sel["rank"].tolist())):
+            cap = a.graph_ops.capture_ops(int(r))
+            if cap is not None:
+                found += _active_in(cap, pool)
+        src = "the CUDA-graph capture trace's ops gathering rows from the pool"
+    if not found:
+        return None, pool, ("no op gathers rows out of a pool-shaped tensor in the recorded shapes or a "
+                            "graph-capture trace; record shapes (record_shapes=True) or keep the capture trace")
+    return float(np.median(found)), pool, f"{src}; pool: {psrc}"

@@ -1,0 +1,46 @@
+"""Plain-text lines about replayed fixes, shared by the terminal, Markdown and HTML renderers (each
+escapes them for its own format)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from traceinspect.render import fmt_pct, fmt_us
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
+def variant_lines(f: dict[str, Any]) -> list[str]:
+    """``with gather-then-cast: -3.15 ms per step (step 3.37 ms)``, one per declared fix."""
+    out = []
+    for fx in f.get("fixes") or []:
+        sv, pred = fx.get("saving_us_per_step"), fx.get("predicted_step_us")
+        if _num(sv) and _num(pred):
+            out.append(f"with {fx.get('label')}: {'-' if sv >= 0 else '+'}{fmt_us(abs(float(sv)))} per step "
+                       f"(replayed step {fmt_us(float(pred))}; {fx.get('variant')})")
+        else:
+            why = "; ".join(str(u) for u in fx.get("undecided") or [] if u) or "not replayable"
+            out.append(f"with {fx.get('label')}: cannot be decided ({why})")
+    return out
+
+
+def group_note(f: dict[str, Any]) -> str | None:
+    """Why a child finding's saving is not additional to its parent's."""
+    g = f.get("group") or {}
+    if g.get("parent"):
+        return (f"shares its cause with {g['parent']}: fixing either removes much of the same time, so the "
+                "savings overlap and do not add up")
+    return None
+
+
+def all_fixed_line(doc: dict[str, Any]) -> str | None:
+    """The step with every finding fixed, from one replay (never a sum of savings)."""
+    af = (doc.get("replay") or {}).get("all_fixed") or {}
+    pred, rep = af.get("predicted_step_us"), af.get("replayed_step_us")
+    if not _num(pred) or not _num(rep) or not rep:
+        return None
+    fixes = ", ".join(str(x) for x in af.get("fixes") or [])
+    return (f"All findings fixed together (one replay of {fixes}): step {fmt_us(float(rep))} → "
+            f"{fmt_us(float(pred))} ({fmt_pct((float(pred) - float(rep)) / float(rep))})")
