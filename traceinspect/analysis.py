@@ -187,6 +187,9 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: Any) -> Analysis:
         class_steps=class_step_time(kernels), class_totals=class_totals(kernels), graph_ops=recovered,
         run_model=run_model, run_kind=run_kind(ts, steps),
     )
+    if result.run_kind is not None and result.run_kind.kind == "training":
+        ts.warnings.append(f"a training run ({result.run_kind.evidence}): the rules, written for inference decode "
+                           "steps, are not applied; classes and GEMM efficiency are measured as usual")
     _measure_and_judge(result, rule_set)
     return result
 

@@ -194,7 +194,7 @@ class _File:
         except (OSError, UnicodeDecodeError) as e:
             raise RuleError(f"cannot read class table: {e}", path) from None
         try:
-            self.loader = yaml.SafeLoader(text)
+            self.loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
             self.root = self.loader.get_single_node()
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
