@@ -570,13 +570,15 @@ def _in_steps(ops: pd.DataFrame, steps: pd.DataFrame | None) -> tuple[pd.DataFra
     s = _structure_steps(steps)
     if s is None or not len(ops) or not {"cpu_start", "cpu_end", "rank"} <= set(s.columns) or "rank" not in ops:
         return ops.iloc[:0], 0
-    s = s[s["cpu_start"].notna() & s["cpu_end"].notna()]
     keep = np.zeros(len(ops), dtype=bool)
     o_rank, o_ts = ops["rank"].to_numpy(), ops["ts"].to_numpy(dtype=float)
     for rank, g in s.groupby("rank"):
+        mine = np.nonzero(o_rank == rank)[0]
+        if g["cpu_start"].isna().any() or g["cpu_end"].isna().any():
+            keep[mine] = True  # steps without a CPU window (the whole capture, GPU gaps): every op of the rank
+            continue
         g = g.sort_values("cpu_start")
         s0, s1 = g["cpu_start"].to_numpy(dtype=float), g["cpu_end"].to_numpy(dtype=float)
-        mine = np.nonzero(o_rank == rank)[0]
         pos = np.searchsorted(s0, o_ts[mine], side="right") - 1
         ok = (pos >= 0) & (o_ts[mine] <= s1[np.maximum(pos, 0)])
         keep[mine[ok]] = True
