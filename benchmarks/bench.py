@@ -1,39 +1,42 @@
-"""Ingest and end-to-end benchmarks: traceinspect side by side with HTA on the same traces.
+"""Speed of traceinspect against the machine's own yardsticks, each paired with it in the same run.
 
-Large traces are made from a real fixture by replicating its events: each copy's timestamps are
-shifted past the previous copy, correlation / External ids / flow ids / event indices are made
-unique, and events are written in Kineto's own layout (an object per event over a few lines) and
-gzipped, so kernel mix, event shapes, field order and compression ratio stay those of a real capture.
+Traces are made from a real fixture by replicating its events: each copy's timestamps are shifted
+past the previous copy, correlation / External ids / flow ids / event indices are made unique, and
+events are written in Kineto's own layout (an object per event over a few lines), so kernel mix,
+event shapes, field order and compression ratio stay those of a real capture.
 
-    python benchmarks/bench.py                              # full size: 100 MB per rank, 8 ranks
-    python benchmarks/bench.py --size-mb 4 --ranks 2 --smoke   # CI smoke: runs everything, asserts nothing
+    python benchmarks/bench.py --write-readme            # the full run (~15 min on 2 cores)
+    python benchmarks/bench.py --smoke                   # tiny sizes: runs everything, asserts nothing
 
-Every timing is a fresh child process (start-up and imports included) and every child's peak RSS
-is its own ``ru_maxrss``. Checks (exit 1 when one is missed, unless --smoke):
+Cases (every timing is a whole fresh process, start-up and imports included, parsed-table cache off;
+each case alternates the tool and its yardstick ``--repeat`` times and reports min and median):
 
-* ingest (load + link + steps: analysis-ready tables) of one rank file >= 20x HTA's throughput
-  (``TraceAnalysis(trace_dir=...)``) on the same file;
-* peak RSS of that ingest, and of every ingest in the size series, <= uncompressed JSON + 200 MB;
-* N ranks: ``traceinspect report`` (analyze + HTML) < 3x the time of ``gzip -dc`` over the same files;
-* (reported, not checked) the same N-rank run on CUDA-graph decode traces, with their capture traces;
-* cost grows linearly with size (1x, 2x, 4x, 8x): the CPU seconds per MB of the last step (4x -> 8x)
-  are at most 1.5x those of the first steps (1x -> 4x); the same for ranks (1, 2, 4, 8 files). CPU
-  time, because wall time also counts whatever else the machine runs (the load average is recorded).
+* ``small``: ``traceinspect analyze`` of a 5 MB rank file: under 1.0 s wall.
+* ``hta``: ``traceinspect analyze`` of a 114 MB rank file against HTA 0.5.0's load of the same file
+  (``TraceAnalysis(trace_dir=...)``): at least 20x faster.
+* ``big``: ``traceinspect analyze`` of a 1 GB rank file (plain JSON) against ``hashlib.sha256`` of
+  the same file: at most 3x its time; peak RSS at most the JSON size + 200 MB.
+* ``ranks``: ``traceinspect report`` (analyze + HTML) of 8 rank files of ~120 MB against ``gzip -dc``
+  over the same files: at most 1.5x its time.
 
-HTA runs under the first Python that can import it: ``--hta-python``, ``$TRACEINSPECT_HTA_PYTHON``,
+Ratios compare medians. The exit status is 1 when a target is missed (0 with --smoke). The JSON
+printed (and written by --json) has every number, the load average before and after each case, and
+what ran; ``--write-readme`` regenerates the results table of benchmarks/README.md and README.md from
+it. HTA runs under the first Python that can import it: ``--hta-python``, ``$TRACEINSPECT_HTA_PYTHON``,
 this interpreter, or ``/tmp/htavenv/bin/python``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import math
 import os
 import re
-import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,48 +46,33 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SOURCE = ROOT / "fixtures" / "kv-full-cast-eager"
-GRAPH_SOURCE = ROOT / "fixtures" / "kv-full-cast-graph"
 HTA_VENV = Path("/tmp/htavenv/bin/python")
+README = ROOT / "benchmarks" / "README.md"
+MAIN_README = ROOT / "README.md"
+MARK_START, MARK_END = "<!-- bench:results:start -->", "<!-- bench:results:end -->"
 
-RATIO_HTA = 20.0
-RSS_SLACK_MB = 200.0
-RATIO_GZIP = 3.0
-LINEAR = 1.5
-
-# The child prints one JSON line: its own timings and peak RSS. Imports are timed too.
-CHILD_TI = r"""
-import json, resource, sys, time
-t0 = time.perf_counter()
-from traceinspect.load import load_trace_set
-from traceinspect.link import link
-from traceinspect.steps import build_steps
-t1 = time.perf_counter()
-ts = load_trace_set(sys.argv[1:], use_cache=False)
-t2 = time.perf_counter()
-link(ts)
-steps = build_steps(ts)
-t3 = time.perf_counter()
-ru = resource.getrusage(resource.RUSAGE_SELF)
-ch = resource.getrusage(resource.RUSAGE_CHILDREN)
-print(json.dumps({"kernels": len(ts.kernels), "cpu_ops": len(ts.cpu_ops), "steps": len(steps),
-                  "import_s": t1 - t0, "load_s": t2 - t1, "link_steps_s": t3 - t2,
-                  "rss": ru.ru_maxrss * 1024, "children_rss": ch.ru_maxrss * 1024,
-                  "cpu_s": ru.ru_utime + ru.ru_stime + ch.ru_utime + ch.ru_stime}))
-"""
+TARGETS = {
+    "small_s": 1.0,  # 5 MB analyze, wall seconds
+    "hta_speedup": 20.0,  # HTA load / analyze
+    "big_ratio_sha256": 3.0,  # analyze / sha256 of the file
+    "big_rss_slack_mb": 200.0,  # peak RSS <= JSON + this
+    "ranks_ratio_gzip": 1.5,  # report / gzip -dc
+}
 
 CHILD_HTA = r"""
-import json, resource, sys, time
-t0 = time.perf_counter()
+import sys
 from hta.trace_analysis import TraceAnalysis
-t1 = time.perf_counter()
 ta = TraceAnalysis(trace_dir=sys.argv[1])
-n = sum(len(ta.t.get_trace(r)) for r in ta.t.traces)
-t2 = time.perf_counter()
-ru = resource.getrusage(resource.RUSAGE_SELF)
-ch = resource.getrusage(resource.RUSAGE_CHILDREN)
-print(json.dumps({"events": n, "import_s": t1 - t0, "load_s": t2 - t1, "rss": ru.ru_maxrss * 1024,
-                  "children_rss": ch.ru_maxrss * 1024,
-                  "cpu_s": ru.ru_utime + ru.ru_stime + ch.ru_utime + ch.ru_stime}))
+print(sum(len(ta.t.get_trace(r)) for r in ta.t.traces))
+"""
+
+CHILD_SHA = r"""
+import hashlib, sys
+h = hashlib.sha256()
+with open(sys.argv[1], "rb") as f:
+    while b := f.read(1 << 20):
+        h.update(b)
+print(h.hexdigest())
 """
 
 # --------------------------------------------------------------------------------------------
@@ -145,8 +133,8 @@ class _Template:
 
 
 def make_trace(src: Path, dst: Path, target_mb: float, rank: int | None = None, level: int = 6) -> int:
-    """Write ``dst`` (gzipped) with about ``target_mb`` MB of uncompressed JSON made of copies of the
-    events of ``src``; returns the uncompressed size in bytes."""
+    """Write ``dst`` with about ``target_mb`` MB of JSON made of copies of the events of ``src``
+    (gzipped, unless ``dst`` ends in ``.json``); returns the uncompressed size in bytes."""
     with gzip.open(src, "rb") as f:
         doc = json.loads(f.read())
     events = doc.pop("traceEvents")
@@ -163,11 +151,13 @@ def make_trace(src: Path, dst: Path, target_mb: float, rank: int | None = None, 
     id_step = max(ids + [0]) + 1
     tpl = [_Template(e) for e in timed]
     head = "{\n" + "".join(f"  {_kv(k, v)},\n" for k, v in doc.items()) + '  "traceEvents": [\n'
-    one = sum(len(t.text) + 2 for t in tpl)
+    one = sum(len(t.render(0.0, 0).encode()) + 2 for t in tpl)  # rendered: ids and times take room
     copies = max(target_mb * 1e6 - len(head), one * 0.05) / one
     full, frac = int(copies), copies - int(copies)
     written = 0
-    with open(dst, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=level, mtime=0) as out:
+    plain = dst.name.endswith(".json")
+    with open(dst, "wb") as raw, (contextlib.nullcontext(raw) if plain else
+                                  gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=level, mtime=0)) as out:
         def put(s: str) -> None:
             nonlocal written
             b = s.encode()
@@ -196,10 +186,10 @@ def make_trace(src: Path, dst: Path, target_mb: float, rank: int | None = None, 
     return written
 
 
-def make_set(src_dir: Path, dst: Path, size_mb: float, ranks: int, gen: Path) -> int:
-    """``ranks`` rank files of ``size_mb`` each in ``dst`` (named ``bench-TP-<r>``, with the fixture's
-    server_info.json); rank r replicates the fixture's rank r % (fixture ranks). Files are generated
-    once into ``gen`` and linked. Returns the total uncompressed JSON bytes."""
+def make_set(src_dir: Path, dst: Path, size_mb: float, ranks: int, gen: Path, plain: bool = False) -> int:
+    """``ranks`` rank files of ``size_mb`` each in ``dst`` (named ``bench-TP-<r>``, gzipped unless
+    ``plain``, with the fixture's server_info.json); rank r replicates the fixture's rank r % (fixture
+    ranks). Files are generated once into ``gen`` and linked. Returns the total uncompressed JSON bytes."""
     dst.mkdir(parents=True, exist_ok=True)
     gen.mkdir(parents=True, exist_ok=True)
     sources = sorted(src_dir.glob("*-TP-*.trace.json.gz"))
@@ -208,10 +198,15 @@ def make_set(src_dir: Path, dst: Path, size_mb: float, ranks: int, gen: Path) ->
     total = 0
     for r in range(ranks):
         s = r % len(sources)
-        g = gen / f"src{s}-{size_mb:g}MB.trace.json.gz"
+        ext = ".trace.json" if plain else ".trace.json.gz"
+        g = gen / f"src{s}-{size_mb:g}MB{ext}"
+        side = g.with_name(g.name + ".size")  # a kept --work directory reuses its traces
+        if g not in sizes and g.exists() and side.exists():
+            sizes[g] = int(side.read_text())
         if g not in sizes:
             sizes[g] = make_trace(sources[s], g, size_mb, rank=s)
-        f = dst / f"bench-TP-{r}.trace.json.gz"
+            side.write_text(str(sizes[g]))
+        f = dst / f"bench-TP-{r}{ext}"
         f.unlink(missing_ok=True)
         try:
             os.link(g, f)
@@ -239,15 +234,29 @@ sizes: dict[Path, int] = {}
 # runs
 
 
-def child(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 3600) -> tuple[float, dict]:
-    """Run a child; wall seconds (start-up included) and the JSON line it printed."""
-    t = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    wall = time.perf_counter() - t
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:4])} failed ({p.returncode}): {p.stderr.strip()[-1500:]}")
-    lines = [ln for ln in p.stdout.strip().splitlines() if ln.startswith("{")]
-    return wall, (json.loads(lines[-1]) if lines else {})
+def run(cmd: list[str], env: dict[str, str] | None = None, stdout: Any = subprocess.DEVNULL,
+        timeout: float = 3600) -> dict[str, float]:
+    """Run a command to completion: wall seconds, CPU seconds and peak RSS (MB) of the process and of
+    the processes it waited for (``ru_maxrss``: the largest one)."""
+    with tempfile.TemporaryFile() as errf:  # a file, not a pipe: a chatty child never blocks on it
+        t = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=stdout, stderr=errf, env=env)
+        deadline = t + timeout
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                p.kill()
+                raise RuntimeError(f"{' '.join(cmd[:4])} timed out")
+            time.sleep(0.005)
+        wall = time.perf_counter() - t
+        errf.seek(0)
+        err = errf.read()[-4000:].decode(errors="replace")
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode not in (0, 1):
+        raise RuntimeError(f"{' '.join(cmd[:5])} failed ({p.returncode}): {err.strip()[-1500:]}")
+    return {"wall_s": wall, "cpu_s": ru.ru_utime + ru.ru_stime, "rss_mb": ru.ru_maxrss / 1024}
 
 
 def hta_python(explicit: str | None) -> str | None:
@@ -259,194 +268,233 @@ def hta_python(explicit: str | None) -> str | None:
     return None
 
 
-def _children_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
+def _ti(*args: str) -> list[str]:
+    return [sys.executable, "-m", "traceinspect", *args]
 
 
-def gunzip_time(files: list[Path]) -> tuple[float, float]:
-    """Wall and CPU seconds for ``gzip -dc`` over the files, one after another."""
-    c, t = _children_cpu(), time.perf_counter()
-    for f in files:
-        subprocess.run(["gzip", "-dc", str(f)], stdout=subprocess.DEVNULL, check=True)
-    return time.perf_counter() - t, _children_cpu() - c
+_ENV = {**os.environ, "TRACEINSPECT_CACHE": "off"}
 
 
-def report_time(directory: Path, out: Path) -> tuple[float, float]:
-    """Wall and CPU seconds (its worker processes included) of ``traceinspect report``, cache off."""
-    env = {**os.environ, "TRACEINSPECT_CACHE": "off"}
-    c, t = _children_cpu(), time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "traceinspect", "report", str(directory), "-o", str(out)],
-                       capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t
-    if p.returncode not in (0, 1):
-        raise RuntimeError(f"traceinspect report failed ({p.returncode}): {p.stderr.strip()[-1500:]}")
-    return wall, _children_cpu() - c
+def _stats(runs: list[dict[str, float]]) -> dict[str, float]:
+    w = [r["wall_s"] for r in runs]
+    return {"min_s": round(min(w), 3), "median_s": round(statistics.median(w), 3),
+            "cpu_median_s": round(statistics.median(r["cpu_s"] for r in runs), 3),
+            "peak_rss_mb": round(max(r["rss_mb"] for r in runs), 1), "runs": len(runs)}
 
 
-def slope_ratio(points: list[tuple[float, float]]) -> float | None:
-    """Per-unit cost of the last step over that of the first steps: (t4 -> t8) / (t1 -> t4)."""
-    (x1, y1), (x4, y4), (x8, y8) = points[0], points[-2], points[-1]
-    lo = (y4 - y1) / (x4 - x1) if x4 > x1 else None
-    hi = (y8 - y4) / (x8 - x4) if x8 > x4 else None
-    if not lo or lo <= 0 or hi is None:
-        return None
-    return hi / lo
+def paired(tool: list[str], yard: list[str] | None, repeat: int, yard_env: dict[str, str] | None = None,
+           yard_repeat: int | None = None) -> tuple[dict[str, float], dict[str, float] | None]:
+    """Alternate the tool and its yardstick; min / median of each."""
+    t_runs: list[dict[str, float]] = []
+    y_runs: list[dict[str, float]] = []
+    yr = repeat if yard_repeat is None else yard_repeat
+    for i in range(repeat):
+        if yard is not None and i < yr:
+            y_runs.append(run(yard, env=yard_env))
+        t_runs.append(run(tool, env=_ENV))
+    return _stats(t_runs), (_stats(y_runs) if y_runs else None)
 
 
-def check_linear(results: dict, failures: list[str], key: str, what: str,
-                 cpu: list[tuple[float, float]], wall: list[tuple[float, float]]) -> None:
-    """Record the slope ratios of a series under ``{key}_slope_ratio[_wall]`` and fail when the CPU one
-    exceeds LINEAR. Cost is judged on CPU time: wall time also measures whatever else the machine does."""
-    sr, wr = slope_ratio(cpu), slope_ratio(wall)
-    results[f"{key}_slope_ratio"] = None if sr is None else round(sr, 2)
-    results[f"{key}_slope_ratio_wall"] = None if wr is None else round(wr, 2)
-    if sr is not None and sr > LINEAR:
-        failures.append(f"{what} ({sr:.2f}x, limit {LINEAR}x)")
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _machine() -> dict[str, Any]:
+    import platform
+
+    model = ""
+    with contextlib.suppress(OSError):
+        m = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text())
+        model = m.group(1).strip() if m else ""
+    from traceinspect.load import parse
+
+    return {"cores": os.cpu_count(), "cpu": model, "python": platform.python_version(),
+            "native_scanner": parse._native is not None}
+
+
+# --------------------------------------------------------------------------------------------
+# the results table
+
+
+def table(res: dict[str, Any]) -> str:
+    """The Markdown results table of a run (what --write-readme puts into the READMEs)."""
+    m = res["machine"]
+    rows = ["| case | traceinspect (median, min) | yardstick (median, min) | ratio | target | met |",
+            "| --- | --- | --- | --- | --- | --- |"]
+
+    def t(s: dict[str, float] | None) -> str:
+        return "n/a" if not s else f"{s['median_s']:.2f} s, {s['min_s']:.2f} s"
+
+    def met(c: dict[str, Any], key: str = "met") -> str:
+        return {True: "yes", False: "**no**", None: "n/a"}[c.get(key)]
+
+    c = res["cases"]
+    if "small" in c:
+        x = c["small"]
+        rows.append(f"| `analyze`, one {x['json_mb']:.0f} MB rank file | {t(x['tool'])} | | "
+                    f"| < {TARGETS['small_s']:.1f} s | {met(x)} |")
+    if "hta" in c:
+        x = c["hta"]
+        ratio = f"{x['speedup']:.1f}x faster" if x.get("speedup") else "n/a"
+        rows.append(f"| `analyze` vs HTA 0.5.0's load, one {x['json_mb']:.0f} MB rank file | {t(x['tool'])} | "
+                    f"{t(x['yardstick'])} | {ratio} | >= {TARGETS['hta_speedup']:.0f}x | {met(x)} |")
+    if "big" in c:
+        x = c["big"]
+        rows.append(f"| `analyze` vs `hashlib.sha256`, one {x['json_mb']:.0f} MB rank file (plain JSON) | "
+                    f"{t(x['tool'])} | {t(x['yardstick'])} | {x['ratio']:.2f}x | <= {TARGETS['big_ratio_sha256']:.0f}x"
+                    f" | {met(x, 'met_time')} |")
+        rows.append(f"| peak RSS of that `analyze` | {x['tool']['peak_rss_mb']:.0f} MB | JSON + "
+                    f"{TARGETS['big_rss_slack_mb']:.0f} MB = {x['rss_bound_mb']:.0f} MB | | | {met(x, 'met_rss')} |")
+    if "ranks" in c:
+        x = c["ranks"]
+        rows.append(f"| `report` vs `gzip -dc`, {x['ranks']} rank files, {x['json_mb']:.0f} MB JSON in all | "
+                    f"{t(x['tool'])} | {t(x['yardstick'])} | {x['ratio']:.2f}x | <= {TARGETS['ranks_ratio_gzip']:.1f}x"
+                    f" | {met(x)} |")
+    loads = [res["load_average_start"], res["load_average_end"]]
+    note = (f"\n\n{res['date']}, `python benchmarks/bench.py{res['args']}`: {m['cores']} cores ({m['cpu']}), "
+            f"Python {m['python']}, native scanner {'built' if m['native_scanner'] else 'NOT built'}; "
+            f"{res['repeat']} paired runs per case; load average (1, 5, 15 min) {loads[0]} at the start, "
+            f"{loads[1]} at the end. Generated by the benchmark from its latest run; not edited by hand.")
+    return "\n".join(rows) + note
+
+
+def write_readmes(res: dict[str, Any]) -> None:
+    """The results tables of both READMEs, and benchmarks/latest.json, from this run."""
+    (ROOT / "benchmarks" / "latest.json").write_text(json.dumps(res, indent=2) + "\n")
+    block = f"{MARK_START}\n{table(res)}\n{MARK_END}"
+    for path in (README, MAIN_README):
+        text = path.read_text()
+        if MARK_START in text and MARK_END in text:
+            a, b = text.index(MARK_START), text.index(MARK_END) + len(MARK_END)
+            path.write_text(text[:a] + block + text[b:])
+
+
+# --------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="fixture directory to replicate")
-    ap.add_argument("--graph-source", type=Path, default=GRAPH_SOURCE,
-                    help="CUDA-graph fixture for the informational end-to-end run ('' to skip)")
-    ap.add_argument("--size-mb", type=float, default=100.0, help="uncompressed size of one rank file")
-    ap.add_argument("--ranks", type=int, default=8, help="rank files of the end-to-end run")
-    ap.add_argument("--scale", default="1,2,4,8", help="size multiples of the linearity series")
-    ap.add_argument("--rank-scale", default="1,2,4,8", help="rank counts of the rank series")
+    ap.add_argument("--small-mb", type=float, default=5.0)
+    ap.add_argument("--hta-mb", type=float, default=114.0)
+    ap.add_argument("--big-mb", type=float, default=1000.0)
+    ap.add_argument("--rank-mb", type=float, default=122.0)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3, help="paired runs per case")
+    ap.add_argument("--hta-repeat", type=int, default=2, help="HTA runs (each takes long)")
+    ap.add_argument("--cases", default="small,hta,big,ranks")
     ap.add_argument("--hta-python", help="a Python that can import hta (default: found automatically)")
-    ap.add_argument("--no-hta", action="store_true", help="skip HTA (the ratio check then fails)")
-    ap.add_argument("--smoke", action="store_true", help="run everything, assert nothing")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one run each: runs everything, asserts nothing")
     ap.add_argument("--work", type=Path, help="keep generated traces here (default: a temporary dir)")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--write-readme", action="store_true", help="regenerate the results tables from this run")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.small_mb, args.hta_mb, args.big_mb, args.rank_mb, args.ranks = 2.0, 3.0, 6.0, 2.0, 2
+        args.repeat, args.hta_repeat = 1, 1
     if not args.source.is_dir():
         print(f"source fixture directory {args.source} not found", file=sys.stderr)
         return 2
+    cases = [c for c in args.cases.split(",") if c]
     work = args.work or Path(tempfile.mkdtemp(prefix="ti-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     gen = work / "gen"
-    results: dict[str, Any] = {
-        "size_mb": args.size_mb, "ranks": args.ranks, "cores": os.cpu_count(), "source": str(args.source),
-        "python": sys.version.split()[0], "load_average_start": [round(x, 2) for x in os.getloadavg()],
-    }
+    shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--write-readme"]
+    res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "args": "".join(f" {a}" for a in shown), "machine": _machine(),
+                           "repeat": args.repeat, "targets": TARGETS, "load_average_start": _load(),
+                           "cases": {}}
     failures: list[str] = []
-    py = sys.executable
 
     def log(msg: str) -> None:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
     try:
-        # 1. ingest of one rank file, side by side with HTA
-        one = work / "one"
-        json_bytes = make_set(args.source, one, args.size_mb, 1, gen)
-        f1 = one / "bench-TP-0.trace.json.gz"
-        log(f"ingest: {json_bytes / 1e6:.0f} MB JSON ({f1.stat().st_size / 1e6:.1f} MB gz)")
-        wall, r = child([py, "-c", CHILD_TI, str(f1)])
-        mb = json_bytes / 1e6
-        results["ingest"] = {
-            "json_mb": round(mb, 1), "gz_mb": round(f1.stat().st_size / 1e6, 1), "seconds": round(wall, 3),
-            "mb_per_s": round(mb / wall, 1), "peak_rss_mb": round(r["rss"] / 1e6, 1),
-            "rss_bound_mb": round(mb + RSS_SLACK_MB, 1), "import_s": round(r["import_s"], 3),
-            "load_s": round(r["load_s"], 3), "link_steps_s": round(r["link_steps_s"], 3),
-            "cpu_s": round(r["cpu_s"], 3), "kernels": r["kernels"], "cpu_ops": r["cpu_ops"], "steps": r["steps"],
-        }
-        if r["rss"] / 1e6 > mb + RSS_SLACK_MB:
-            failures.append(f"ingest peak RSS {r['rss'] / 1e6:.0f} MB > JSON {mb:.0f} MB + {RSS_SLACK_MB:.0f} MB")
-        hpy = None if args.no_hta else hta_python(args.hta_python)
-        if hpy:
-            hdir = work / "hta"
+        if "small" in cases:
+            d = work / "small"
+            n = make_set(args.source, d, args.small_mb, 1, gen)
+            f = next(d.glob("*.trace.json.gz"))
+            log(f"small: analyze {n / 1e6:.1f} MB")
+            load0 = _load()
+            tool, _ = paired(_ti("analyze", str(f), "--no-cache", "--quiet"), None, args.repeat)
+            ok = tool["median_s"] < TARGETS["small_s"]
+            res["cases"]["small"] = {"json_mb": round(n / 1e6, 1), "tool": tool, "met": ok,
+                                     "load_average": [load0, _load()]}
+            if not ok:
+                failures.append(f"small: {tool['median_s']:.2f} s for {n / 1e6:.0f} MB (target < {TARGETS['small_s']} s)")
+        if "hta" in cases:
+            d = work / "hta"
+            n = make_set(args.source, d, args.hta_mb, 1, gen)
+            f = next(d.glob("*.trace.json.gz"))
+            hpy = hta_python(args.hta_python)
+            hdir = work / "hta-dir"
             hdir.mkdir(exist_ok=True)
-            shutil.copyfile(f1, hdir / "rank-0.trace.json.gz")
-            log(f"HTA ingest ({hpy})")
-            h_wall, h = child([hpy, "-c", CHILD_HTA, str(hdir)])
-            ratio = h_wall / wall
-            results["hta"] = {"python": hpy, "seconds": round(h_wall, 3), "mb_per_s": round(mb / h_wall, 2),
-                              "peak_rss_mb": round(h["rss"] / 1e6, 1), "events": h["events"],
-                              "cpu_s": round(h["cpu_s"], 3), "speedup": round(ratio, 1),
-                              "speedup_cpu": round(h["cpu_s"] / max(results["ingest"]["cpu_s"], 1e-9), 1)}
-            if ratio < RATIO_HTA:
-                failures.append(f"ingest only {ratio:.1f}x HTA's throughput (target >= {RATIO_HTA:.0f}x)")
-        else:
-            results["hta"] = None
-            failures.append("HTA not available (pip install 'traceinspect[hta]' or --hta-python): no ratio")
-
-        # 2. linearity in size
-        series = []
-        for mult in [float(x) for x in args.scale.split(",") if x]:
-            d = work / f"size-{mult:g}"
-            n = make_set(args.source, d, args.size_mb * mult, 1, gen)
-            log(f"size series: {n / 1e6:.0f} MB")
-            wall, r = child([py, "-c", CHILD_TI, str(d)])
-            series.append({"mult": mult, "json_mb": round(n / 1e6, 1), "seconds": round(wall, 3),
-                           "mb_per_s": round(n / 1e6 / wall, 1), "peak_rss_mb": round(r["rss"] / 1e6, 1),
-                           "cpu_s": round(r["cpu_s"], 3)})
-            if r["rss"] / 1e6 > n / 1e6 + RSS_SLACK_MB:
-                failures.append(f"{n / 1e6:.0f} MB ingest: peak RSS {r['rss'] / 1e6:.0f} MB > JSON + "
-                                f"{RSS_SLACK_MB:.0f} MB")
-            shutil.rmtree(d, ignore_errors=True)
-            if mult != 1.0:
-                for g in gen.glob(f"*-{args.size_mb * mult:g}MB.trace.json.gz"):
-                    g.unlink()
-                    sizes.pop(g, None)
-        results["scaling"] = series
-        if len(series) >= 3:
-            check_linear(results, failures, "scaling", "ingest CPU cost per MB grows with size",
-                         [(s["json_mb"], s["cpu_s"]) for s in series],
-                         [(s["json_mb"], s["seconds"]) for s in series])
-
-        # 3. linearity in ranks, and the end-to-end run against gzip -dc
-        rank_counts = sorted({int(x) for x in args.rank_scale.split(",") if x} | {args.ranks})
-        rseries = []
-        e2e = None
-        for n_r in rank_counts:
-            d = work / f"ranks-{n_r}"
-            total = make_set(args.source, d, args.size_mb, n_r, gen)
+            shutil.copyfile(f, hdir / "rank-0.trace.json.gz")
+            log(f"hta: analyze vs HTA's load, {n / 1e6:.0f} MB ({hpy or 'HTA not found'})")
+            load0 = _load()
+            tool, yard = paired(_ti("analyze", str(f), "--no-cache", "--quiet"),
+                                [hpy, "-c", CHILD_HTA, str(hdir)] if hpy else None, args.repeat,
+                                yard_repeat=args.hta_repeat)
+            speed = round(yard["median_s"] / tool["median_s"], 1) if yard else None
+            ok = None if speed is None else speed >= TARGETS["hta_speedup"]
+            res["cases"]["hta"] = {"json_mb": round(n / 1e6, 1), "gz_mb": round(f.stat().st_size / 1e6, 1),
+                                   "tool": tool, "yardstick": yard, "speedup": speed, "met": ok,
+                                   "hta_python": hpy, "load_average": [load0, _load()]}
+            if not ok:
+                failures.append(f"hta: {speed}x HTA's load (target >= {TARGETS['hta_speedup']:.0f}x)" if speed
+                                else "hta: HTA not available (pip install 'traceinspect[hta]' or --hta-python)")
+        if "big" in cases:
+            d = work / "big"
+            n = make_set(args.source, d, args.big_mb, 1, gen, plain=True)
+            f = next(d.glob("*.trace.json"))
+            log(f"big: analyze vs sha256, {n / 1e6:.0f} MB plain JSON")
+            load0 = _load()
+            tool, yard = paired(_ti("analyze", str(f), "--no-cache", "--quiet"),
+                                [sys.executable, "-c", CHILD_SHA, str(f)], args.repeat)
+            assert yard is not None
+            ratio = tool["median_s"] / yard["median_s"]
+            bound = n / 1e6 + TARGETS["big_rss_slack_mb"]
+            ok_t, ok_m = ratio <= TARGETS["big_ratio_sha256"], tool["peak_rss_mb"] <= bound
+            res["cases"]["big"] = {"json_mb": round(n / 1e6, 1), "tool": tool, "yardstick": yard,
+                                   "ratio": round(ratio, 2), "rss_bound_mb": round(bound, 1), "met_time": ok_t,
+                                   "met_rss": ok_m, "load_average": [load0, _load()]}
+            if not ok_t:
+                failures.append(f"big: {ratio:.2f}x sha256 of the file (target <= {TARGETS['big_ratio_sha256']:.0f}x)")
+            if not ok_m:
+                failures.append(f"big: peak RSS {tool['peak_rss_mb']:.0f} MB > JSON + "
+                                f"{TARGETS['big_rss_slack_mb']:.0f} MB = {bound:.0f} MB")
+            if args.work is None:
+                shutil.rmtree(d, ignore_errors=True)
+        if "ranks" in cases:
+            d = work / "ranks"
+            n = make_set(args.source, d, args.rank_mb, args.ranks, gen)
             files = sorted(d.glob("*.trace.json.gz"))
-            log(f"{n_r} ranks x {args.size_mb:g} MB: gzip -dc, then traceinspect report")
-            gz, gz_cpu = gunzip_time(files)
-            rep, rep_cpu = report_time(d, work / f"report-{n_r}.html")
-            row = {"ranks": n_r, "json_mb": round(total / 1e6, 1), "gzip_dc_s": round(gz, 3),
-                   "report_s": round(rep, 3), "ratio_to_gzip": round(rep / gz, 2),
-                   "gzip_dc_cpu_s": round(gz_cpu, 3), "report_cpu_s": round(rep_cpu, 3)}
-            rseries.append(row)
-            if n_r == args.ranks:
-                e2e = row
-            shutil.rmtree(d, ignore_errors=True)
-        results["ranks_scaling"] = [r for r in rseries if str(r["ranks"]) in args.rank_scale.split(",")]
-        results["end_to_end"] = e2e
-        if e2e and e2e["report_s"] > RATIO_GZIP * e2e["gzip_dc_s"]:
-            failures.append(f"{args.ranks} ranks: analyze + report took {e2e['ratio_to_gzip']:.2f}x gzip -dc "
-                            f"(target < {RATIO_GZIP:.0f}x)")
-        # the same end-to-end run on CUDA-graph decode traces (with their capture traces): reported, not checked
-        if str(args.graph_source) and args.graph_source.is_dir():
-            d = work / "graph"
-            total = make_set(args.graph_source, d, args.size_mb, args.ranks, gen / "graph")
-            files = sorted(d.glob("*.trace.json.gz"))
-            log(f"CUDA-graph traces, {args.ranks} ranks x {args.size_mb:g} MB: gzip -dc, then traceinspect report")
-            gz, gz_cpu = gunzip_time(files)
-            rep, rep_cpu = report_time(d, work / "report-graph.html")
-            results["end_to_end_graph"] = {
-                "source": str(args.graph_source), "ranks": args.ranks, "json_mb": round(total / 1e6, 1),
-                "gzip_dc_s": round(gz, 3), "report_s": round(rep, 3), "ratio_to_gzip": round(rep / gz, 2),
-                "gzip_dc_cpu_s": round(gz_cpu, 3), "report_cpu_s": round(rep_cpu, 3)}
-            shutil.rmtree(d, ignore_errors=True)
-        rs = results["ranks_scaling"]
-        if len(rs) >= 3:
-            check_linear(results, failures, "ranks", "report CPU cost per rank grows with ranks",
-                         [(r["ranks"], r["report_cpu_s"]) for r in rs],
-                         [(r["ranks"], r["report_s"]) for r in rs])
+            log(f"ranks: report vs gzip -dc, {args.ranks} x {args.rank_mb:g} MB")
+            load0 = _load()
+            gz = ["sh", "-c", 'for f in "$@"; do gzip -dc "$f"; done > /dev/null', "gzip", *map(str, files)]
+            tool, yard = paired(_ti("report", str(d), "-o", str(work / "report.html"), "--no-cache"), gz, args.repeat)
+            assert yard is not None
+            ratio = tool["median_s"] / yard["median_s"]
+            ok = ratio <= TARGETS["ranks_ratio_gzip"]
+            res["cases"]["ranks"] = {"ranks": args.ranks, "json_mb": round(n / 1e6, 1),
+                                     "gz_mb": round(sum(f.stat().st_size for f in files) / 1e6, 1), "tool": tool,
+                                     "yardstick": yard, "ratio": round(ratio, 2), "met": ok,
+                                     "load_average": [load0, _load()]}
+            if not ok:
+                failures.append(f"ranks: report took {ratio:.2f}x gzip -dc (target <= {TARGETS['ranks_ratio_gzip']}x)")
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-
-    results["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    results["failures"] = failures
-    results["passed"] = not failures
-    text = json.dumps(results, indent=2)
+    res["load_average_end"] = _load()
+    res["failures"] = failures
+    res["passed"] = not failures
+    text = json.dumps(res, indent=2)
     print(text)
+    print(table(res), file=sys.stderr)
     if args.json:
         args.json.write_text(text + "\n")
+    if args.write_readme:
+        write_readmes(res)
     for f in failures:
         print(("note: " if args.smoke else "FAIL: ") + f, file=sys.stderr)
     return 0 if (args.smoke or not failures) else 1

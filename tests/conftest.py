@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +52,52 @@ def raw_events(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         return json.load(f)["traceEvents"]
+
+
+STEP_SPAN = re.compile(r"^step\[", re.IGNORECASE)
+PROFILER_STEP = re.compile(r"^ProfilerStep#\d+$")
+
+
+def raw_cast_shares(d: Path) -> tuple[float, float]:
+    """The planted KV cast kernels (``direct_copy_kernel_cuda`` with ``LoadWithCast``) of a set's analysed
+    steps, from the raw events with the standard library: (their share of the GPU time, their time per
+    rank per step over the step time). A kernel belongs to the step span (SGLang's step[...], else
+    ProfilerStep#N) that holds its launch (correlation); the first and last step of each rank are left
+    out; the step time is the median over aligned steps of the slowest rank's GPU span."""
+    cast = total = 0.0
+    spans_by_rank: list[list[float]] = []
+    for p in sorted(d.glob("*.trace.json*")):
+        ev = raw_events(p)
+        marks = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("user_annotation", "cpu_op", "Operator")]
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in marks if STEP_SPAN.match(str(e.get("name", "")))] or \
+            [(e["ts"], e["ts"] + e["dur"]) for e in marks if PROFILER_STEP.match(str(e.get("name", "")))]
+        spans = sorted(spans)[1:-1]
+        launch = {e["args"]["correlation"]: e["ts"] for e in ev
+                  if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+        first = [float("inf")] * len(spans)
+        last = [float("-inf")] * len(spans)
+        for e in ev:
+            if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+                continue
+            t = launch.get(e.get("args", {}).get("correlation"))
+            i = next((j for j, (a, b) in enumerate(spans) if t is not None and a <= t <= b), None)
+            if i is None:
+                continue
+            first[i], last[i] = min(first[i], e["ts"]), max(last[i], e["ts"] + e["dur"])
+            total += e["dur"]
+            if "direct_copy_kernel_cuda" in e["name"] and "LoadWithCast" in e["name"]:
+                cast += e["dur"]
+        spans_by_rank.append([b - a for a, b in zip(first, last, strict=True)])
+    n = min(len(s) for s in spans_by_rank)
+    tp = sorted(max(s[i] for s in spans_by_rank) for i in range(n))
+    step_us = tp[n // 2] if n % 2 else (tp[n // 2 - 1] + tp[n // 2]) / 2
+    per_step = cast / sum(len(s) for s in spans_by_rank)
+    return cast / total, per_step / step_us
+
+
+def raw_cast_share(d: Path) -> float:
+    """The planted KV cast kernels' share of the GPU time of a set's analysed steps (raw events)."""
+    return raw_cast_shares(d)[0]
 
 
 def copy_set(src: Path, dst: Path) -> Path:

@@ -194,6 +194,44 @@ def test_full_capture_writes_every_rank_and_metadata(full_capture: tuple[Path, P
 
 
 @pytest.mark.timeout(60)
+def test_capture_saves_the_model_config(servers: dict[str, Standin], tmp_path: Path) -> None:
+    """SGLang's /server_info and /model_info have no layer count: a local server's model config
+    (here from the Hugging Face cache) goes into server_info.json's model_config block, and the
+    analysis takes its layers from there."""
+    hub = tmp_path / "hub"
+    snap = hub / "models--standin--tiny-decoder" / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps({"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 512,
+                                                  "model_type": "llama", "rope_scaling": None}))
+    out = tmp_path / "cap"
+    p = run_cli(*capture_args(servers["main"].url, out, "--timeout", "30"), env={"HF_HUB_CACHE": str(hub)})
+    assert p.returncode == 0, p.stderr
+    info = json.loads((out / "server_info.json").read_text())
+    assert info["model_config"] == {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 512,
+                                    "model_type": "llama", "source": str(snap / "config.json")}
+    from traceinspect.runmodel import LAYER_KEYS, model_int
+
+    assert model_int(info, LAYER_KEYS) == (6, "model_config.num_hidden_layers=6")
+
+
+def test_model_config_sources(tmp_path: Path) -> None:
+    from traceinspect.capture.modelconfig import model_config
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 61, "n_routed_experts": 256,
+                                               "num_experts_per_tok": 8, "text_config": {"hidden_size": 7168}}))
+    cfg, why = model_config({"model_path": str(d)}, {"model_type": "deepseek_v3"}, local=True)
+    assert why is None and cfg["num_hidden_layers"] == 61 and cfg["text_config"] == {"hidden_size": 7168}
+    assert model_config({"model_path": str(d)}, None, local=False) == (
+        None, "the server is not on this machine: its model config cannot be read")
+    # a server that puts config fields into /model_info needs nothing else
+    cfg, _ = model_config({"model_path": "x/y"}, {"num_hidden_layers": 4, "architectures": ["A"]}, local=False)
+    assert cfg == {"num_hidden_layers": 4, "architectures": ["A"], "source": "/model_info"}
+    assert model_config({"model_path": "no/such-model"}, None, local=True)[0] is None
+
+
+@pytest.mark.timeout(60)
 def test_later_traffic_does_not_rewrite_a_finished_capture(full_capture: tuple[Path, Path],
                                                           servers: dict[str, Standin], tmp_path: Path) -> None:
     """SGLang keeps its by-stage counters armed after a capture: a new prefill restarts the profile and

@@ -272,12 +272,13 @@ def test_layer_count_inferred_from_attention() -> None:
     classify_kernels(ts, st)
     ev = ts.kernels.loc[ts.kernels["name"] == KV_CAST, "cls_evidence"].iloc[0]
     assert ts.kernels.loc[ts.kernels["name"] == KV_CAST, "cls"].eq("kv_cast").all()
-    assert "inferred" in ev and "BatchDecode" in ev
+    assert "trace_structure" in ev and "checked: attention 4 per step" in ev
 
 
 def test_no_promotion_without_evidence() -> None:
-    ts, st = _trace(graph=True, kv_mode="full", with_model_info=False)
-    classify_kernels(ts, st)  # no layer count, no attention kernels, no ops: nothing to go on
+    # one layer: no layer count in server_info, no repeating block, no attention kernels, no ops
+    ts, st = _trace(graph=True, kv_mode="full", layers=1, with_model_info=False)
+    classify_kernels(ts, st)
     assert (ts.kernels.loc[ts.kernels["name"] == KV_CAST, "cls"] == "dtype_cast").all()
 
 
@@ -438,3 +439,131 @@ def test_fixture_planted_kv_casts(variant: str) -> None:
     assert (per_step == pk["per_step"]).all()
     # nothing else is a KV cast
     assert (k.loc[~planted, "cls"] != "kv_cast").all()
+
+
+# ----------------------------------------------------------------------------- same-dtype copies, MoE from GEMMs
+
+NOCAST = ("void at::native::elementwise_kernel_manual_unroll<128, 8, at::native::gpu_kernel_impl_nocast<"
+          "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::"
+          "{lambda()#12}::operator()() const::{lambda(c10::BFloat16)#1}>(at::TensorIteratorBase&, "
+          "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::"
+          "{lambda()#12}::operator()() const::{lambda(c10::BFloat16)#1} const&)::{lambda(int)#1}>(int, "
+          "at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>)")
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_same_dtype_copy_is_never_kv_cast(graph: bool) -> None:
+    """A copy that keeps the dtype recurs once per layer and, eager, even reads the pool: still no cast."""
+    from traceinspect.classify import promote_kv
+
+    assert classify_name(NOCAST).cls == "memcpy"
+    ts, st = _trace(graph=graph, kv_mode="full")
+    k = ts.kernels
+    k.loc[k["name"] == KV_CAST, "name"] = NOCAST
+    classify_kernels(ts, st)
+    assert not (ts.kernels.loc[ts.kernels["name"] == NOCAST, "cls"] == "kv_cast").any()
+    # even where a class table of one's own calls it a dtype cast
+    ts.kernels["cls"] = ts.kernels["cls"].astype(object)
+    ts.kernels.loc[ts.kernels["name"] == NOCAST, "cls"] = "dtype_cast"
+    promote_kv(ts, st)
+    assert not (ts.kernels.loc[ts.kernels["name"] == NOCAST, "cls"] == "kv_cast").any()
+
+
+def test_copy_op_that_keeps_the_dtype_is_not_a_kv_cast() -> None:
+    """An eager copy_ of the pool from fp8 to fp8 under a cast-looking kernel name is a copy."""
+    ts, st = _trace(graph=False, kv_mode="full")
+    ops = ts.cpu_ops
+    same = ops["name"].eq("aten::copy_") & ops["input_types"].astype(str).str.contains('"c10::BFloat16", "c10::Float8')
+    ops.loc[same, "input_types"] = json.dumps(["c10::Float8_e4m3fn", "c10::Float8_e4m3fn", "Scalar"]).encode()
+    classify_kernels(ts, st)
+    assert not (ts.kernels.loc[ts.kernels["name"] == KV_CAST, "cls"] == "kv_cast").any()
+
+
+def _moe_trace(form: str, *, layers: int = 3, steps: int = 4, experts: int = 8, rows: int = 6, hidden: int = 256,
+               inter: int = 128, batch: int = 8) -> tuple[TraceSet, pd.DataFrame]:
+    """One rank, eager: per layer an attention bmm whose batch equals the expert count, the router GEMM
+    and top-k, then the experts as a per-expert mm loop ('loop') or two batched GEMMs ('bmm')."""
+    kern: list[dict] = []
+    ops: list[dict] = []
+    t = 0.0
+    win: list[tuple[float, float]] = []
+
+    def op(name: str, dims: list, types: list, conc: list | None = None) -> int:
+        ops.append({"rank": 0, "name": name, "ts": t, "dur": 1.0, "end": t + 1.0, "tid": 1, "external_id": -1,
+                    "input_dims": json.dumps(dims).encode(), "input_types": json.dumps(types).encode(),
+                    "concrete": json.dumps(conc).encode() if conc else None, "parent": -1})
+        return len(ops) - 1
+
+    def kernel(name: str, step: int, o: int, path: str) -> None:
+        nonlocal t
+        kern.append({"rank": 0, "kind": "kernel", "name": name, "ts": t, "dur": 4.0, "end": t + 4.0, "step": step,
+                     "graph_replay": False, "op_idx": o, "op_path": path, "stream": 7})
+        t += 5.0
+
+    bf = "c10::BFloat16"
+    for s in range(steps):
+        start = t
+        for _ in range(layers):
+            o = op("aten::bmm", [[batch, 4, 64], [batch, 64, 512]], [bf, bf])  # attention: batch = requests
+            kernel("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_NNT", s, o, "aten::bmm")
+            o = op("aten::mm", [[batch, hidden], [hidden, experts]], [bf, bf])
+            kernel("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT", s, o, "aten::mm")
+            o = op("aten::topk", [[batch, experts], [], [], [], []], [bf, "Scalar", "Scalar", "Scalar", "Scalar"],
+                   ["", "2", "-1", "True", "True"])
+            kernel("void at::native::sbtopk::gatherTopK<c10::BFloat16, unsigned int, 2, false>()", s, o, "aten::topk")
+            if form == "loop":
+                for _e in range(experts):
+                    o = op("aten::mm", [[rows, hidden], [hidden, inter]], [bf, bf])
+                    kernel("nvjet_sm90_tst_64x8_64x16_1x2_h_bz_NNT", s, o, "aten::mm")
+                    o = op("aten::mm", [[rows, inter], [inter, hidden]], [bf, bf])
+                    kernel("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_NNT", s, o, "aten::mm")
+            else:
+                o = op("aten::bmm", [[experts, rows, hidden], [experts, hidden, inter]], [bf, bf])
+                kernel("nvjet_sm90_tst_64x16_64x16_1x2_h_bz_NNT", s, o, "aten::bmm")
+                o = op("aten::bmm", [[experts, rows, inter], [experts, inter, hidden]], [bf, bf])
+                kernel("nvjet_sm90_tst_64x16_64x16_4x1_v_bz_NNT", s, o, "aten::bmm")
+            kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", s, -1, "")
+        win.append((start - 0.5, t))
+        t += 50.0
+    k = pd.DataFrame(kern)
+    ts = TraceSet(ranks=[RankInfo(rank=0, label="TP0", path=Path("x"), rank_source="filename")], kernels=k,
+                  runtime=pd.DataFrame(), cpu_ops=pd.DataFrame(ops), annotations=pd.DataFrame(),
+                  gpu_annotations=pd.DataFrame(), server_info={"tp_size": 1})
+    st = pd.DataFrame({"rank": 0, "idx": range(steps), "included": True, "phase": "decode", "bs": batch,
+                       "cpu_start": [w[0] for w in win], "cpu_end": [w[1] for w in win]})
+    return ts, st
+
+
+@pytest.mark.parametrize("form", ["loop", "bmm"])
+def test_expert_gemms_of_plain_gemm_moe_are_moe_gemm(form: str) -> None:
+    """No MoE op, no model config: the router's top-k shapes give the experts (8) and hidden size; the
+    expert GEMMs become moe_gemm with their per-expert M, the attention bmm (batch 8 as well) does not."""
+    from traceinspect.measure.gemm import ShapeCache
+
+    ts, st = _moe_trace(form)
+    run = classify_kernels(ts, st)
+    assert (run.value("experts"), run.value("top_k"), run.value("hidden_size")) == (8, 2, 256)
+    assert run.value("layers") == 3
+    k = ts.kernels
+    moe = k[k["cls"] == "moe_gemm"]
+    assert len(moe) == 4 * 3 * (16 if form == "loop" else 2)
+    assert moe["cls_evidence"].astype(str).str.contains("one per expert" if form == "loop" else "batch 8").all()
+    assert (k.loc[k["op_path"] == "aten::bmm", "cls"] != "moe_gemm").sum() == 12  # attention bmm, 3 x 4 steps
+    cache = ShapeCache()
+    ops = ts.cpu_ops
+    for o in moe["op_idx"].unique():
+        (shape,), _ = cache.get(ops.at[o, "name"], ops.at[o, "input_dims"], ops.at[o, "input_types"], None)
+        assert shape.m == 6  # the rows each expert gets
+
+
+def test_expert_count_from_config_sets_the_loop_length() -> None:
+    """With 16 experts in the model config, 8 calls per layer still are one per expert (half the experts
+    idle is allowed), but a GEMM shape run once per layer is not."""
+    ts, st = _moe_trace("loop")
+    ts.server_info = {"tp_size": 1, "model_info": {"n_routed_experts": 16, "num_hidden_layers": 3}}
+    run = classify_kernels(ts, st)
+    assert run.source("experts") == "server_info"
+    k = ts.kernels
+    assert (k["cls"] == "moe_gemm").sum() == 4 * 3 * 16
+    router = k["name"] == "nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT"
+    assert (k.loc[router, "cls"] == "bf16_gemm").all()

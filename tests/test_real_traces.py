@@ -104,6 +104,7 @@ def test_pytorch_18_resnet_is_six_training_steps() -> None:
     assert doc["run"]["kind"] == "training" and "Backward" in doc["run"]["kind_evidence"]
     assert doc["classes"]["conv"]["share"] > 0.5 and doc["classes"]["norm"]["share"] > 0.05
     assert not any(f["rule"] for f in doc["findings"])  # no decode advice for a training run
+    assert any(w.startswith("a training run (") and "rules" in w for w in doc["warnings"])
 
 
 def test_dlrm_is_eight_training_ranks() -> None:

@@ -20,6 +20,7 @@ from traceinspect.judge import Finding, evaluate, explain, load_rule_file, load_
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import ExprError, evaluate_explain, parse
 from traceinspect.judge.saferegex import RegexError, compile_safe
+from traceinspect.runmodel import decide as decide_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_IDS = {"kv-full-pool-cast", "small-m-gemm", "comm-wait", "comm-bound", "launch-bound", "host-sync",
@@ -345,11 +346,11 @@ def _analysis(cast_us: float = 900.0, pool: int | None = 1000, with_shapes: bool
     si = {"max_total_num_tokens": pool, "kv_cache_dtype": "fp8_e4m3", "model_info": {"num_hidden_layers": 4}}
     trace = NS(ranks=[NS(rank=0, label="TP0", device=None), NS(rank=1, label="TP1", device=None)],
                runtime=pd.DataFrame(columns=["rank", "name", "ts", "dur", "end", "tid", "correlation", "external_id"]),
-               cpu_ops=pd.DataFrame(ops), capture_traces={}, kernels=k, warnings=[])
+               cpu_ops=pd.DataFrame(ops), capture_traces={}, kernels=k, warnings=[], server_info=si)
     samples = pd.DataFrame({"step_us": [span] * 3})
     return NS(trace=trace, kernels=k, selected=sel, steps=sel, efficiency=None, collectives=None, n_ranks=2,
               phase="decode", rule_phase="decode", server_info=si, options=NS(gpu=None), steps_per_rank=lambda: 3,
-              step_samples=lambda: samples)
+              step_samples=lambda: samples, run_model=decide_run(trace, sel))
 
 
 def test_kv_rule_fires_with_evidence_and_json_shape() -> None:

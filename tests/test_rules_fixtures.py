@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from functools import cache
@@ -210,3 +211,12 @@ def test_rules_test_command_passes_on_shipped_rules() -> None:
                        cwd=ROOT, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     assert " 0 failed, 0 skipped" in r.stdout
+    # every rule ran on every set the rules name (each rule's own expectations, the manifests' planted
+    # rules, and a clean run everywhere else)
+    from traceinspect.judge import load_rule_set
+
+    rules = load_rule_set()
+    sets = {p for rule in rules for kind in ("fires", "silent", "undecided") for p in rule.test_paths(kind)}
+    lines = [ln for ln in r.stdout.splitlines() if re.match(r"^(PASS|RAN|FAIL)\b", ln)]
+    assert len(lines) == len(rules) * len(sets), (len(lines), len(rules), len(sets))
+    assert sum(ln.startswith("RAN") for ln in lines) > 0

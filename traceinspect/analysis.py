@@ -20,10 +20,12 @@ from traceinspect.classify import CLASSES, classify_kernels
 from traceinspect.consistency import clock_warnings, step_count_warnings
 from traceinspect.errors import TraceInputError
 from traceinspect.graphs import GraphOps, recover_graph_ops
+from traceinspect.judge.gaps import Gaps
 from traceinspect.link import link
 from traceinspect.load import load_trace_set
 from traceinspect.measure.time import class_step_time, class_totals, percentile, top_kernels
 from traceinspect.model import TraceSet
+from traceinspect.runmodel import RunModel, user_facts
 from traceinspect.steps import RunKind, build_steps, resolve_phase, run_kind, select_steps
 
 if TYPE_CHECKING:
@@ -48,6 +50,11 @@ class Options:
     executor: str = "local"  # local | dask | dask://HOST:PORT
     use_cache: bool = True
     command: str | None = None
+    # facts the user states about the run (they win over everything the trace says)
+    layers: int | None = None
+    experts: int | None = None
+    top_k: int | None = None
+    config: str | Path | None = None  # a traceinspect.toml whose [model] table states them too
 
 
 @dataclass
@@ -65,6 +72,8 @@ class Analysis:
     collectives: Collectives | None = None
     findings: list[Finding] = field(default_factory=list)
     graph_ops: GraphOps | None = None  # CPU ops of CUDA-graph replays, from the capture traces
+    run_model: RunModel = field(default_factory=RunModel)  # layers, KV pool, experts, ... (one place)
+    gaps: Gaps = field(default_factory=Gaps)  # rules that could not decide, large classes nothing explains
     rule_set: Any = None  # the rules the findings were judged with (their texts go into the report)
     run_kind: RunKind | None = None  # decode, prefill, mixed or training, decided once (steps.run_kind)
     replay: Any = None  # the what-if replayer (traceinspect.measure.replay), built on first use
@@ -143,8 +152,9 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
         opts.command = "traceinspect " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
     from traceinspect.judge import load_rule_set
 
-    # rules first: a bad rule file is reported before the traces are read, not after the analysis
+    # rules and stated facts first: a bad rule or config file is reported before the traces are read
     rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
+    user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
     ts = load_trace_set(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs,
                         executor=opts.executor, use_cache=opts.use_cache)
     # the loaded tables hold ~1e6 long-lived objects: keep the cyclic garbage collector from rescanning
@@ -160,9 +170,10 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: Any) -> Analysis:
     link(ts)
     steps = build_steps(ts)
     recovered = recover_graph_ops(ts)
-    classify_kernels(ts, steps, graph_ops=recovered)
     opts.phase, notes = resolve_phase(steps, opts.phase)
     ts.warnings += notes
+    user = user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
+    run_model = classify_kernels(ts, steps, graph_ops=recovered, user=user, phase=opts.phase)
     selected = select_steps(steps, opts.phase)
     ts.warnings += step_count_warnings(selected, ts, opts.phase)
     if not len(selected):
@@ -174,15 +185,20 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: Any) -> Analysis:
     result = Analysis(
         trace=ts, options=opts, steps=steps, selected=selected, kernels=kernels,
         class_steps=class_step_time(kernels), class_totals=class_totals(kernels), graph_ops=recovered,
-        run_kind=run_kind(ts, steps),
+        run_model=run_model, run_kind=run_kind(ts, steps),
     )
+    if result.run_kind is not None and result.run_kind.kind == "training":
+        ts.warnings.append(f"a training run ({result.run_kind.evidence}): the rules, written for inference decode "
+                           "steps, are not applied; classes and GEMM efficiency are measured as usual")
     _measure_and_judge(result, rule_set)
     return result
 
 
 def _measure_and_judge(result: Analysis, rule_set: Any = None) -> None:
-    from traceinspect.judge import evaluate, load_rule_set
+    from traceinspect.judge import explain, load_rule_set
+    from traceinspect.judge.engine import findings_of
     from traceinspect.judge.fixes import order_findings, replay_findings
+    from traceinspect.judge.gaps import find_gaps
     from traceinspect.measure.collectives import analyze_collectives
     from traceinspect.measure.gemm import measure_efficiency
     from traceinspect.parallel import Beside
@@ -196,9 +212,11 @@ def _measure_and_judge(result: Analysis, rule_set: Any = None) -> None:
     if rule_set is None:
         rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
     result.rule_set = rule_set
-    findings = evaluate(result, rule_set)
+    outcomes = explain(result, rule_set)
+    findings = findings_of(result, rule_set, outcomes)
     result.all_fixed = replay_findings(result, findings, rule_set)
     result.findings = order_findings(findings)
+    result.gaps = find_gaps(result, rule_set, outcomes)
 
 
 def _num(x: Any, nd: int = 3) -> Any:
@@ -236,22 +254,22 @@ def _run_meta(a: Analysis) -> dict[str, Any]:
     si = a.server_info
     info = a.trace.ranks[0]
     dev = info.device
-    bs = a.selected["bs"]
-    bs = bs[bs >= 0]
+    rm = a.run_model
     return {
         "model": si.get("served_model_name") or si.get("model_path"),
-        "tp_size": si.get("tp_size", a.n_ranks),
+        "tp_size": rm.value("tp_size") or a.n_ranks,
         "ranks": a.n_ranks,
         "device": dev.name if dev else None,
         "compute_capability": dev.compute_capability if dev else None,
-        "kv_cache_dtype": si.get("kv_cache_dtype"),
-        "kv_pool_tokens": si.get("max_total_num_tokens"),
+        "kv_cache_dtype": rm.value("kv_cache_dtype"),
+        "kv_pool_tokens": rm.value("kv_pool_tokens"),
         "attention_backend": si.get("attention_backend"),
-        "batch_median": _num(float(np.median(bs))) if len(bs) else None,
+        "batch_median": _num(rm.value("batch")),
         "cuda_graph": bool(a.kernels["graph_replay"].mean() > 0.5) if len(a.kernels) else False,
         "cuda_runtime_version": info.cuda_runtime_version,
         "cuda_driver_version": info.cuda_driver_version,
         **(a.run_kind.to_json() if a.run_kind is not None else {"kind": None, "kind_evidence": "not decided"}),
+        "facts": rm.to_json(),
     }
 
 
@@ -371,6 +389,7 @@ def to_json(a: Analysis) -> dict[str, Any]:
                          "mean_us": _num(r.mean_us), "share": _num(r.share, 6)}
                         for r in top_kernels(a.kernels).itertuples()],
         "findings": [f.to_json() for f in a.findings],
+        **a.gaps.to_json(),
         "timeline": _timeline_step(a),
         "coverage": _coverage(a),
         "warnings": list(ts.warnings),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -35,6 +35,8 @@ import yaml
 from traceinspect.errors import RuleError
 from traceinspect.model import TraceSet
 from traceinspect.resources import rules_dir
+from traceinspect.runmodel import RunModel
+from traceinspect.runmodel import decide as decide_run
 from traceinspect.tables import (
     combine_codes,
     factorize_text,
@@ -192,7 +194,7 @@ class _File:
         except (OSError, UnicodeDecodeError) as e:
             raise RuleError(f"cannot read class table: {e}", path) from None
         try:
-            self.loader = yaml.SafeLoader(text)
+            self.loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
             self.root = self.loader.get_single_node()
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
@@ -395,19 +397,21 @@ def classify_name(name: str, op_path: str = "", kind: str = "kernel", table: Cla
 
 
 def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None,
-                     graph_ops: GraphOps | None = None) -> None:
-    """Add ``cls``, ``cls2`` and ``cls_evidence`` to ``ts.kernels`` in place, then apply the
-    trace-evidence checks (:func:`verify_experts`, :func:`promote_kv`). ``steps`` is the steps table
-    (rank, idx, included); ``ts.kernels.step`` indexes its rows. ``graph_ops`` (from
-    :func:`traceinspect.graphs.recover_graph_ops`) gives graph-replayed kernels the op path of their
-    captured op."""
+                     graph_ops: GraphOps | None = None, run: RunModel | None = None,
+                     user: Mapping[str, tuple[int, str]] | None = None, phase: str = "decode") -> RunModel:
+    """Add ``cls``, ``cls2`` and ``cls_evidence`` to ``ts.kernels`` in place, decide the run model
+    (:func:`traceinspect.runmodel.decide`, on the name-based classes; ``run`` given: that one), then
+    apply the trace-evidence checks (:func:`mark_experts`, :func:`verify_experts`, :func:`promote_kv`).
+    ``steps`` is the steps table (rank, idx, included); ``ts.kernels.step`` indexes its rows.
+    ``graph_ops`` (from :func:`traceinspect.graphs.recover_graph_ops`) gives graph-replayed kernels the
+    op path and the recorded shapes of their captured op. Returns the run model."""
     table = table or _default_table()
     k = ts.kernels
     n = len(k)
     if n == 0:
         for c in ("cls", "cls2", "cls_evidence"):
             k[c] = pd.Series([], dtype=object)
-        return
+        return run if run is not None else decide_run(ts, steps, graph_ops, user, phase)
     # one label per distinct (name, op path, kind): the three columns are factorized on their own and
     # their codes combined
     names = text_values(k["name"])
@@ -440,10 +444,14 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
     _set_text(k, "cls", per_label["cls"][codes])
     _set_text(k, "cls2", per_label["cls2"][codes])
     _set_text(k, "cls_evidence", evidence)
-    verify_experts(ts, table)
-    promote_kv(ts, steps, table, graph_ops=graph_ops)
+    if run is None:
+        run = decide_run(ts, steps, graph_ops, user, phase)
+    mark_experts(ts, steps, run, graph_ops)
+    verify_experts(ts, table, run)
+    promote_kv(ts, steps, table, graph_ops=graph_ops, run=run)
     for c, uniq in per_label.items():
         k[c] = _categorical(k[c].to_numpy(dtype=object), codes, uniq)
+    return run
 
 
 def _categorical(values: np.ndarray, codes: np.ndarray, uniq: np.ndarray) -> pd.Categorical:
@@ -495,20 +503,9 @@ def _note_captured(table: ClassTable, names: np.ndarray, kinds: np.ndarray, rows
 
 # --- routing labels that must work on the expert dimension ---------------------------------------
 
-_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_routed_experts")
 _RULE_ID = re.compile(r"^rule (\S+) \(")
 _SOFTMAX_WARP = re.compile(r"softmax_warp_forward<[^,<>]+, [^,<>]+, [^,<>]+, (\d+),")
 _SIZE_OPS = ("aten::_softmax", "aten::softmax", "aten::topk", "aten::_log_softmax", "aten::log_softmax")
-
-
-def _model_int(si: dict[str, Any], keys: Sequence[str]) -> tuple[int | None, str]:
-    mi = si.get("model_info") if isinstance(si.get("model_info"), dict) else {}
-    for src, d in (("model_info", mi), ("server_info", si)):
-        for key in keys:
-            v = _int(d.get(key))
-            if v and v > 0:
-                return v, f"{src}.{key}"
-    return None, ""
 
 
 def _routing_size(name: str, o: int, inputs: _OpInputs | None) -> tuple[int | None, str]:
@@ -529,15 +526,16 @@ def _routing_size(name: str, o: int, inputs: _OpInputs | None) -> tuple[int | No
 _MOE_OPS = re.compile(r"moe|expert|deep_ep|select_experts|fused_topk", re.IGNORECASE)
 
 
-def model_has_experts(ts: TraceSet, table: ClassTable | None = None) -> tuple[bool, str]:
-    """Whether the model has experts (MoE), and the evidence: an expert count in server_info /
-    model_info, else expert GEMMs, MoE routing kernels named as such, or MoE ops in the trace. The
-    one place this is decided: routing labels of generic softmax / top-k / sort kernels stand only
-    where it is true."""
-    si = ts.server_info if isinstance(ts.server_info, dict) else {}
-    n_exp, exp_src = _model_int(si, _EXPERT_KEYS)
+def model_has_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel | None = None
+                      ) -> tuple[bool, str]:
+    """Whether the model has experts (MoE), and the evidence: the run model's expert count (the user,
+    server_info, or the router's recorded top-k shapes), else expert GEMMs, MoE routing kernels named as
+    such, or MoE ops in the trace. The one place this is decided: routing labels of generic softmax /
+    top-k / sort kernels stand only where it is true."""
+    run = run if run is not None else decide_run(ts)
+    n_exp = run.value("experts")
     if n_exp is not None:
-        return n_exp > 1, f"{n_exp} experts ({exp_src})"
+        return n_exp > 1, f"{n_exp} experts ({run.describe('experts')})"
     table = table or _default_table()
     generic = {r.id for r in table.rules if r.verify == "experts"}
     k = ts.kernels
@@ -554,10 +552,10 @@ def model_has_experts(ts: TraceSet, table: ClassTable | None = None) -> tuple[bo
         names = pd.Series(unique_text(ts.cpu_ops["name"].to_numpy(dtype=object)), dtype=object)
         if names.str.contains(_MOE_OPS).any():
             return True, "MoE ops in the trace"
-    return False, "no expert count in server_info and no expert GEMM, MoE routing kernel or MoE op in the trace"
+    return False, "no expert count (server_info, --experts, router shapes) and no expert GEMM, MoE routing kernel or MoE op in the trace"
 
 
-def verify_experts(ts: TraceSet, table: ClassTable | None = None) -> None:
+def verify_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel | None = None) -> None:
     """Re-label kernels of ``verify: experts`` rules where the model has no experts (-> elementwise), or
     whose softmax / top-k size is known and is not the model's expert count (vocabulary-wide ->
     sampling, else elementwise)."""
@@ -566,7 +564,7 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None) -> None:
     k = ts.kernels
     if not ids or not len(k):
         return
-    si = ts.server_info if isinstance(ts.server_info, dict) else {}
+    run = run if run is not None else decide_run(ts)
     ev = k["cls_evidence"].to_numpy(dtype=object)
     uniq = unique_text(ev)
     hit = {e for e in uniq if (m := _RULE_ID.match(str(e))) and m.group(1) in ids}
@@ -575,7 +573,7 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None) -> None:
     rows = np.nonzero(np.isin(ev, list(hit)))[0]
     cls = k["cls"].to_numpy(dtype=object).copy()
     ev = ev.copy()
-    has, why = model_has_experts(ts, table)
+    has, why = model_has_experts(ts, table, run)
     if not has:
         for r in rows:
             ev[r] = f"elementwise: not MoE routing, the model has no experts ({why}); was {cls[r]} by {ev[r]}"
@@ -583,10 +581,10 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None) -> None:
         _set_text(k, "cls", cls)
         _set_text(k, "cls_evidence", ev)
         return
-    n_exp, exp_src = _model_int(si, _EXPERT_KEYS)
+    n_exp, exp_src = run.value("experts"), run.describe("experts")
     if n_exp is None:
         return
-    vocab, _ = _model_int(si, ("vocab_size",))
+    vocab = run.value("vocab_size")
     names = k["name"].to_numpy(dtype=object)
     op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
     inputs = _OpInputs(ts.cpu_ops) if len(ts.cpu_ops) else None
@@ -612,14 +610,99 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None) -> None:
     _set_text(k, "cls_evidence", ev)
 
 
+# --- expert GEMMs from the structure ----------------------------------------------------------
+
+DENSE_GEMM_CLASSES = ("bf16_gemm", "fp8_gemm", "fp4_gemm")
+MIN_EXPERTS = 4  # a GEMM shape repeated this often per layer (experts unknown) is an expert loop
+
+
+def mark_experts(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, graph_ops: GraphOps | None = None) -> None:
+    """GEMMs of a MoE built from plain GEMMs become ``moe_gemm``: a GEMM shape (op, N, K, dtype) that
+    runs once per expert in every layer (per-expert ``mm`` loop: calls per layer = the experts on this
+    rank, or at least MIN_EXPERTS when the expert count is unknown), or a batched GEMM whose batch is the
+    expert count (``bmm`` over ``[experts, rows, hidden]``) and whose K or N is the hidden size. Shapes
+    come from the launching op (eager) or the op recovered from the capture trace (graph replay)."""
+    from traceinspect.measure.gemm import ShapeCache
+
+    k = ts.kernels
+    layers = run.value("layers")
+    if not len(k) or "cls" not in k or layers is None:
+        return
+    cls = k["cls"].to_numpy(dtype=object)
+    cand = np.isin(cls, DENSE_GEMM_CLASSES)
+    if "kind" in k:
+        cand &= (k["kind"] == "kernel").to_numpy()
+    if "step" in k:
+        cand &= (k["step"] >= 0).to_numpy()
+    if not cand.any():
+        return
+    experts, hidden = run.value("experts"), run.value("hidden_size")
+    ep = run.value("ep_size") or 1
+    local = experts // ep if experts and ep > 1 and experts % ep == 0 else experts
+    op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
+    captured, cap_op, _ = _captured_ops(k, graph_ops)
+    rows = np.nonzero(cand)[0]
+    cache = ShapeCache()
+    frames: dict[int, pd.DataFrame] = {-1: ts.cpu_ops}
+    if graph_ops is not None:
+        frames.update({int(r): c.ops.reset_index(drop=True) for r, c in graph_ops.captures.items()
+                       if c.ops is not None and len(c.ops)})
+    cols: dict[int, tuple[np.ndarray, ...]] = {}
+    for src, f in frames.items():
+        if f is not None and len(f) and "input_dims" in f:
+            cols[src] = (f["name"].to_numpy(dtype=object), f["input_dims"].to_numpy(dtype=object),
+                         f["input_types"].to_numpy(dtype=object) if "input_types" in f else np.full(len(f), None),
+                         f["concrete"].to_numpy(dtype=object) if "concrete" in f else np.full(len(f), None))
+    ranks, step = k["rank"].to_numpy(), k["step"].to_numpy()
+    use_cap = captured[rows] & (cap_op[rows] >= 0)
+    src_col = np.where(use_cap, ranks[rows], -1).astype(np.int64)
+    o_col = np.where(use_cap, cap_op[rows], op_idx[rows]).astype(np.int64)
+    pairs, inverse = np.unique(np.stack([src_col, o_col], axis=1), axis=0, return_inverse=True)
+    pair_key: list[tuple[Any, ...] | None] = []  # one shape decode per distinct (source, op)
+    for src, o in pairs.tolist():
+        c = cols.get(src)
+        if c is None or o < 0 or o >= len(c[0]):
+            pair_key.append(None)
+            continue
+        shapes, _ = cache.get(str(c[0][o]), c[1][o], c[2][o], c[3][o])
+        sh = shapes[0] if len(shapes) == 1 and shapes[0].kind == "gemm" else None
+        pair_key.append(None if sh is None else (str(c[0][o]), sh.n, sh.k, sh.batch, sh.dtype))
+    by_key: dict[tuple[Any, ...], list[int]] = {}
+    for r, p in zip(rows.tolist(), inverse.reshape(-1).tolist(), strict=True):
+        key = pair_key[p]
+        if key is not None:
+            by_key.setdefault(key, []).append(r)
+    ev = k["cls_evidence"].to_numpy(dtype=object).copy()
+    new_cls = cls.copy()
+    exp_src = run.describe("experts")
+    for (op, n, kk, batch, _dtype), members in by_key.items():
+        m = np.asarray(members)
+        per_step = pd.Series(1, index=pd.MultiIndex.from_arrays([ranks[m], step[m]])).groupby(level=[0, 1]).size()
+        per_layer = float(per_step.median()) / layers
+        hid = hidden is None or hidden in (n, kk)
+        why = None
+        if batch and batch > 1:
+            if local and batch == local and hidden is not None and hid:
+                why = (f"batched GEMM {op} with batch {batch} = the experts on this rank ({exp_src}) and "
+                       f"{'K' if kk == hidden else 'N'} = hidden size {hidden}")
+        elif local:
+            if 0.5 * local <= per_layer <= local + 1e-9 and hid:
+                why = (f"{per_layer:g} {op} calls per layer with N={n} K={kk} = one per expert "
+                       f"({local} on this rank: {exp_src}; {layers} layers)")
+        elif per_layer >= MIN_EXPERTS and float(per_layer).is_integer() and hid and per_step.nunique() == 1:
+            why = (f"{per_layer:g} {op} calls per layer with N={n} K={kk} in every step: one per expert "
+                   f"(expert count unknown; {layers} layers)")
+        if why is None:
+            continue
+        for r in members:
+            ev[r] = f"moe_gemm: {why}; was {new_cls[r]} by {ev[r]}"
+            new_cls[r] = "moe_gemm"
+    _set_text(k, "cls", new_cls)
+    _set_text(k, "cls_evidence", ev)
+
+
 # --- KV-cache evidence --------------------------------------------------------------------------
 
-_TORCH_DTYPES = {
-    "fp8_e4m3": "Float8_e4m3fn", "fp8_e4m3fn": "Float8_e4m3fn", "float8_e4m3fn": "Float8_e4m3fn",
-    "fp8": "Float8_e4m3fn", "fp8_e5m2": "Float8_e5m2", "float8_e5m2": "Float8_e5m2",
-    "fp4_e2m1": "Float4_e2m1fn_x2", "bfloat16": "BFloat16", "bf16": "BFloat16", "float16": "Half",
-    "fp16": "Half", "half": "Half", "float32": "float", "fp32": "float", "float": "float",
-}
 _NAME_DST = [  # (regex over a cast kernel's name, torch dtype it writes)
     (re.compile(r"float8_copy_kernel|to_fp8|fp8_copy"), "Float8"),
     (re.compile(r"bfloat16tofloat32|float16tofloat32"), "float"),
@@ -648,42 +731,15 @@ class _KvContext:
     layers: int | None
     layers_src: str
     included: np.ndarray  # per kernel row: in an included step
+    pool_src: str = ""  # where the pool size came from
     steps_per_rank: dict[int, int] = field(default_factory=dict)  # included steps per rank
 
     def pool_rows(self, rows: int) -> bool:
         return self.pool is not None and self.pool <= rows <= self.pool + 2 * max(self.page, 1)
 
 
-def _int(v: Any) -> int | None:
-    try:
-        return int(v) if v is not None and not isinstance(v, bool) else None
-    except (TypeError, ValueError, OverflowError):
-        return None
-
-
-def _layer_count(si: dict[str, Any], k: pd.DataFrame, included: np.ndarray) -> tuple[int | None, str]:
-    mi = si.get("model_info") if isinstance(si.get("model_info"), dict) else {}
-    for src, d in (("model_info", mi), ("server_info", si)):
-        n = _int(d.get("num_hidden_layers"))
-        if n and n > 0:
-            pp = _int(si.get("pp_size")) or 1
-            if pp > 1 and n % pp == 0:
-                return n // pp, f"{src}.num_hidden_layers={n} / pp_size={pp}"
-            return n, f"{src}.num_hidden_layers={n}"
-    if "step" not in k:
-        return None, "unknown (no num_hidden_layers in server_info, no steps)"
-    att = k[(k["cls"] == "attention").to_numpy() & included & (k["step"] >= 0).to_numpy()]
-    if not len(att):
-        return None, "unknown (no num_hidden_layers in server_info, no attention kernels)"
-    top = att.groupby("name")["dur"].sum().idxmax()
-    per = att[att["name"] == top].groupby(["rank", "step"]).size()
-    n = int(per.mode().iloc[0])
-    return n, f"inferred: {n} per step of attention kernel {top[:80]!r}"
-
-
-def _context(ts: TraceSet, steps: pd.DataFrame) -> _KvContext:
+def _context(ts: TraceSet, steps: pd.DataFrame, run: RunModel) -> _KvContext:
     k = ts.kernels
-    si = ts.server_info if isinstance(ts.server_info, dict) else {}
     step = k["step"].to_numpy() if "step" in k else np.full(len(k), -1)
     n_steps = len(steps) if steps is not None else 0
     inc_steps = (steps["included"].to_numpy(dtype=bool) if n_steps and "included" in steps
@@ -696,14 +752,9 @@ def _context(ts: TraceSet, steps: pd.DataFrame) -> _KvContext:
     per_rank: dict[int, int] = {}
     if n_steps and "rank" in steps:
         per_rank = {int(r): int(c) for r, c in steps[inc_steps].groupby("rank").size().items()}
-    kv = si.get("kv_cache_dtype")
-    kv_dtype = _TORCH_DTYPES.get(str(kv).lower()) if kv not in (None, "auto") else None
-    if kv_dtype is None:
-        kv_dtype = _TORCH_DTYPES.get(str(si.get("dtype", "")).lower())
-    layers, src = _layer_count(si, k, included)
-    return _KvContext(pool=_int(si.get("max_total_num_tokens")), page=_int(si.get("page_size")) or 1,
-                      kv_dtype=kv_dtype, layers=layers, layers_src=src, included=included,
-                      steps_per_rank=per_rank)
+    return _KvContext(pool=run.value("kv_pool_tokens"), page=run.value("page_size") or 1,
+                      kv_dtype=run.kv_torch_dtype, layers=run.value("layers"), layers_src=run.describe("layers"),
+                      included=included, steps_per_rank=per_rank, pool_src=run.describe("kv_pool_tokens"))
 
 
 def _json(raw: Any) -> Any:
@@ -831,28 +882,27 @@ def _adjacent(k: pd.DataFrame, sub: pd.DataFrame) -> set[tuple[Any, Any]]:
 
 
 def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None,
-               graph_ops: GraphOps | None = None) -> None:
+               graph_ops: GraphOps | None = None, run: RunModel | None = None) -> None:
     """Promote dtype casts that read KV-cache data to ``kv_cast``, scatters into the KV pool to
     ``kv_write``, and casts to 8/4-bit floats to their consumer's class (needs the ``cls`` columns;
-    the reason goes to ``cls_evidence``). Graph-replayed kernels are judged by their recurrence; with
-    ``graph_ops`` the evidence says whether their op was recovered from the capture trace."""
+    the reason goes to ``cls_evidence``). A graph-replayed kernel whose op ``graph_ops`` recovered
+    from the capture trace is judged on that op's recorded shapes, as an eager kernel is; other
+    kernels without shapes by their recurrence. A copy that keeps the dtype is never ``kv_cast``."""
     table = table or _default_table()
     k = ts.kernels
     if not len(k) or "cls" not in k or not table.promote:
         return
-    ctx = _context(ts, steps)
-    captured = np.zeros(len(k), dtype=bool)
-    rows_paths = _captured_rows(k, graph_ops)
-    if rows_paths is not None:
-        captured[rows_paths[0]] = True
+    run = run if run is not None else decide_run(ts, steps, graph_ops)
+    ctx = _context(ts, steps, run)
     op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
-    inputs = _OpInputs(ts.cpu_ops) if len(ts.cpu_ops) else None
+    eager = _OpInputs(ts.cpu_ops) if len(ts.cpu_ops) else None
+    captured, cap_op, cap_inputs = _captured_ops(k, graph_ops)
     cls = k["cls"].to_numpy(dtype=object).copy()
     ev = k["cls_evidence"].to_numpy(dtype=object).copy()
     names = k["name"].to_numpy(dtype=object)
     ranks = k["rank"].to_numpy()
     is_kernel = (k["kind"] == "kernel").to_numpy() if "kind" in k else np.ones(len(k), dtype=bool)
-    pool_shapes: set[tuple[int, ...]] | None = None
+    pool_shapes: dict[int, set[tuple[int, ...]]] = {}
     for target in ("kv_cast", "kv_write"):
         promo = table.promote.get(target)
         if promo is None:
@@ -861,39 +911,93 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
         if promo.name is not None and cand.any():
             at = np.nonzero(cand)[0]  # the name test only where the class test passed
             cand[at] = per_distinct(names[at], promo.name.search)
+        if target == "kv_cast" and cand.any():
+            at = np.nonzero(cand)[0]
+            cand[at] = ~per_distinct(names[at], _NOCAST.search)
         rows = np.nonzero(cand)[0]
         if not len(rows):
             continue
         recur = _recurrence(k, rows, ctx)
-        attn_cache: dict[int, bool] = {}
+        attn_cache: dict[tuple[int, int], bool] = {}
         memo: dict[tuple[Any, str, bool, bool], str | None] = {}
+        shaped: dict[tuple[int, int, Any], str | None] = {}
         for r in rows:
-            o = int(op_idx[r])
             rec = recur.get((ranks[r], names[r]))
-            if inputs is not None and o >= 0 and inputs.has_shapes(o):
-                reason = _pool_evidence(inputs, o, ctx, target)
-                if reason is None and rec is not None and target == "kv_cast":
-                    if o not in attn_cache:
-                        attn_cache[o] = any(ATTENTION_OP.search(str(inputs.names[j])) for j in inputs.chain(o, 8))
-                    if attn_cache[o]:
-                        reason = f"op inside attention, {rec}"
-                    else:
-                        if pool_shapes is None:
-                            pool_shapes = _pool_row_shapes(ts.cpu_ops, ctx)
-                        reason = _kv_rows_evidence(inputs, o, ctx, pool_shapes, rec)
+            if captured[r] and cap_op[r] >= 0:
+                inputs, o, src, how = cap_inputs.get(int(ranks[r])), int(cap_op[r]), int(ranks[r]), \
+                    f"graph replay, {CAPTURED_NOTE}: "
             else:
-                key = (ranks[r], names[r], o < 0, bool(captured[r]))
+                inputs, o, src, how = eager, int(op_idx[r]), -1, ""
+            if inputs is not None and o >= 0 and inputs.has_shapes(o):
+                key3 = (src, o, rec)
+                if key3 not in shaped:
+                    shaped[key3] = _shape_evidence(inputs, o, src, ctx, target, rec, attn_cache, pool_shapes)
+                reason = shaped[key3]
+                reason = how + reason if reason is not None else None
+            else:
+                key = (ranks[r], names[r], int(op_idx[r]) < 0, bool(captured[r]))
                 if key not in memo:
-                    memo[key] = _recurrence_evidence(names[r], rec, o < 0, target, ctx, captured=key[3])
+                    memo[key] = _recurrence_evidence(names[r], rec, key[2], target, ctx, captured=key[3])
                 reason = memo[key]
             if reason is not None:
                 ev[r] = f"{target}: {reason}; was {cls[r]} by {ev[r]}"
                 cls[r] = target
     consumer = table.promote.get("consumer")
     if consumer is not None:
-        _promote_consumers(k, consumer, ctx, inputs, cls, ev, is_kernel)
+        _promote_consumers(k, consumer, ctx, eager, cls, ev, is_kernel)
     _set_text(k, "cls", cls)
     _set_text(k, "cls_evidence", ev)
+
+
+_NOCAST = re.compile(r"_nocast<")  # PyTorch's same-dtype elementwise path: no dtype change
+
+
+def _captured_ops(k: pd.DataFrame, graph_ops: GraphOps | None
+                  ) -> tuple[np.ndarray, np.ndarray, dict[int, _OpInputs]]:
+    """Per kernel row: replayed with a recovered op path, and the captured op's row in its rank's
+    capture ``cpu_ops`` (-1 if unknown); per rank, the capture trace's recorded shapes."""
+    captured = np.zeros(len(k), dtype=bool)
+    cap_op = np.full(len(k), -1, dtype=np.int64)
+    inputs: dict[int, _OpInputs] = {}
+    rows_paths = _captured_rows(k, graph_ops)
+    if rows_paths is not None:
+        captured[rows_paths[0]] = True
+    if graph_ops is not None and len(graph_ops.kernels) and "cap_op" in graph_ops.kernels:
+        pos = k.index.get_indexer(graph_ops.kernels.index)
+        ok = pos >= 0
+        cap_op[pos[ok]] = graph_ops.kernels["cap_op"].to_numpy(dtype=np.int64)[ok]
+        for rank, cap in graph_ops.captures.items():
+            if cap.ops is not None and len(cap.ops):
+                inputs[int(rank)] = _OpInputs(cap.ops.reset_index(drop=True))
+    return captured, cap_op, inputs
+
+
+def _shape_evidence(inputs: _OpInputs, o: int, src: int, ctx: _KvContext, target: str, rec: str | None,
+                    attn_cache: dict[tuple[int, int], bool], pool_shapes: dict[int, set[tuple[int, ...]]]
+                    ) -> str | None:
+    """Evidence from recorded shapes (eager, or the capture trace's ``src`` rank; -1: eager) that a
+    candidate reads (kv_cast) or writes (kv_write) the KV pool."""
+    if target == "kv_cast" and _keeps_dtype(inputs, o):
+        return None
+    reason = _pool_evidence(inputs, o, ctx, target)
+    if reason is not None or rec is None or target != "kv_cast":
+        return reason
+    if (src, o) not in attn_cache:
+        attn_cache[(src, o)] = any(ATTENTION_OP.search(str(inputs.names[j])) for j in inputs.chain(o, 8))
+    if attn_cache[(src, o)]:
+        return f"op inside attention, {rec}"
+    if src not in pool_shapes:
+        pool_shapes[src] = _pool_row_shapes(inputs.ops, ctx)
+    return _kv_rows_evidence(inputs, o, ctx, pool_shapes[src], rec)
+
+
+def _keeps_dtype(inputs: _OpInputs, o: int) -> bool:
+    """The launching copy_ writes the dtype it reads (a same-dtype copy, not a cast)."""
+    for j in inputs.chain(o, 2):
+        if str(inputs.names[j]) in ("aten::copy_", "aten::copy"):
+            t = {a: d for a, _, d in inputs.tensors(j)}
+            return bool(0 in t and 1 in t and t[0] and t[0] == t[1])
+    return False
 
 
 _LOW_FLOAT = ("Float8", "Float4")
@@ -965,14 +1069,14 @@ def _recurrence_evidence(name: str, rec: str | None, graph: bool, target: str, c
                          captured: bool = False) -> str | None:
     """Evidence for a kernel without recorded shapes: once per layer per step, and (for casts) not
     a cast into the KV dtype (that is the write side). ``captured``: a graph replay whose op was
-    recovered from the capture trace (its recorded shapes are not used here)."""
+    recovered from the capture trace without recorded shapes."""
     if rec is None:
         return None
     if target == "kv_cast":
         dst = _cast_destination(name)
         if dst is not None and ctx.kv_dtype is not None and ctx.kv_dtype.startswith(dst):
             return None
-    how = (f"graph replay ({CAPTURED_NOTE}, shapes not used)" if captured else
+    how = (f"graph replay ({CAPTURED_NOTE}, without recorded shapes)" if captured else
            "graph replay, no CPU op" if graph else "no recorded shapes")
     return f"{how}: same kernel {rec}"
 
@@ -989,8 +1093,8 @@ def _pool_evidence(inputs: _OpInputs, o: int, ctx: _KvContext, target: str) -> s
     # report the KV-dtype tensor (the cast's source) when there is one
     j, shape, dtype = next((h for h in hits if h[2] == ctx.kv_dtype), hits[0])
     pad = shape[0] - (ctx.pool or 0)
-    return (f"{inputs.names[j]} input {shape} {dtype or '?'}: {shape[0]} rows = KV pool "
-            f"(server_info max_total_num_tokens={ctx.pool}{f' + {pad} padding' if pad else ''})")
+    return (f"{inputs.names[j]} input {shape} {dtype or '?'}: {shape[0]} rows = KV pool of {ctx.pool} tokens"
+            f"{f' + {pad} padding' if pad else ''} ({ctx.pool_src})")
 
 
 def _pool_row_shapes(ops: pd.DataFrame, ctx: _KvContext) -> set[tuple[int, ...]]:

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "gate": "traceinspect.commands.gate:gate_cmd",
     "capture": "traceinspect.commands.capture:capture_cmd",
     "doctor": "traceinspect.commands.doctor:doctor_cmd",
+    "cache": "traceinspect.commands.cache:cache_cmd",
     "whatif": "traceinspect.commands.whatif:whatif_cmd",
 }
 

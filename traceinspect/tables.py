@@ -15,6 +15,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+try:  # the same dictionary walk in C (built with the native scanner)
+    from traceinspect.load._kineto_scan import factorize as _factorize
+except ImportError:  # pragma: no cover - depends on the build
+    _factorize = None
+
 
 def factorize_text(values: Any) -> tuple[np.ndarray, np.ndarray]:
     """(codes, uniques) of a column of hashable Python objects (str, bytes, None), codes in order of
@@ -25,6 +30,13 @@ def factorize_text(values: Any) -> tuple[np.ndarray, np.ndarray]:
             return codes.astype(np.int64, copy=False), np.asarray(uniques, dtype=object)
         values = values.to_numpy(dtype=object)
     arr = values
+    if _factorize is not None and isinstance(arr, (np.ndarray, list)):
+        items = arr.tolist() if isinstance(arr, np.ndarray) and arr.dtype == object else list(arr)
+        buf, uniq = _factorize(items)
+        uniques = np.empty(len(uniq), dtype=object)
+        for i, v in enumerate(uniq):  # one by one: tuples must stay elements, not become rows
+            uniques[i] = v
+        return np.frombuffer(buf, dtype=np.int64), uniques
     seen: dict[Any, int] = {}
     setdefault = seen.setdefault
     codes = np.fromiter((setdefault(v, len(seen)) for v in arr), dtype=np.int64, count=len(arr))
@@ -67,8 +79,9 @@ def per_distinct(values: Any, test: Callable[[Any], Any]) -> np.ndarray:
     over ~1e6 kernel names that hold a few hundred distinct ones)."""
     arr = values.to_numpy(dtype=object) if isinstance(values, (pd.Series, pd.Index)) else \
         np.asarray(values, dtype=object)
-    hit = {v: bool(test(v)) for v in unique_text(arr)}
-    return np.fromiter((hit[v] for v in arr.tolist()), dtype=bool, count=len(arr))
+    codes, uniq = factorize_text(arr)
+    hit = np.fromiter((bool(test(v)) for v in uniq), dtype=bool, count=len(uniq))
+    return hit[codes]
 
 
 def string_column(codes: np.ndarray, uniques: np.ndarray) -> pd.Categorical:

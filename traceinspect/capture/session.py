@@ -257,6 +257,13 @@ class _Capture:
             self.warn(f"old server: read {si_path} (no /server_info)")
         info = dict(info)
         info["model_info"] = model
+        from traceinspect.capture.modelconfig import model_config
+
+        cfg, why = model_config(info, model, is_local_host(urlsplit(self.o.url).hostname or ""))
+        if cfg is not None:
+            info["model_config"] = cfg
+        else:
+            self.meta["model_config"] = why
         self.server_info = redact(info, self.secrets)
         self.meta.update({"server_info_endpoint": si_path, "model_info_endpoint": mi_path,
                           "server_version": info.get("version")})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -28,6 +29,12 @@ def analysis_options(f: Any) -> Any:
         click.option("--executor", default="local", show_default=True,
                      help="Where rank files are parsed: local, dask (a local cluster) or dask://HOST:PORT."),
         click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-table cache."),
+        click.option("--layers", type=click.IntRange(min=1), default=None,
+                     help="Model layers (per pipeline stage); wins over server_info and the trace's structure."),
+        click.option("--experts", type=click.IntRange(min=1), default=None,
+                     help="Routed experts of the MoE layers; wins over server_info."),
+        click.option("--top-k", "top_k", type=click.IntRange(min=1), default=None,
+                     help="Experts per token (MoE top-k); wins over server_info."),
     ]):
         f = opt(f)
     return f
@@ -42,7 +49,19 @@ def build_options(**kw: Any) -> Any:
         only=kw.get("only") or (), disable=kw.get("disable") or (), jobs=kw.get("jobs"),
         executor=kw.get("executor") or "local", use_cache=not kw.get("no_cache", False),
         command="traceinspect " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        layers=kw.get("layers"), experts=kw.get("experts"), top_k=kw.get("top_k"), config=_config_path(kw),
     )
+
+
+def _config_path(kw: dict[str, Any]) -> str | None:
+    """The traceinspect.toml whose [model] table states run facts: --config, else ./traceinspect.toml."""
+    from traceinspect.runmodel import CONFIG_NAME
+
+    if kw.get("no_config"):
+        return None
+    if kw.get("config"):
+        return str(kw["config"])
+    return CONFIG_NAME if Path(CONFIG_NAME).is_file() else None
 
 
 @click.command("analyze")

@@ -29,7 +29,7 @@ SERVER_INFO_METRICS: dict[str, list[tuple[str, str]]] = {
     "kv_pool_tokens": [("max_total_num_tokens", "KV pool size")],
     "kv_pool_bytes_per_layer": [("max_total_num_tokens", "KV pool size")],
     "kv_cache_dtype": [("kv_cache_dtype", "KV cache dtype")],
-    "layers": [("model_info.num_hidden_layers", "layer count (else counted from KV writes)")],
+    "layers": [("model_info.num_hidden_layers", "layer count (else the period of the step's kernel sequence)")],
     "per_expert_m": [("model_info experts (n_routed_experts, num_experts, ...)",
                       "per-expert M when MoE shapes are not recorded"),
                      ("model_info top-k (num_experts_per_tok, top_k, ...)",
@@ -59,17 +59,48 @@ def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}" + ("" if n == 1 else "s")
 
 
+# metrics that need the evidence a check found missing: what each warning leaves undecided
+SHAPE_METRICS = ("bytes_per_call", "rows_per_call", "gbps", "kv_row_bytes", "kv_pool_bytes_per_layer", "m",
+                 "per_expert_m", "tflops", "pct_peak")
+FACT_METRICS = {"kv_pool_tokens": ("kv_pool_tokens", "kv_pool_bytes_per_layer"),
+                "kv_row_bytes": ("kv_row_bytes", "kv_pool_bytes_per_layer"), "kv_cache_dtype": ("kv_cache_dtype",),
+                "layers": ("layers", "calls_per_layer"), "experts": ("per_expert_m",), "top_k": ("per_expert_m",),
+                "batch": ("batch",)}
+
+
+def rules_needing(metrics: Sequence[str]) -> list[str]:
+    """Ids of the rules whose selector or conditions read one of ``metrics`` (directly or through
+    ``let``): the rules a missing piece of evidence can leave undecided."""
+    from traceinspect.judge import load_rule_set
+    from traceinspect.judge.gaps import _condition_metrics
+
+    try:
+        rules = list(load_rule_set())
+    except Exception:  # noqa: BLE001 - the rule set is not what doctor checks
+        return []
+    want = set(metrics)
+    out = []
+    for r in rules:
+        read = _condition_metrics(r) | (set(r.select.where.names) if r.select.where is not None else set())
+        if read & want:
+            out.append(r.id)
+    return sorted(out)
+
+
+def _undecided_line(metrics: Sequence[str]) -> str | None:
+    ids = rules_needing(metrics)
+    return f"leaves undecided: {', '.join(ids)}" if ids else None
+
+
 def _si_value(si: dict[str, Any], key: str) -> Any:
-    from traceinspect.measure.gemm import _EXPERT_KEYS, _TOPK_KEYS, _model_value
+    from traceinspect.runmodel import EXPERT_KEYS, LAYER_KEYS, TOPK_KEYS, model_int
 
     if key.startswith("model_info experts"):
-        return _model_value(si, _EXPERT_KEYS)[0]
+        return model_int(si, EXPERT_KEYS)[0]
     if key.startswith("model_info top-k"):
-        return _model_value(si, _TOPK_KEYS)[0]
-    if key.startswith("model_info."):
-        mi = si.get("model_info") if isinstance(si.get("model_info"), dict) else {}
-        v = mi.get(key.split(".", 1)[1])
-        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        return model_int(si, TOPK_KEYS)[0]
+    if key == "model_info.num_hidden_layers":
+        return model_int(si, LAYER_KEYS)[0]
     v = si.get(key)
     if isinstance(v, bool) or v is None:
         return None
@@ -154,15 +185,10 @@ def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | Non
         return checks, False
 
     from traceinspect.classify import classify_kernels
+    from traceinspect.graphs import recover_graph_ops
 
-    recovered = None
-    try:
-        from traceinspect.graphs import recover_graph_ops
-
-        recovered = recover_graph_ops(ts)
-        classify_kernels(ts, steps, graph_ops=recovered)
-    except ImportError:  # pragma: no cover - an older pipeline without graph-op recovery
-        classify_kernels(ts, steps)
+    recovered = recover_graph_ops(ts)
+    run = classify_kernels(ts, steps, graph_ops=recovered, phase=phase)
     selected = select_steps(steps, phase)
     from traceinspect.consistency import step_count_warnings
 
@@ -171,6 +197,8 @@ def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | Non
     checks.append(_shapes_check(ts, selected))
     checks.append(_graph_check(ts, selected, recovered, label))
     checks.append(_server_info_check(ts))
+    graph = bool(len(ts.kernels)) and bool(ts.kernels["graph_replay"].mean() > 0.5)
+    checks.append(_run_model_check(run, graph))
     analysable = not empty and len(selected) > 0
     if len(selected):
         checks.append(_clock_check(ts, steps, selected, phase, label, recovered))
@@ -215,7 +243,8 @@ def _shapes_check(ts: Any, selected: Any) -> Check:
     if not len(gemm):
         return Check("record_shapes", INFO if any_dims else WARN,
                      "no eager GEMM kernels to check; CPU ops " + ("carry" if any_dims else "carry no")
-                     + " recorded shapes (Input Dims)")
+                     + " recorded shapes (Input Dims)",
+                     [] if any_dims else [x for x in [_undecided_line(SHAPE_METRICS)] if x])
     oi = gemm["op_idx"].to_numpy()
     dims = ops["input_dims"].to_numpy(dtype=object)
     has = sum(1 for o in oi if o >= 0 and dims[o] is not None)
@@ -224,7 +253,8 @@ def _shapes_check(ts: Any, selected: Any) -> Check:
         return Check("record_shapes", OK, f"{_pct(share)} of eager GEMM kernels have their op's recorded shapes")
     return Check("record_shapes", WARN, f"only {_pct(share)} of eager GEMM kernels have their op's recorded shapes: "
                  "GEMM efficiency and KV-pool sizes need record_shapes=True (SGLang: "
-                 "SGLANG_PROFILE_RECORD_SHAPES=1 / --profile-record-shapes)")
+                 "SGLANG_PROFILE_RECORD_SHAPES=1 / --profile-record-shapes)",
+                 [x for x in [_undecided_line(SHAPE_METRICS)] if x])
 
 
 def _graph_check(ts: Any, selected: Any, recovered: Any, label: dict[int, str]) -> Check:
@@ -245,6 +275,8 @@ def _graph_check(ts: Any, selected: Any, recovered: Any, label: dict[int, str]) 
                            + (f": {st.reason}" if st.reason else ""))
     missing = [label.get(r, f"R{r}") for r in replaying if r not in caps]
     if missing:
+        if (line := _undecided_line(SHAPE_METRICS)) is not None:
+            details.append(line)
         return Check("cuda_graphs", WARN, f"{_pct(share)} of kernel time is replayed from CUDA graphs and "
                      f"{', '.join(missing)} ha{'s' if len(missing) == 1 else 've'} no graph-capture trace: "
                      "the replayed kernels' shapes and ops are unknown (capture with "
@@ -268,8 +300,8 @@ def _server_info_check(ts: Any) -> Check:
                 need.setdefault(fld, (what, set()))[1].add(r.id)
     if si is None:
         details = [f"{fld}: needed by {', '.join(sorted(ids))} ({what})" for fld, (what, ids) in sorted(need.items())]
-        return Check("server_info", WARN, "no server_info.json beside the traces (--server-info FILE): "
-                     "rules that need server metadata cannot decide", details)
+        return Check("server_info", WARN, "no server_info.json beside the traces (--server-info FILE; "
+                     "`traceinspect capture` saves it): rules that need server metadata cannot decide", details)
     details, absent = [], []
     for fld, (what, ids) in sorted(need.items()):
         v = _si_value(si, fld)
@@ -279,6 +311,28 @@ def _server_info_check(ts: Any) -> Check:
     summary = f"{ts.server_info_path}" + (f"; absent: {', '.join(absent)}" if absent else "; every field rules use "
                                                                                            "is present")
     return Check("server_info", WARN if absent else OK, summary, details)
+
+
+def _run_model_check(run: Any, graph: bool) -> Check:
+    """The run model's facts: value, source and confidence; an undecided fact names the rules it
+    leaves undecided and how to supply it."""
+    from traceinspect.judge.gaps import evidence_table
+
+    table = evidence_table()
+    details, undecided = [], []
+    for name, f in run.facts.items():
+        if f.value is None:
+            metrics = FACT_METRICS.get(name)
+            line = _undecided_line(metrics) if metrics else None
+            if line is not None:
+                undecided.append(name)
+            details.append(f"{name}: undecided ({f.detail})" + (f"; {line}; supply: {table.how(name, graph)}"
+                                                                 if line else ""))
+        else:
+            details.append(f"{name}: {f.value} ({f.source}, {f.confidence}: {f.detail})")
+    if undecided:
+        return Check("run_model", WARN, f"undecided: {', '.join(undecided)} (how to supply each: below)", details)
+    return Check("run_model", OK, "every fact the rules read is decided", details)
 
 
 def _clock_check(ts: Any, steps: Any, selected: Any, phase: str, label: dict[int, str], recovered: Any) -> Check:

@@ -118,6 +118,7 @@ def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str |
                                   [parse_threshold(t) for t in max_regression])
     disabled = sorted(set(cfg.disable) | set(kw.get("disable") or ()))
     kw["disable"] = tuple(disabled)
+    kw["config"], kw["no_config"] = (str(cfg.path) if cfg.path else None), no_config  # its [model] facts
     gate = Gate(
         thresholds, replace_defaults=True,
         floor=floor if floor is not None else cfg.floor or DEFAULT_FLOOR,

@@ -152,15 +152,38 @@ class _Case:
 
 
 def _cases(rs: Any) -> tuple[list[_Case], list[str]]:
+    """Every rule on every trace set any rule names: its own ``tests`` say what it must do there; a
+    set whose manifest.json plants the rule (``planted``) must make it fire; elsewhere it only has to
+    run without error (``runs``)."""
     cases, problems = [], []
+    declared: dict[tuple[str, Path], str] = {}
+    sets: dict[Path, str] = {}
     for r in rs:
-        for kind in ("fires", "silent"):
+        for kind in ("fires", "silent", "undecided"):
             written = r.tests.get(kind, [])
             for w, p in zip(written, r.test_paths(kind), strict=True):
-                cases.append(_Case(r.id, kind, p, w))
-            if not written:
+                declared[(r.id, p)] = kind
+                sets.setdefault(p, w)
+            if not written and kind != "undecided":
                 problems.append(f"{r.id}: names no fixture it must {'fire on' if kind == 'fires' else 'stay silent on'}")
+    for p, w in sets.items():
+        planted = _planted(p)
+        for r in rs:
+            kind = declared.get((r.id, p)) or ("fires" if r.id in planted else "runs")
+            cases.append(_Case(r.id, kind, p, w))
     return cases, problems
+
+
+def _planted(path: Path) -> set[str]:
+    """Rule ids a trace set's manifest.json says were planted in it (none when it has no manifest)."""
+    import json
+
+    try:
+        man = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    planted = man.get("planted") if isinstance(man, dict) else None
+    return {str(x) for x in planted} if isinstance(planted, list) else set()
 
 
 @rules_cmd.command("test")
@@ -172,8 +195,10 @@ def _cases(rs: Any) -> tuple[list[_Case], list[str]]:
 @click.option("--jobs", "-j", type=int, default=None, help="Parallel rank parsers (default: CPUs).")
 def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, allow_missing: bool,
              jobs: int | None) -> None:
-    """Run every rule's own fixtures: it must fire on each `tests.fires` trace set and stay silent on
-    each `tests.silent` one (like `semgrep --test`). Exit 1 if any check fails."""
+    """Run every rule on every trace set the rules name: a rule must fire on each of its `tests.fires`
+    sets and on every set whose manifest.json plants it, stay silent on each of its `tests.silent`
+    sets (like `semgrep --test`), be undecided (and not fire) on each of its `tests.undecided` sets
+    (evidence missing there), and run without error everywhere else. Exit 1 if any check fails."""
     from rich.markup import escape
 
     from traceinspect.analysis import Options, analyze
@@ -217,7 +242,20 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
             mine = [o for o in outcomes if o.rule == c.rule]
             fired = [o for o in mine if o.status == "fired"]
             errors = [o for o in mine if o.status == "error"]
-            ok = not errors and (bool(fired) if c.expect == "fires" else not fired)
+            if c.expect == "runs":
+                if errors:
+                    failed += 1
+                    con.print(f"[red]FAIL[/red] {c.rule} errored on {escape(c.written)}: "
+                              f"{escape('; '.join(errors[0].reasons))}")
+                else:
+                    passed += 1
+                    status = "fired" if fired else ("undecided" if any(o.status == "undecided" for o in mine)
+                                                    else "silent")
+                    con.print(f"[dim]RAN [/dim] {c.rule} on {escape(c.written)}: {status}")
+                continue
+            undecided = [o for o in mine if o.status == "undecided"]
+            ok = not errors and (bool(fired) if c.expect == "fires" else
+                                 not fired and bool(undecided) if c.expect == "undecided" else not fired)
             if ok:
                 passed += 1
                 detail = ""
@@ -229,7 +267,8 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
                 con.print(f"[green]PASS[/green] {c.rule} {c.expect} on {escape(c.written)}{detail}")
             else:
                 failed += 1
-                con.print(f"[red]FAIL[/red] {c.rule} should have {'fired' if c.expect == 'fires' else 'stayed silent'}"
+                should = {"fires": "fired", "undecided": "been undecided"}.get(c.expect, "stayed silent")
+                con.print(f"[red]FAIL[/red] {c.rule} should have {should}"
                           f" on {escape(c.written)}")
                 for o in errors or fired or mine:
                     msg = o.finding.message if o.finding is not None else "; ".join(o.reasons)

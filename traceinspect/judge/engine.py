@@ -79,6 +79,9 @@ class Outcome:
     reasons: list[str] = field(default_factory=list)
     finding: Finding | None = None
     values: dict[str, Any] = field(default_factory=dict)
+    # undecided: the unavailable metrics the undecided conditions read (through ``let``), and why
+    missing: dict[str, str] = field(default_factory=dict)
+    classes: tuple[str, ...] = ()  # kernel classes of the subject's kernels
 
 
 def _round(x: Any) -> Any:
@@ -246,6 +249,7 @@ def _judge(rule: Rule, sub: M.Subject, env: dict[str, Any], missing: dict[str, s
            ctx: M.MetricContext) -> Outcome:
     reasons: list[str] = []
     undecided: list[str] = []
+    leaves: dict[str, str] = {}
     for i, cond in enumerate(rule.when):
         try:
             val, why = evaluate_explain(cond, env)
@@ -254,13 +258,32 @@ def _judge(rule: Rule, sub: M.Subject, env: dict[str, Any], missing: dict[str, s
         label = f"when[{i}] `{cond.source}`"
         if val is None:
             undecided.append(f"{label} cannot be decided: {_explain_none(cond, why, missing)}")
+            leaves.update(_missing_leaves(cond.names, rule, missing))
         elif not val:
             reasons.append(f"{label} is false ({_describe_values(cond, env, rule)})")
     if reasons:
-        return Outcome(rule.id, "silent", sub.label, reasons + undecided)
+        return Outcome(rule.id, "silent", sub.label, reasons + undecided, values=sub.values, classes=sub.classes)
     if undecided:
-        return Outcome(rule.id, "undecided", sub.label, undecided)
-    return Outcome(rule.id, "fired", sub.label, [], _finding(rule, sub, env, missing, ctx))
+        return Outcome(rule.id, "undecided", sub.label, undecided, values=sub.values, missing=leaves,
+                       classes=sub.classes)
+    return Outcome(rule.id, "fired", sub.label, [], _finding(rule, sub, env, missing, ctx), values=sub.values,
+                   classes=sub.classes)
+
+
+def _missing_leaves(names: frozenset[str], rule: Rule, missing: dict[str, str],
+                    seen: set[str] | None = None) -> dict[str, str]:
+    """The unavailable metrics behind ``names``: a ``let`` name stands for the metrics it reads."""
+    seen = set() if seen is None else seen
+    out: dict[str, str] = {}
+    for n in sorted(names):
+        if n in seen or n in rule.params:
+            continue
+        seen.add(n)
+        if n in rule.let:
+            out.update(_missing_leaves(rule.let[n].names, rule, missing, seen))
+        elif n in missing:
+            out[n] = missing[n]
+    return out
 
 
 def _num(v: Any) -> float | None:
@@ -448,7 +471,12 @@ def sort_findings(findings: list[Finding]) -> list[Finding]:
 
 def evaluate(analysis: Analysis, rule_set: RuleSet) -> list[Finding]:
     """The findings of ``rule_set`` on ``analysis``, in :func:`finding_order`."""
-    outcomes = explain(analysis, rule_set)
+    return findings_of(analysis, rule_set, explain(analysis, rule_set))
+
+
+def findings_of(analysis: Analysis, rule_set: RuleSet, outcomes: list[Outcome]) -> list[Finding]:
+    """The findings among ``outcomes`` (of :func:`explain`), rank findings merged, in
+    :func:`finding_order`; rule errors become warnings of the analysis."""
     findings: list[Finding] = []
     for rule in rule_set:
         mine = [o for o in outcomes if o.rule == rule.id]

@@ -19,7 +19,6 @@ the GPU time (kernels + memcpy + memset) of the analysed steps on all ranks.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,8 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.judge.saferegex import search
+from traceinspect.runmodel import dims as _dims
+from traceinspect.runmodel import tensor_bytes as _tensor_bytes
 from traceinspect.tables import per_distinct
 
 if TYPE_CHECKING:
@@ -44,12 +45,6 @@ SYNC_CALLS = frozenset({
 })
 DTOH = re.compile(r"DtoH|Device\s*->\s*(?:Host|Pinned|Pageable)", re.IGNORECASE)
 CAST_DST = re.compile(r"direct_copy_kernel_cuda.*?lambda\((?:c10::)?(\w+)\)")
-DTYPE_BYTES = {
-    "float": 4, "double": 8, "c10::half": 2, "c10::bfloat16": 2, "c10::float8_e4m3fn": 1,
-    "c10::float8_e5m2": 1, "c10::float8_e4m3fnuz": 1, "c10::float8_e5m2fnuz": 1, "c10::float8_e8m0fnu": 1,
-    "unsigned char": 1, "signed char": 1, "char": 1, "short": 2, "int": 4, "long": 8, "long int": 8,
-    "bool": 1, "c10::float4_e2m1fn_x2": 1, "c10::complex<float>": 8,
-}
 CLASS_IDS_FALLBACK = (
     "fp4_gemm", "fp8_gemm", "bf16_gemm", "fp32_gemm", "conv", "moe_gemm", "moe_dispatch", "attention", "kv_write",
     "kv_cast", "dtype_cast", "comm", "norm", "activation", "rotary", "quantize", "sampling", "memcpy", "elementwise",
@@ -117,11 +112,13 @@ _m("run", "sync_idle_us_per_step", "us", "GPU bubble caused by those calls: for 
    "GPU work was still running (so it waited for the GPU to drain), the time from the end of that work to the "
    "start of the next GPU activity; per rank per step.")
 _m("run", "batch", "count", "Median batch size from the step annotations (step[DECODE bs=N]); None if not annotated.")
-_m("run", "layers", "count", "Model layers: server_info model_info.num_hidden_layers, else the per-step count "
-   "of KV-write kernels when it is a consistent integer; None otherwise.")
-_m("run", "layers_source", "text", "Where `layers` came from: 'server_info', 'kv_write calls' or None.")
+_m("run", "layers", "count", "Model layers per pipeline stage, from the run model (run.facts.layers): --layers "
+   "or traceinspect.toml, else num_hidden_layers of the model config in server_info.json, else the period "
+   "of the step's kernel sequence checked against the per-step count of per-layer kernels.")
+_m("run", "layers_source", "text", "Where `layers` came from: 'user', 'server_info', 'trace_structure' or None.")
 _m("run", "kv_pool_tokens", "tokens", "KV pool size in tokens: server_info max_total_num_tokens (None if absent).")
-_m("run", "kv_cache_dtype", "text", "server_info kv_cache_dtype (None if absent).")
+_m("run", "kv_cache_dtype", "text", "KV cache dtype: server_info kv_cache_dtype (auto: the model dtype), else the "
+   "dtype of the recorded pool tensor (None if neither).")
 _m("run", "kv_row_bytes", "bytes", "Bytes of one token's row of a per-layer KV pool: from a recorded tensor "
    "shape whose first dimension equals kv_pool_tokens (CPU ops of the trace, or of the CUDA-graph capture "
    "trace); None if no such tensor was recorded.")
@@ -282,6 +279,7 @@ class Subject:
     values: dict[str, Any]
     ranks: list[int] = field(default_factory=list)
     missing: dict[str, str] = field(default_factory=dict)
+    classes: tuple[str, ...] = ()  # kernel classes of the subject's kernels (kernels, gemm, class scopes)
 
 
 def _f(x: Any) -> float | None:
@@ -311,16 +309,6 @@ def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float | None:
     return float(v[np.searchsorted(c, 0.5 * c[-1])])
 
 
-def _dims(raw: Any) -> list[Any] | None:
-    if raw is None:
-        return None
-    try:
-        v = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
-    except (ValueError, TypeError):
-        return None
-    return v if isinstance(v, list) else None
-
-
 def first_tensor(dims_raw: Any, types_raw: Any) -> tuple[list[int], str | None] | None:
     """Shape and dtype of the first tensor input of a CPU op, from its recorded Input Dims/Types."""
     dims, types = _dims(dims_raw), _dims(types_raw)
@@ -331,15 +319,6 @@ def first_tensor(dims_raw: Any, types_raw: Any) -> tuple[list[int], str | None] 
             t = types[i] if types and i < len(types) and isinstance(types[i], str) else None
             return d, t
     return None
-
-
-def _tensor_bytes(shape: list[int], dtype: str | None) -> int | None:
-    if dtype is None:
-        return None
-    size = DTYPE_BYTES.get(dtype.lower())
-    if size is None:
-        return None
-    return int(np.prod(shape, dtype=np.float64)) * size
 
 
 def _first_rows(name: str, dims: list[Any] | None) -> float | None:
@@ -375,11 +354,10 @@ class MetricContext:
 
     def _run_metrics(self) -> dict[str, Any]:
         a, k, sel = self.a, self.k, self.a.selected
-        si = a.server_info or {}
         v: dict[str, Any] = {}
         v["steps"] = a.steps_per_rank()
         v["ranks"] = a.n_ranks
-        v["tp_size"] = si.get("tp_size") if isinstance(si.get("tp_size"), int) else a.n_ranks
+        v["tp_size"] = a.run_model.value("tp_size") or a.n_ranks
         samples = a.step_samples()
         v["step_us"] = _f(np.median(samples["step_us"])) if len(samples) else None
         v["step_us_p90"] = _f(np.percentile(samples["step_us"], 90)) if len(samples) else None
@@ -411,20 +389,12 @@ class MetricContext:
         v["sync_calls_per_step"] = calls / n
         v["sync_us_per_step"] = call_us / n
         v["sync_idle_us_per_step"] = bubble / n
-        bs = sel["bs"][sel["bs"] >= 0]
-        v["batch"] = _f(np.median(bs)) if len(bs) else None
-        if v["batch"] is None:
-            self._miss("batch", "steps carry no bs=N annotation")
-        v["layers"], v["layers_source"] = self._layers(si)
-        tok = si.get("max_total_num_tokens")
-        v["kv_pool_tokens"] = int(tok) if isinstance(tok, (int, float)) and not isinstance(tok, bool) and tok > 0 \
-            else None
-        if v["kv_pool_tokens"] is None:
-            self._miss("kv_pool_tokens", "server_info has no max_total_num_tokens")
-        v["kv_cache_dtype"] = si.get("kv_cache_dtype") if isinstance(si.get("kv_cache_dtype"), str) else None
-        if v["kv_cache_dtype"] is None:
-            self._miss("kv_cache_dtype", "server_info has no kv_cache_dtype")
-        v["kv_row_bytes"] = self._kv_row_bytes(v["kv_pool_tokens"])
+        rm = a.run_model
+        for name in ("batch", "layers", "kv_pool_tokens", "kv_cache_dtype", "kv_row_bytes"):
+            v[name] = rm.value(name)
+            if v[name] is None:
+                self._miss(name, rm.missing(name) or "unknown")
+        v["layers_source"] = rm.source("layers")
         v["kv_pool_bytes_per_layer"] = (v["kv_pool_tokens"] * v["kv_row_bytes"]
                                         if v["kv_pool_tokens"] and v["kv_row_bytes"] else None)
         if v["kv_pool_bytes_per_layer"] is None:
@@ -527,22 +497,6 @@ class MetricContext:
                     bubble += float(kts[j] - last_end)
         return calls, call_us, bubble
 
-    def _layers(self, si: dict[str, Any]) -> tuple[int | None, str | None]:
-        mi = si.get("model_info") if isinstance(si.get("model_info"), dict) else {}
-        for src in (mi, si, si.get("hf_config") if isinstance(si.get("hf_config"), dict) else {}):
-            n = src.get("num_hidden_layers")
-            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-                return n, "server_info"
-        k = self.k
-        kw = k[k["cls"] == "kv_write"] if len(k) else k
-        if len(kw):
-            per = kw.groupby(["rank", "step"]).size()
-            if per.nunique() == 1 and int(per.iloc[0]) > 0:
-                return int(per.iloc[0]), "kv_write calls"
-        self._miss("layers", "server_info has no model_info.num_hidden_layers and the per-step KV-write "
-                   "count is not consistent")
-        return None, None
-
     def capture_parsed(self) -> dict[int, Any]:
         """Per rank, the parsed CUDA-graph capture trace (``ParsedRank``), when one was found."""
         if self._capture_shapes is None:
@@ -567,42 +521,6 @@ class MetricContext:
     def capture_shapes(self) -> dict[int, pd.DataFrame]:
         """Per rank, the CPU ops (name, input_dims, input_types) of the CUDA-graph capture trace."""
         return {r: p.cpu_ops for r, p in self.capture_parsed().items()}
-
-    def _kv_row_bytes(self, pool_tokens: int | None) -> int | None:
-        if not pool_tokens:
-            self._miss("kv_row_bytes", "kv_pool_tokens unknown")
-            return None
-        si = self.a.server_info
-        page = si.get("page_size") if isinstance(si.get("page_size"), int) and si.get("page_size") > 0 else 1
-        frames = [self.a.trace.cpu_ops] + list(self.capture_shapes().values())
-        needle = f"[{pool_tokens}".encode()
-        best: int | None = None
-        for ops in frames:
-            if ops is None or not len(ops):
-                continue
-            # a quick byte-level prefilter on the distinct dims texts (ops recorded with equal shapes share
-            # one bytes object): the pool row count must appear in the text
-            dims_col = ops["input_dims"].to_numpy(dtype=object)
-            types_col = ops["input_types"].to_numpy(dtype=object)
-            hits = {b for b in set(dims_col.tolist()) if b is not None and needle in b}
-            rows = [i for i, b in enumerate(dims_col.tolist()) if b in hits] if hits else []
-            for dims_raw, types_raw in dict.fromkeys((dims_col[i], types_col[i]) for i in rows):
-                dims, types = _dims(dims_raw) or [], _dims(types_raw) or []
-                for j, d in enumerate(dims):
-                    if not (isinstance(d, list) and len(d) >= 2 and all(isinstance(x, int) for x in d)):
-                        continue
-                    if not pool_tokens <= d[0] <= pool_tokens + 2 * page:
-                        continue
-                    t = types[j] if j < len(types) and isinstance(types[j], str) else None
-                    b = _tensor_bytes(d[1:], t)
-                    # the pool's own storage is the narrowest tensor of its row count (a cast widens it)
-                    if b and (best is None or b < best):
-                        best = b
-            if best:
-                return best
-        self._miss("kv_row_bytes", "no recorded tensor has kv_pool_tokens rows (record_shapes off, or graph "
-                   "replay without a capture trace)")
-        return None
 
     def _gpu_spec(self) -> Any:
         eff = self.a.efficiency
@@ -682,7 +600,8 @@ class MetricContext:
         ranks = sorted(int(r) for r in g["rank"].unique())
         v["rank_count"] = len(ranks)
         label = top if v["names"] == 1 else f"{top} (+{v['names'] - 1} more)"
-        return Subject("kernels", label, v, ranks, missing)
+        return Subject("kernels", label, v, ranks, missing,
+                       tuple(sorted({str(c) for c in g["cls"].unique()})))
 
     _calls_bytes: pd.Series | None = None
 
@@ -936,7 +855,7 @@ class MetricContext:
         kind = "expert GEMMs" if v["is_moe"] else ("GEMMs" if moe.any() else "dense GEMMs")
         label = f"{kind} M={_fmt_num(v['m'])}" if len(g) > 1 else \
             f"{kind} M={_fmt_num(v['m'])} N={_fmt_num(v['n'])} K={_fmt_num(v['k'])} {v['dtype'] or ''}".strip()
-        return Subject("gemm", label, v, ranks, missing)
+        return Subject("gemm", label, v, ranks, missing, tuple(sorted({str(c) for c in g["cls"].unique()})))
 
     # ------------------------------------------------------------------ rank
     _ranks_cache: list[Subject] | None = None
@@ -1063,7 +982,7 @@ class MetricContext:
             v = {"class_name": c, "class_us_per_step": us, "class_share": self.run.get(f"cls_{c}_share"),
                  "class_calls_per_step": self.run.get(f"cls_{c}_calls_per_step")}
             ranks = sorted(int(r) for r in self.k.loc[self.k["cls"] == c, "rank"].unique())
-            out.append(Subject("class", c, v, ranks))
+            out.append(Subject("class", c, v, ranks, classes=(c,)))
         return out
 
     def run_subject(self) -> Subject:

@@ -413,12 +413,14 @@ def _tests(ctx: _Ctx, rule: LDict, rid: str) -> dict[str, list[str]]:
         return {}
     if not isinstance(raw, LDict):
         raise ctx.err(line_of(rule, "tests"), f"rule {rid!r}: tests must be a mapping with 'fires' and 'silent'")
-    bad = set(raw) - {"fires", "silent"}
+    bad = set(raw) - {"fires", "silent", "undecided"}
     if bad:
         k = sorted(bad)[0]
-        raise ctx.err(line_of(raw, k), f"rule {rid!r}: unknown tests key {k!r} (expected fires, silent)")
+        raise ctx.err(line_of(raw, k), f"rule {rid!r}: unknown tests key {k!r} (expected fires, silent, undecided)")
     out = {}
-    for k in ("fires", "silent"):
+    for k in ("fires", "silent", "undecided"):
+        if k == "undecided" and k not in raw:
+            continue
         out[k] = _str_list(ctx, raw, k, rid, f"tests.{k}")
         for p in out[k]:
             # fixtures are trace sets beside the rules: relative paths that stay inside their roots

@@ -44,12 +44,21 @@ def load_rank_file(path: str | Path, use_cache: bool = True) -> tuple[str, int, 
     cache of the machine it runs on and returns the content hash, the file size and the compact tables,
     already linked (kernel -> runtime event -> CPU op is per rank).
     """
-    from traceinspect.load import cache
+    from traceinspect.load import cache, parse
 
     path = Path(path)
+    root = cache.cache_dir() if use_cache else None
+    if root is None and parse.native_available():  # no cache to look up: hash while parsing
+        hasher = parse.Sha256Beside()
+        try:
+            parsed = parse_file(path, hasher)
+        finally:
+            digest = hasher.hexdigest()
+        size = path.stat().st_size
+        _link_rank(parsed)
+        return digest, size, parsed
     digest = _sha256(path)
     size = path.stat().st_size
-    root = cache.cache_dir() if use_cache else None
     parsed = cache.load(root, digest) if root is not None else None
     if parsed is None:
         parsed = parse_file(path)

@@ -2,15 +2,20 @@
 
 Re-analysing a stored trace set (``gate`` on a baseline, a second ``report``) then skips JSON
 decoding entirely. The key includes the parser version, so a changed parser never reads stale
-tables.
+tables. The cache is bounded: after each store, the least recently used entries (and every entry of
+another parser version) are removed until it is within ``$TRACEINSPECT_CACHE_MAX`` (bytes, or with a
+unit: ``500MB``, ``4GB``; default 2 GB). ``traceinspect cache info|clear`` shows and empties it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +42,20 @@ def cache_dir() -> Path | None:
     return Path.home() / ".cache" / "traceinspect"
 
 
+DEFAULT_MAX_BYTES = 2 * 10**9
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def max_bytes() -> int:
+    """The size limit: ``$TRACEINSPECT_CACHE_MAX`` (``2GB``, ``500MB``, a byte count), else 2 GB."""
+    env = os.environ.get("TRACEINSPECT_CACHE_MAX", "").strip().lower()
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([a-z]*)", env)
+    if not m or m.group(2) not in _UNITS:
+        return DEFAULT_MAX_BYTES
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
 def _entry(root: Path, sha256: str) -> Path:
     return root / f"v{PARSER_VERSION}" / sha256[:2] / sha256
 
@@ -52,6 +71,8 @@ def load(root: Path, sha256: str) -> ParsedRank | None:
         tables = {t: _read_table(d / f"{t}.parquet") for t in TABLES}
     except Exception:  # a damaged entry is only a cache miss
         return None
+    with contextlib.suppress(OSError):  # last use, for eviction
+        os.utime(meta_path)
     return ParsedRank(
         **tables,
         devices=[DeviceInfo(**d) for d in meta["devices"]],
@@ -137,3 +158,75 @@ def store(root: Path, sha256: str, parsed: ParsedRank) -> None:
     except (OSError, ValueError, TypeError, ImportError, pa.ArrowException):
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        return
+    evict(root)
+
+
+# ---------------------------------------------------------------------------------------------
+# size limit
+
+
+def _dir_bytes(d: Path) -> int:
+    n = 0
+    for dirpath, _, files in os.walk(d):
+        for f in files:
+            with contextlib.suppress(OSError):
+                n += os.lstat(os.path.join(dirpath, f)).st_size
+    return n
+
+
+def entries(root: Path) -> list[tuple[Path, int, float, bool]]:
+    """(directory, bytes, last use, current parser version) of every entry, least recently used first."""
+    out = []
+    for vdir in root.glob("v*"):
+        if not vdir.is_dir() or not re.fullmatch(r"v[0-9A-Za-z.]+", vdir.name):
+            continue
+        current = vdir.name == f"v{PARSER_VERSION}"
+        for d in vdir.glob("*/*"):
+            if not d.is_dir() or d.name.startswith(".tmp-"):
+                continue
+            try:
+                used = (d / "meta.json").stat().st_mtime
+            except OSError:
+                used = 0.0  # incomplete or damaged: first to go
+            out.append((d, _dir_bytes(d), used, current))
+    out.sort(key=lambda e: (e[3], e[2]))  # other versions first, then by last use
+    return out
+
+
+def evict(root: Path, limit: int | None = None) -> int:
+    """Remove least recently used entries (entries of other parser versions first) until the cache
+    holds at most ``limit`` bytes (default :func:`max_bytes`); returns the bytes removed."""
+    limit = max_bytes() if limit is None else limit
+    ents = entries(root)
+    total = sum(e[1] for e in ents)
+    removed = 0
+    for d, n, _, current in ents:
+        if total <= limit and current:
+            break
+        shutil.rmtree(d, ignore_errors=True)
+        total -= n
+        removed += n
+    for vdir in root.glob("v*"):  # empty directories left behind
+        for sub in [*vdir.glob("*"), vdir]:
+            with contextlib.suppress(OSError):
+                sub.rmdir()
+    return removed
+
+
+def info(root: Path) -> dict[str, Any]:
+    """What the cache holds: root, entries, bytes, limit, oldest and newest last use (UTC)."""
+    ents = entries(root) if root.is_dir() else []
+    used = [e[2] for e in ents if e[2]]
+
+    def iso(t: float) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+    return {"root": str(root), "entries": len(ents), "bytes": sum(e[1] for e in ents),
+            "limit_bytes": max_bytes(), "stale_entries": sum(1 for e in ents if not e[3]),
+            "oldest_use": iso(min(used)) if used else None, "newest_use": iso(max(used)) if used else None}
+
+
+def clear(root: Path) -> int:
+    """Remove every entry (only the cache's own ``v*`` directories); returns the bytes removed."""
+    return evict(root, limit=-1) if root.is_dir() else 0

@@ -228,9 +228,12 @@ def _truncated(path: Path) -> TraceInputError:
                            "capture still being written?)", path)
 
 
-def _blocks(path: Path) -> Iterator[bytes]:
-    """The decompressed text of a ``.json`` or ``.json.gz`` file, in blocks of about PIECE bytes."""
+def _blocks(path: Path, tap: Callable[[bytes], None] | None = None) -> Iterator[bytes]:
+    """The decompressed text of a ``.json`` or ``.json.gz`` file, in blocks of about PIECE bytes
+    (``tap`` is given every byte read from the file, in order)."""
     with _open(path) as f:
+        if tap is not None:
+            f = _Tapped(f, tap)
         first = _read(f, BLOCK, path)
         if first[:2] != b"\x1f\x8b":
             data = first
@@ -265,6 +268,44 @@ def _blocks(path: Path) -> Iterator[bytes]:
             data = _read(f, BLOCK, path)
             if not data:
                 raise _truncated(path)
+
+
+class _Tapped:
+    """A file whose reads are also handed to ``tap``."""
+
+    def __init__(self, f: Any, tap: Callable[[bytes], None]) -> None:
+        self.f, self.tap = f, tap
+
+    def read(self, n: int) -> bytes:
+        b = self.f.read(n)
+        if b:
+            self.tap(b)
+        return b
+
+
+class Sha256Beside:
+    """SHA-256 of the bytes given to it, computed on a thread of its own (hashlib releases the GIL),
+    so that a file is hashed while it is parsed instead of before."""
+
+    def __init__(self) -> None:
+        import hashlib
+
+        self._h = hashlib.sha256()
+        self._q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._t = threading.Thread(target=self._run, name="traceinspect-sha256", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while (b := self._q.get()) is not None:
+            self._h.update(b)
+
+    def __call__(self, b: bytes) -> None:
+        self._q.put(b)
+
+    def hexdigest(self) -> str:
+        self._q.put(None)
+        self._t.join()
+        return self._h.hexdigest()
 
 
 def _threaded(blocks: Iterator[bytes], depth: int = 3) -> Iterator[bytes]:
@@ -936,6 +977,99 @@ def _parse_stream(blocks: Iterator[bytes], path: Path) -> ParsedRank:
     return _ranked(b, trace, path)
 
 
+# ---------------------------------------------------------------------------------------------
+# the native scanner (traceinspect/load/_kineto_scan.c): the same tables, without an object per event
+
+try:
+    from traceinspect.load import _kineto_scan as _native
+except ImportError:  # pragma: no cover - built by pip install; the msgspec path is the fallback
+    _native = None
+
+# the columns the scanner fills per kind (those _Builder._add_kind fills)
+_GPU_COLS = ("name", "ts", "dur", "external_id", "correlation", "device", "stream", "grid", "block", "bytes")
+_NATIVE_COLUMNS = {
+    "kernel": _GPU_COLS, "memcpy": _GPU_COLS, "memset": _GPU_COLS,
+    "runtime": ("name", "ts", "dur", "tid", "external_id", "correlation"),
+    "cpu_op": ("name", "ts", "dur", "tid", "external_id", "input_dims", "input_types", "concrete"),
+    "annotation": ("name", "ts", "dur", "tid"),
+    "gpu_annotation": ("name", "ts", "dur"),
+}
+_NATIVE_DTYPES = {"f": np.float64, "i": np.int64}
+
+
+def native_available() -> bool:
+    """Whether the compiled scanner is importable (``TRACEINSPECT_NATIVE=0`` turns it off)."""
+    import os
+
+    return _native is not None and os.environ.get("TRACEINSPECT_NATIVE", "1") != "0"
+
+
+def _route(cat: str) -> int | None:
+    """The scanner's kind of a category: a kind's index, -(index + 1) for python_function events
+    (annotations, where :func:`_py_marker` accepts the name), or None (not kept)."""
+    kind = _KIND.get(cat)
+    if kind is None:
+        kind = _KIND.get(cat.lower())
+    if kind == "python_function":
+        return -(_KINDS.index("annotation") + 1)
+    return None if kind is None else _KINDS.index(kind)
+
+
+def _scan_native(blocks: Iterator[bytes], path: Path) -> ParsedRank:
+    """Scan a document with the native scanner into the same tables as the msgspec path."""
+    assert _native is not None
+    s = _native.Scanner([_NATIVE_COLUMNS[k] for k in _KINDS], _route,
+                        [_KINDS.index(k) for k in GPU_KINDS], _py_marker)
+    try:
+        for block in blocks:
+            s.feed(block)
+        s.feed(b"", final=True)
+    except _native.ScanError as e:
+        kind, msg = e.args
+        raise TraceInputError(f"not valid JSON: {msg}" if kind == "json" else f"not a Kineto trace: {msg}",
+                              path) from None
+    res = s.result()
+    del s
+    strings = np.empty(len(res["strings"]), dtype=object)
+    strings[:] = res["strings"]
+    raws = np.empty(len(res["raws"]) + 1, dtype=object)  # the last slot: None
+    raws[:-1] = res["raws"]
+    types = _native.column_types()
+    b = _Builder()
+    b.n_events = res["n_events"]
+    b.drops = {r: n for r, n in res["drops"].items() if n}
+    b.gpu_dropped = res["gpu_dropped"]
+    tid_memo: dict[int, int] = {}
+    for kind, cols in zip(_KINDS, res["kinds"], strict=True):
+        if not cols["rows"]:
+            continue
+        c = b.kinds[kind]
+        for col in _NATIVE_COLUMNS[kind]:
+            t = types[col]
+            buf = cols[col]
+            if t in _NATIVE_DTYPES:
+                arr = np.frombuffer(buf, dtype=_NATIVE_DTYPES[t])
+            else:
+                codes = np.frombuffer(buf, dtype=np.int32)
+                arr = strings[codes] if t == "s" else raws[codes]
+            if col == "tid" and len(cols["tid_rows"]):
+                rows = np.frombuffer(cols["tid_rows"], dtype=np.int64)
+                idx = np.frombuffer(cols["tid_strs"], dtype=np.int32)
+                for i in np.unique(idx).tolist():
+                    if i not in tid_memo:
+                        tid_memo[i] = _tid(strings[i])
+                arr[rows] = [tid_memo[i] for i in idx.tolist()]
+            c.cols[col] = [arr]
+    meta = res["meta"]
+    parts = [b'"traceEvents":[]'] if res["events_seen"] else []
+    parts += [msgspec.json.encode(k) + b":" + v for k, v in meta.items() if k in _TRACE_KEYS]
+    trace = _decode_whole(b"{" + b",".join(parts) + b"}", path)
+    return _ranked(b, trace, path)
+
+
+_TRACE_KEYS = frozenset(f.encode_name for f in msgspec.structs.fields(_Trace)) - {"traceEvents"}
+
+
 def parse_bytes(data: bytes, path: Path) -> ParsedRank:
     """Decode the JSON text of one rank file into tables."""
     gc_was = gc.isenabled()
@@ -955,9 +1089,14 @@ def parse_bytes(data: bytes, path: Path) -> ParsedRank:
             gc.enable()
 
 
-def parse_file(path: str | Path) -> ParsedRank:
-    """Read and decode one rank file."""
+def parse_file(path: str | Path, tap: Callable[[bytes], None] | None = None) -> ParsedRank:
+    """Read and decode one rank file. ``tap`` (only where :func:`native_available`) is given every
+    byte read from the file."""
     path = Path(path)
+    if native_available():
+        return parse_file_native(path, tap)
+    if tap is not None:
+        raise ValueError("tap needs the native scanner")
     try:
         size = path.stat().st_size
     except OSError:
@@ -978,6 +1117,27 @@ def parse_file(path: str | Path) -> ParsedRank:
         if gc_was:
             gc.enable()
     return parse_bytes_whole(read_bytes(path), path)
+
+
+def parse_file_native(path: str | Path, tap: Callable[[bytes], None] | None = None) -> ParsedRank:
+    """Read and scan one rank file with the native scanner (``tap``: see :func:`_blocks`)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    blocks = _blocks(path, tap)
+    if size >= THREAD_MIN:
+        blocks = _threaded(blocks)
+    try:
+        return _scan_native(blocks, path)
+    finally:
+        blocks.close()
+
+
+def parse_bytes_native(data: bytes, path: Path) -> ParsedRank:
+    """Scan the JSON text of one rank file with the native scanner."""
+    return _scan_native(iter([data]), path)
 
 
 def parse_bytes_whole(data: bytes, path: Path) -> ParsedRank:

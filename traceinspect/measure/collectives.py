@@ -130,7 +130,7 @@ def load_settings(path: str | None = None) -> Settings:
 
     file = Path(path) if path else rules_dir() / SETTINGS_FILE
     try:
-        doc = yaml.safe_load(file.read_text(encoding="utf-8"))["collectives"]
+        doc = yaml.load(file.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))["collectives"]
         kinds = tuple((str(k["kind"]), re.compile(str(k["pattern"]), re.IGNORECASE)) for k in doc["kinds"])
         off, strag = doc["clock_offset"], doc["straggler"]
         return Settings(

@@ -839,24 +839,10 @@ def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
 
 # ----------------------------------------------------------------------------- MoE
 
-_EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "n_experts")
-_TOPK_KEYS = ("num_experts_per_tok", "top_k", "moe_top_k", "moe_topk", "num_experts_per_token")
-
-
-def _model_value(si: dict[str, Any], keys: tuple[str, ...]) -> tuple[int | None, str | None]:
-    mi = si.get("model_info") if isinstance(si.get("model_info"), dict) else {}
-    for src in (mi, mi.get("text_config") if isinstance(mi.get("text_config"), dict) else {}, si):
-        for key in keys:
-            v = src.get(key)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v, key
-    return None, None
-
-
 def _moe(a: Analysis, calls: pd.DataFrame) -> dict[str, Any]:
-    si = a.server_info
-    experts, ekey = _model_value(si, _EXPERT_KEYS)
-    topk, tkey = _model_value(si, _TOPK_KEYS)
+    rm = a.run_model
+    experts, ekey = rm.value("experts"), rm.describe("experts")
+    topk, tkey = rm.value("top_k"), rm.describe("top_k")
     sel = a.selected
     toks = sel["toks"].where(sel["toks"] >= 0, sel["bs"]) if "toks" in sel else sel["bs"]
     toks = toks[toks >= 0]
@@ -886,8 +872,7 @@ def _moe(a: Analysis, calls: pd.DataFrame) -> dict[str, Any]:
         out["per_expert_m"] = {
             "value": round(v, 2), "min": None, "max": None, "source": "server_metadata",
             "reason": (f"tokens x top-k / experts = {tokens:g} x {topk} / {experts} (tokens: median bs= of the "
-                       f"analysed steps; {tkey}, {ekey} from server_info model_info; assumes balanced "
-                       "routing)" + (f"; shapes unknown: {mc['reason'].iloc[0]}" if len(mc) else "")),
+                       f"analysed steps; top-k {tkey}; experts {ekey}; assumes balanced routing)" + (f"; shapes unknown: {mc['reason'].iloc[0]}" if len(mc) else "")),
         }
         return out
     missing = [n for n, v in (("token count (bs= in step names)", tokens), ("experts", experts),
@@ -895,7 +880,7 @@ def _moe(a: Analysis, calls: pd.DataFrame) -> dict[str, Any]:
     g = calls[calls["kind"] == "gemm"] if len(calls) else calls
     blind = g[g["shape_source"] == "unknown"] if len(g) else g
     if not len(mc) and not len(blind) and experts is None:
-        why = "no MoE GEMM kernels in the analysed steps and no experts in server_info"
+        why = "no MoE GEMM kernels in the analysed steps and no expert count (server_info or --experts)"
     else:
         first = mc if len(mc) else blind
         why = ("could not be decided: no recorded shapes show the expert GEMMs"

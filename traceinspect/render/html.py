@@ -990,7 +990,7 @@ def _moe_view(doc: dict[str, Any]) -> tuple[list[tuple[str, str]], str | None]:
         if moe.get(key) is not None:
             src = moe.get(f"{key}_key")
             rows.append((label, f"{moe[key]:g}" if _isnum(moe[key]) else str(moe[key])) if not src else
-                        (label, f"{moe[key]} (server_info {src})"))
+                        (label, f"{moe[key]} ({src})"))
     if not rows:
         return [], "no MoE layers found"
     return rows, None
@@ -1058,6 +1058,8 @@ def _cpath_notes(doc: dict[str, Any]) -> list[str]:
 
 def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything the template shows, as plain values (charts as escaped SVG markup)."""
+    from traceinspect.render.gaps import gap_items
+
     doc = doc if doc is not None else a.to_json()
     steps = doc.get("steps") or {}
     step_us = steps.get("median_us")
@@ -1095,6 +1097,7 @@ def build_context(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, A
         "files": _files_view(doc),
         "findings": [_finding_view(i, f, doc, {r.get("rank"): r.get("label") for r in doc.get("ranks") or []})
                      for i, f in enumerate(findings)],
+        "gaps": gap_items(doc),
         "breakdown_svg": breakdown,
         "breakdown_legend": _legend_html(order, {c: (doc["classes"][c].get("share")) for c in order}),
         "class_rows": _class_rows(doc),

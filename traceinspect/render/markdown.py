@@ -133,6 +133,19 @@ def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None
                 out.append(f"  Fix: {md_rule(f.get('remediation'))}")
         out += ["", "</details>", ""]
 
+    from traceinspect.render.gaps import gap_items
+
+    gaps = gap_items(doc)
+    if gaps:
+        out += [f"#### Not decided ({len(gaps)})", ""]
+        for g in gaps:
+            out.append(f"- **{md(g.kind)}**: {md(g.head)}")
+            for m in g.missing:
+                out.append(f"  - missing: {md(m)}")
+            for h in g.how:
+                out.append(f"  - {'supply' if g.kind == 'undecided' else 'explain'}: {md(h)}")
+        out.append("")
+
     classes = sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("us_per_step") or 0))
     if classes:
         out += ["#### GPU time by class (per rank per step)", "", "| class | time | share of the step |",

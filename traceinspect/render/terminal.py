@@ -122,5 +122,22 @@ def render(a: Analysis, doc: dict[str, Any] | None = None, console: Console | No
             con.print(f"\n[bold]{escape(line)}[/bold]")
     else:
         con.print(f"\n[green]{escape(st.quiet)}[/green]")
+    _render_gaps(con, doc)
     for w in doc.get("warnings") or []:
         con.print(f"[yellow]warning:[/yellow] {escape(w)}")
+
+
+def _render_gaps(con: Console, doc: dict[str, Any]) -> None:
+    """Rules that could not decide and large classes nothing explains, with how to supply the evidence."""
+    from traceinspect.render.gaps import gap_items
+
+    items = gap_items(doc)
+    if not items:
+        return
+    con.print(f"\n[bold]Not decided ({len(items)})[/bold]")
+    for it in items:
+        con.print(f"[magenta]{it.kind.upper():11}[/magenta] {escape(it.head)}")
+        for m in it.missing:
+            con.print(f"          missing: {escape(m)}")
+        for h in it.how:
+            con.print(f"          {'supply' if it.kind == 'undecided' else 'explain'}: {escape(h)}")

@@ -19,10 +19,10 @@ GATHER_OP = re.compile(r"^aten::(index_select|index|gather|take|embedding)$")
 
 
 def _pool_rows(a: Analysis) -> tuple[float | None, str]:
-    si = a.server_info
-    v = si.get("max_total_num_tokens")
-    if isinstance(v, (int, float)) and v > 0:
-        return float(v), "server_info max_total_num_tokens"
+    rm = getattr(a, "run_model", None)
+    v = rm.value("kv_pool_tokens") if rm is not None else None
+    if v is not None:
+        return float(v), f"kv_pool_tokens ({rm.describe('kv_pool_tokens')})"
     k = a.kernels
     casts = k[text_values(k["cls"]) == "kv_cast"] if len(k) else k
     ops = a.trace.cpu_ops
@@ -34,7 +34,7 @@ def _pool_rows(a: Analysis) -> tuple[float | None, str]:
                 rows.append(d[0][0])
     if rows:
         return float(np.median(rows)), "rows of the tensor the KV cast reads"
-    return None, "no server_info max_total_num_tokens and no recorded shapes of the KV cast"
+    return None, "KV pool size unknown (run model: no server_info max_total_num_tokens, no pool in the shapes) and no recorded shapes of the KV cast"
 
 
 def _dims(raw: object) -> list[list[int]]:

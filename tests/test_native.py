@@ -1,0 +1,313 @@
+"""The native Kineto scanner (traceinspect/load/_kineto_scan.c) against the msgspec path.
+
+Both must give identical tables (and so identical analyses) on every fixture and every public real
+trace, on documents cut into pieces anywhere, and on mutated documents (a hypothesis differential
+test): either both read a document, to the same tables, or both reject it. Under CI the scanner
+must have been built (``pip install -e .`` compiles it) whenever a C compiler exists.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+from conftest import FIXTURES, REAL_TRACES
+
+from traceinspect.errors import TraceInputError
+from traceinspect.load import parse
+
+TABLES = ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations")
+META = ("devices", "distributed_info", "cuda_runtime_version", "cuda_driver_version", "trace_id", "n_events",
+        "dropped")
+
+
+def _require_native() -> None:
+    if parse._native is not None:
+        return
+    compiler = sysconfig.get_config_var("CC") or "cc"
+    if os.environ.get("CI") and shutil.which(compiler.split()[0]):
+        pytest.fail("the native scanner was not built although a C compiler exists (pip install -e . builds it)")
+    pytest.skip("the native scanner is not built")
+
+
+@pytest.fixture(autouse=True)
+def _native() -> None:
+    _require_native()
+
+
+def assert_same(a: parse.ParsedRank, b: parse.ParsedRank) -> None:
+    for t in TABLES:
+        pd.testing.assert_frame_equal(getattr(a, t), getattr(b, t))
+    for m in META:
+        assert getattr(a, m) == getattr(b, m), m
+
+
+def _files() -> list[Path]:
+    out = sorted(FIXTURES.rglob("*.json.gz")) + sorted(FIXTURES.rglob("*.trace.json"))
+    if REAL_TRACES.is_dir():
+        out += sorted(p for p in REAL_TRACES.rglob("*.json*") if p.is_file())
+    return [p for p in out if "manifest" not in p.name and "server_info" not in p.name]
+
+
+def _python(path: Path) -> parse.ParsedRank:
+    return parse.parse_bytes_whole(parse.read_bytes(path), path)
+
+
+def _id(p: Path) -> str:
+    return str(p.relative_to(REAL_TRACES if REAL_TRACES in p.parents else FIXTURES))
+
+
+@pytest.mark.parametrize("path", _files(), ids=_id)
+def test_tables_identical_on_fixtures_and_real_traces(path: Path) -> None:
+    try:
+        want = _python(path)
+    except TraceInputError:
+        with pytest.raises(TraceInputError):
+            parse.parse_file_native(path)
+        return
+    assert_same(parse.parse_file_native(path), want)
+
+
+def test_real_traces_present() -> None:
+    """The equality test above ran on the public traces, not only on our own fixtures."""
+    files = _files()
+    assert any(REAL_TRACES in p.parents for p in files) or not os.environ.get("CI"), "no real traces found"
+
+
+def _analysis_targets() -> list[Path]:
+    out = sorted(d for d in FIXTURES.iterdir() if d.is_dir() and any(d.glob("*.json.gz")))
+    rt = FIXTURES / "rule-tests"
+    out += sorted(d for d in rt.iterdir() if d.is_dir()) if rt.is_dir() else []
+    if REAL_TRACES.is_dir():
+        out += sorted(p for p in REAL_TRACES.iterdir() if p.name.endswith((".json.gz", ".json"))
+                      and "execution_details" not in p.name)
+        out += sorted(d for d in REAL_TRACES.iterdir() if d.is_dir() and any(d.glob("*.json*")))
+    return out
+
+
+def _analysis_doc(target: Path) -> Any:
+    from traceinspect.analysis import Options, analyze
+    from traceinspect.errors import TraceInspectError
+
+    try:
+        doc = analyze([target], Options(phase="all", use_cache=False, jobs=1)).to_json()
+    except TraceInspectError as e:
+        return f"error: {type(e).__name__}"
+    doc.pop("timing", None)
+    return json.dumps(doc, sort_keys=True, default=str)
+
+
+@pytest.mark.parametrize("target", _analysis_targets(), ids=lambda p: p.name)
+def test_analysis_json_identical(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRACEINSPECT_NATIVE", "0")
+    want = _analysis_doc(target)
+    monkeypatch.setenv("TRACEINSPECT_NATIVE", "1")
+    assert _analysis_doc(target) == want
+
+
+# ------------------------------------------------------------------------- pieces, errors, text
+
+
+def _doc(limit: int | None = None) -> bytes:
+    """A fixture's rank file with odd but readable events added (and, unless ``limit`` cuts the events
+    short, three GPU events to drop)."""
+    f = FIXTURES / "kv-full-cast-graph" / "fixture-TP-0.trace.json.gz"
+    doc = json.loads(gzip.decompress(f.read_bytes()))
+    bad_gpu = [
+        {"ph": "X", "cat": "kernel", "name": 5, "ts": 1, "dur": 1},
+        {"ph": "X", "cat": "kernel", "name": "no ts", "dur": 1},
+        {"ph": "X", "cat": "kernel", "name": "bad dur", "ts": 1, "dur": "x"},
+    ]
+    doc["traceEvents"] = doc["traceEvents"][:limit] + ([] if limit else bad_gpu) + [
+        {"ph": "X", "cat": "Kernel", "name": "k\u00e9\u4e2d\\}{\"", "ts": 1.5, "dur": 2, "tid": "stream 7",
+         "args": {"bytes": "32768", "correlation": "12", "device": 1.0, "grid": [1, 2, 3]}},
+        {"ph": "X", "cat": "python_function", "name": "gpu_worker.py(88): execute_model", "ts": 3, "dur": 9,
+         "tid": 5},
+        {"ph": "X", "cat": "python_function", "name": "other.py(1): helper", "ts": 3, "dur": 1, "tid": 5},
+        {"ph": "X", "cat": "python_function", "name": ["not a name"], "ts": 3, "dur": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "\ud83d\ude00", "ts": "2.5", "dur": -0, "tid": "42",
+         "args": {"Input Dims": [[1, 2], []], "Input type": None}},
+        "not an event", 7,
+    ]
+    return json.dumps(doc, indent=1).encode()
+
+
+def _native_pieces(data: bytes, size: int) -> parse.ParsedRank:
+    return parse._scan_native(iter(data[i:i + size] for i in range(0, len(data), size)), Path("x.json"))
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 4096, 1 << 30])
+def test_any_cut_into_pieces(size: int) -> None:
+    data = _doc(300 if size < 10 else None)  # every byte a piece: a shorter document
+    want = parse.parse_bytes_whole(data, Path("x.json"))
+    assert want.dropped  # the document has events to drop
+    got = _native_pieces(data, size)
+    assert_same(got, want)
+    assert_same(_native_pieces(b"\xef\xbb\xbf" + data, size), want)
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"", "not valid JSON"),
+    (b"   ", "not valid JSON"),
+    (b"[]", "not a Kineto trace"),
+    (b'"traceEvents"', "not a Kineto trace"),
+    (b'{"traceEvents": {}}', "no traceEvents array"),
+    (b'{"traceEventz": []}', "not a Kineto trace"),
+    (b'{"traceEvents": [}', "not valid JSON"),
+    (b'{"traceEvents": [{"ph": "X"},]}', "not valid JSON"),
+    (b'{"traceEvents": []} x', "not valid JSON"),
+    (b'{"traceEvents": [{"name": "\xff"}]}', "not valid JSON"),
+    (b'{"traceEvents": [{"name": "\\ud800"}]}', "not valid JSON"),
+    (b'{"traceEvents": [{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}", "not valid JSON"),
+    (b'{"traceEvents": [{"a": ' + b'{"b":' * 100_000 + b"}" * 100_000 + b"}]}", "not valid JSON"),
+    (b'{"traceEvents": [{"ts": 01}]}', "not valid JSON"),
+    (b'{"traceEvents": [{"ts": 1.}]}', "not valid JSON"),
+    (b'{"traceEvents": [{"ts": NaN}]}', "not valid JSON"),
+    (b'{"traceEvents": [{"s": "a\x01"}]}', "not valid JSON"),
+    (b'{"traceEvents": [{"s": "\\x"}]}', "not valid JSON"),
+])
+def test_broken_documents_are_one_clean_error(text: bytes, message: str) -> None:
+    for size in (1, 5, 1 << 30):
+        with pytest.raises(TraceInputError, match=message):
+            _native_pieces(text, size)
+    with pytest.raises(TraceInputError):
+        parse.parse_bytes_whole(text, Path("x.json"))
+
+
+def test_every_truncation_is_an_error() -> None:
+    data = json.dumps({"traceEvents": [{"ph": "X", "cat": "kernel", "name": "a\\u00e9", "ts": 1.25, "dur": 2,
+                                        "args": {"grid": [1, 1, 1], "correlation": 3}}], "trace_id": "t"}).encode()
+    for n in range(len(data)):
+        with pytest.raises(TraceInputError):
+            _native_pieces(data[:n], 3)
+    assert _native_pieces(data, 3).kernels["name"].tolist() == ["a\\u00e9"]
+
+
+def test_scanner_refuses_misuse() -> None:
+    s = parse._native.Scanner([["name"]], lambda c: 0)
+    with pytest.raises(RuntimeError):
+        s.result()  # nothing scanned yet
+    s.feed(b'{"traceEvents": []}', final=True)
+    with pytest.raises(RuntimeError):
+        s.feed(b"")
+    with pytest.raises(ValueError):
+        parse._native.Scanner([["no such column"]], lambda c: 0)
+    bad = parse._native.Scanner([["name"]], lambda c: 99)  # a route that answers nonsense
+    with pytest.raises(ValueError):
+        bad.feed(b'{"traceEvents": [{"ph": "X", "cat": "kernel"}]}', final=True)
+
+
+# ------------------------------------------------------------------ differential, mutated traces
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_KEYS = ["ph", "cat", "name", "ts", "dur", "tid", "args", "pid"]
+_ARG_KEYS = ["correlation", "External id", "device", "stream", "bytes", "grid", "block", "Input Dims",
+             "Input type", "Concrete Inputs", "kind"]
+# raw JSON texts: numbers in every spelling, numbers in strings, and values of the wrong type
+_RAW = st.one_of(
+    st.sampled_from([
+        "-0", "0", "-0.0", "1", "-1", "5.0", "1e3", "1E+3", "2.5e-3", "1e400", "-1e400", "1e-400",
+        "9223372036854775807", "9223372036854775808", "-9223372036854775808", "-9223372036854775809",
+        "18446744073709551616", "123456789012345678901234567890", "9007199254740993", "0.1", "86400000001",
+        '"12"', '"-0"', '"1.5e3"', '"5.0"', '" 1"', '"+1"', '"0x10"', '"1_000"', '"01"', '"1."', '"nan"',
+        '"inf"', '""', '"\\u0031"', '"X"', '"kernel"', '"Kernel"', '"cpu_op"', '"cuda_runtime"',
+        '"gpu_user_annotation"', '"user_annotation"', '"gpu_memcpy"', '"\u212aernel"', '"stream 7"',
+        '"python_function"', '"worker.py(12): execute_model"',
+        '"\\ud83d\\ude00"', '"caf\u00e9"', "true", "false", "null", "[]", "{}", "[1, 2, 3]", '[[1, 2], []]',
+        '{"correlation": 1}', '{"bytes": "7"}', '{"device": 1.5}',
+    ]),
+    st.integers(min_value=-(2**70), max_value=2**70).map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    st.text(max_size=6).map(lambda s: json.dumps(s)),
+)
+
+
+def _small_doc() -> dict[str, Any]:
+    f = FIXTURES / "kv-full-cast-eager" / "fixture-TP-0.trace.json.gz"
+    doc = json.loads(gzip.decompress(f.read_bytes()))
+    evs = doc["traceEvents"]
+    by_cat: dict[str, list[Any]] = {}
+    for e in evs:
+        by_cat.setdefault(str(e.get("cat")), []).append(e)
+    keep = [e for c in by_cat.values() for e in c[:25]]
+    doc["traceEvents"] = keep * 4  # many GPU events: a few dropped ones stay under 1%
+    return doc
+
+
+_SMALL: dict[str, Any] = {}
+
+
+def _base() -> dict[str, Any]:
+    if not _SMALL:
+        _SMALL.update(_small_doc())
+    return _SMALL
+
+
+@st.composite
+def _mutated(draw: Any) -> bytes:
+    doc = json.loads(json.dumps(_base()))
+    evs = doc["traceEvents"]
+    subs: dict[str, str] = {}
+    for k in range(draw(st.integers(1, 6))):
+        i = draw(st.integers(0, len(evs) - 1))
+        what = draw(st.sampled_from(["set", "set_arg", "del", "del_arg", "replace", "dup"]))
+        mark = f"@@{k}@@"
+        ev = evs[i]
+        if not isinstance(ev, dict):
+            continue
+        if what == "set":
+            ev[draw(st.sampled_from(_KEYS))] = mark
+        elif what == "set_arg":
+            if not isinstance(ev.get("args"), dict):
+                ev["args"] = {}
+            ev["args"][draw(st.sampled_from(_ARG_KEYS))] = mark
+        elif what == "del":
+            ev.pop(draw(st.sampled_from(_KEYS)), None)
+        elif what == "del_arg" and isinstance(ev.get("args"), dict):
+            ev["args"].pop(draw(st.sampled_from(_ARG_KEYS)), None)
+        elif what == "replace":
+            evs[i] = mark
+        elif what == "dup":  # a repeated key: the last one counts
+            key = draw(st.sampled_from(_KEYS))
+            evs[i] = {**ev, "@@dup@@": 0}
+            subs['"@@dup@@": 0'] = f'"{key}": {mark}'
+        subs[f'"{mark}"'] = draw(_RAW)
+    text = json.dumps(doc)
+    for a, b in subs.items():
+        text = text.replace(a, b)
+    data = text.encode()
+    if draw(st.booleans()):  # a byte-level edit (ASCII, so the text stays UTF-8)
+        pos = draw(st.integers(0, len(data)))
+        junk = draw(st.sampled_from([b"", b"{", b"}", b"[", b"]", b",", b'"', b":", b"\\", b"0", b"-", b" "]))
+        cut = draw(st.integers(0, 3))
+        data = data[:pos] + junk + data[pos + cut:]
+    return data
+
+
+def _outcome(fn: Any, data: bytes) -> Any:
+    try:
+        return fn(data)
+    except TraceInputError:
+        return None
+
+
+@settings(max_examples=int(os.environ.get("TRACEINSPECT_NATIVE_EXAMPLES", "150")), derandomize=True,
+          deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=_mutated(), size=st.sampled_from([1 << 30, 4096, 97]))
+def test_differential_mutated_traces(data: bytes, size: int) -> None:
+    want = _outcome(lambda d: parse.parse_bytes_whole(d, Path("x.json")), data)
+    got = _outcome(lambda d: _native_pieces(d, size), data)
+    if want is None or got is None:
+        assert want is None and got is None, ("python", want is not None, "native", got is not None)
+        return
+    assert_same(got, want)

@@ -1,0 +1,168 @@
+"""What the rules could not say: rules that could not decide on a large share of GPU time
+(``undecided``), and large classes of GPU time no finding is about (``unexplained``), each with the
+exact way to supply what is missing. Texts and thresholds: ``rules/evidence.yaml``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from traceinspect.errors import RuleError
+from traceinspect.resources import rules_dir
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+    from traceinspect.judge.engine import Outcome
+    from traceinspect.judge.rules import Rule, RuleSet
+
+EVIDENCE_FILE = "evidence.yaml"
+# a derived metric is missing because of what it is computed from: supply that instead
+DERIVED = {"kv_pool_bytes_per_layer": ("kv_pool_tokens", "kv_row_bytes"), "kv_row_bytes": ("kv_pool_tokens",),
+           "calls_per_layer": ("layers",)}
+
+
+@dataclass(frozen=True)
+class EvidenceTable:
+    """rules/evidence.yaml, read."""
+
+    undecided_share: float
+    unexplained_share: float
+    supply: dict[str, Any]
+    about: dict[str, tuple[str, ...]]
+
+    def how(self, metric: str, graph: bool) -> str:
+        v = self.supply.get(metric, self.supply.get("default", ""))
+        if isinstance(v, dict):
+            v = v.get("graph" if graph else "eager") or next(iter(v.values()), "")
+        return " ".join(str(v).split())
+
+    def classes_of(self, metrics: set[str]) -> set[str]:
+        return {c for c, prefixes in self.about.items() for m in metrics if m.startswith(prefixes)}
+
+
+@lru_cache(maxsize=1)
+def evidence_table() -> EvidenceTable:
+    path = rules_dir() / EVIDENCE_FILE
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise RuleError(f"cannot read the evidence table: {e}", path) from None
+    if not isinstance(doc, dict):
+        raise RuleError("the evidence table must be a mapping", path)
+    th = doc.get("thresholds") or {}
+    about = {str(c): tuple(str(p) for p in ps) for c, ps in (doc.get("about") or {}).items()}
+    return EvidenceTable(float(th.get("undecided_share", 0.05)), float(th.get("unexplained_share", 0.30)),
+                         dict(doc.get("supply") or {}), about)
+
+
+@dataclass
+class Gaps:
+    """``undecided``: [{rule, subject, share, missing, how_to_supply}]; ``unexplained``:
+    [{cls, share, explain_with}]; both largest share first."""
+
+    undecided: list[dict[str, Any]] = field(default_factory=list)
+    unexplained: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"undecided": self.undecided, "unexplained": self.unexplained}
+
+
+def _share(o: Outcome) -> float | None:
+    for key in ("share", "class_share"):
+        v = o.values.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def _condition_metrics(rule: Rule) -> set[str]:
+    """Metrics the rule's conditions read (through its ``let`` names)."""
+    out: set[str] = set()
+    todo = [n for c in rule.when for n in c.names]
+    seen: set[str] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n in rule.params:
+            continue
+        seen.add(n)
+        if n in rule.let:
+            todo.extend(rule.let[n].names)
+        else:
+            out.add(n)
+    return out
+
+
+def _supply(metrics: dict[str, str], run_missing: dict[str, str], graph: bool, table: EvidenceTable) -> list[str]:
+    out: dict[str, None] = {}
+    for m in metrics:
+        roots = [d for d in DERIVED.get(m, ()) if d in run_missing] or [m]
+        for r in roots:
+            roots2 = [d for d in DERIVED.get(r, ()) if d in run_missing] or [r]
+            for r2 in roots2:
+                out.setdefault(table.how(r2, graph), None)
+    return [s for s in out if s]
+
+
+def find_gaps(a: Analysis, rule_set: RuleSet, outcomes: list[Outcome]) -> Gaps:
+    """The undecided and unexplained entries of an analysis (see the module docstring)."""
+    table = evidence_table()
+    gaps = Gaps()
+    rules = {r.id: r for r in rule_set}
+    rm = a.run_model
+    run_missing = {n: why for n in rm.facts if (why := rm.missing(n)) is not None}
+    for o in outcomes:
+        if o.status != "undecided":
+            continue
+        share = _share(o)
+        if share is None or share < table.undecided_share:
+            continue
+        graph = float(o.values.get("graph_share") or 0.0) > 0.5 or (
+            o.values.get("graph_share") is None and bool(len(a.kernels)) and bool(a.kernels["graph_replay"].mean() > 0.5))
+        rule = rules.get(o.rule)
+        gaps.undecided.append({
+            "rule": o.rule, "title": rule.title if rule is not None else "", "subject": o.subject,
+            "share": round(share, 6),
+            "missing": [f"{m}: {why}" for m, why in o.missing.items()] or list(o.reasons),
+            "how_to_supply": _supply(o.missing, run_missing, graph, table),
+        })
+    gaps.undecided.sort(key=lambda u: -u["share"])
+
+    k = a.kernels
+    total = float(k["dur"].sum()) if len(k) else 0.0
+    if total <= 0:
+        return gaps
+    shares = k.groupby("cls", observed=True)["dur"].sum() / total
+    about: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        rule = rules.get(o.rule)
+        cls = set(o.classes)
+        if rule is not None:
+            cls |= set(rule.select.classes or ()) | table.classes_of(_condition_metrics(rule))
+        for c in cls:
+            about.setdefault(c, []).append(o)
+    for c, sh in shares.sort_values(ascending=False).items():
+        if sh <= table.unexplained_share:
+            break
+        mine = about.get(str(c), [])
+        if any(o.status == "fired" for o in mine):
+            continue
+        explain: list[str] = []
+        for o in mine:
+            if o.status == "undecided":
+                miss = ", ".join(o.missing) or "; ".join(o.reasons)
+                sup = _supply(o.missing, run_missing, bool(k["graph_replay"].mean() > 0.5), table)
+                explain.append(f"rule {o.rule} could not decide (missing: {miss})"
+                               + (f": {sup[0]}" if sup else ""))
+            elif o.status == "silent":
+                explain.append(f"rule {o.rule} is silent: {o.reasons[0] if o.reasons else 'its conditions are false'}")
+        if str(c) == "other":
+            explain.append("`traceinspect classify PATH --unknown` lists the unclassified kernels; patterns for "
+                           "them go into a class table of your own (rules/kernel_classes.yaml format)")
+        elif not mine:
+            explain.append(f"no rule is about class {c}: `traceinspect classify PATH` lists its kernels; a rule "
+                           "file of your own can judge them (docs/rules/format.md)")
+        gaps.unexplained.append({"cls": str(c), "share": round(float(sh), 6), "explain_with": explain})
+    return gaps

@@ -1,0 +1,1747 @@
+/* A columnar scanner for Kineto (Chrome trace) JSON.
+ *
+ * The document is fed in pieces (Scanner.feed); each call scans as many whole top-level units (a
+ * metadata key with its value, one event of ``traceEvents``) as the piece holds and returns the
+ * number of bytes consumed; the caller keeps the rest and appends the next piece. Scanning runs with
+ * the GIL released. Every needed field of an event goes straight into a column of its kind; strings
+ * are decoded once per distinct text (an index into a table of distinct strings), shape arguments
+ * are kept as raw JSON bytes, also once per distinct text. Values of top-level keys other than
+ * ``traceEvents`` are handed back as raw JSON text for the caller to decode.
+ *
+ * The reader is strict JSON (RFC 8259) and checks every bound: each read is guarded by the end of
+ * the buffer, nesting is limited, all sizes are checked before they grow. Type rules follow the
+ * typed decoder of the Python path (traceinspect/load/parse.py), which the tests compare it with.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <errno.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#define MAX_DEPTH 512 /* nesting limit of skipped values (the typed decoder stops near 1000) */
+
+/* ------------------------------------------------------------------------------------------- */
+/* growable byte buffers */
+
+typedef struct {
+    char *p;
+    size_t n, cap;
+} Buf;
+
+static int buf_reserve(Buf *b, size_t extra) {
+    if (extra > SIZE_MAX / 2 - b->n) return -1;
+    size_t need = b->n + extra;
+    if (need <= b->cap) return 0;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < need) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (!p) return -1;
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static int buf_put(Buf *b, const void *src, size_t n) {
+    if (!n) return 0; /* (memcpy of nothing into an unallocated buffer is still undefined) */
+    if (buf_reserve(b, n) < 0) return -1;
+    memcpy(b->p + b->n, src, n);
+    b->n += n;
+    return 0;
+}
+
+static void buf_free(Buf *b) {
+    free(b->p);
+    b->p = NULL;
+    b->n = b->cap = 0;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* a table of distinct byte strings: text -> index */
+
+typedef struct {
+    Buf arena;       /* the texts, back to back */
+    Buf offs;        /* size_t offset of each entry (n + 1 values once finished) */
+    Buf lens;        /* uint32 length of each entry */
+    Buf hashv;       /* uint64 hash of each entry */
+    uint64_t *hashes; /* = hashv.p */
+    uint32_t *slots; /* open addressing: index + 1, 0 = empty */
+    size_t nslots, count;
+} Intern;
+
+static uint64_t hash_bytes(const unsigned char *s, size_t n) {
+    uint64_t h = 1469598103934665603ULL ^ (uint64_t)n;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, s + i, 8);
+        h = (h ^ w) * 1099511628211ULL;
+        h ^= h >> 29;
+    }
+    for (; i < n; i++) h = (h ^ s[i]) * 1099511628211ULL;
+    h ^= h >> 32;
+    h *= 0x9E3779B97F4A7C15ULL;
+    h ^= h >> 29;
+    return h;
+}
+
+static int intern_grow(Intern *t) {
+    size_t ns = t->nslots ? t->nslots * 2 : 1024;
+    if (ns > (SIZE_MAX / sizeof(uint64_t)) || ns < t->nslots) return -1;
+    uint32_t *slots = calloc(ns, sizeof(uint32_t));
+    if (!slots) return -1;
+    size_t m = ns - 1;
+    for (size_t k = 0; k < t->count; k++) {
+        size_t i = (size_t)t->hashes[k] & m;
+        while (slots[i]) i = (i + 1) & m;
+        slots[i] = (uint32_t)(k + 1);
+    }
+    free(t->slots);
+    t->slots = slots;
+    t->nslots = ns;
+    return 0;
+}
+
+/* index of the text, added when new; -1 on memory failure or too many entries */
+static int64_t intern_get(Intern *t, const char *s, size_t n) {
+    if (n > UINT32_MAX) return -1;
+    if ((t->count + 1) * 2 > t->nslots && intern_grow(t) < 0) return -1;
+    uint64_t h = hash_bytes((const unsigned char *)s, n);
+    size_t m = t->nslots - 1, i = (size_t)h & m;
+    const size_t *offs = (const size_t *)t->offs.p;
+    const uint32_t *lens = (const uint32_t *)t->lens.p;
+    while (t->slots[i]) {
+        size_t k = t->slots[i] - 1;
+        if (t->hashes[k] == h && lens[k] == n && (n == 0 || memcmp(t->arena.p + offs[k], s, n) == 0))
+            return (int64_t)k;
+        i = (i + 1) & m;
+    }
+    if (t->count >= 0x7FFFFFF0u) return -1;
+    size_t k = t->count;
+    size_t off = t->arena.n;
+    uint32_t len = (uint32_t)n;
+    if (buf_put(&t->arena, s, n) < 0 || buf_put(&t->offs, &off, sizeof off) < 0 ||
+        buf_put(&t->lens, &len, sizeof len) < 0)
+        return -1;
+    if (buf_put(&t->hashv, &h, sizeof h) < 0) return -1;
+    t->hashes = (uint64_t *)t->hashv.p;
+    t->slots[i] = (uint32_t)(k + 1);
+    t->count++;
+    return (int64_t)k;
+}
+
+static void intern_free(Intern *t) {
+    buf_free(&t->arena);
+    buf_free(&t->offs);
+    buf_free(&t->lens);
+    buf_free(&t->hashv);
+    free(t->slots);
+    memset(t, 0, sizeof *t);
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* columns */
+
+enum {
+    C_NAME, C_TS, C_DUR, C_TID, C_EXT, C_CORR, C_DEVICE, C_STREAM, C_GRID, C_BLOCK, C_BYTES,
+    C_DIMS, C_TYPES, C_CONCRETE, NCOLS
+};
+static const char *COL_NAMES[NCOLS] = {
+    "name", "ts", "dur", "tid", "external_id", "correlation", "device", "stream", "grid", "block", "bytes",
+    "input_dims", "input_types", "concrete",
+};
+/* storage: 'f' float64, 'i' int64, 's' int32 index into strings, 'r' int32 index into raws (-1: None) */
+static const char COL_TYPE[NCOLS] = {'s', 'f', 'f', 'i', 'i', 'i', 'i', 'i', 's', 's', 'f', 'r', 'r', 'r'};
+
+#define MAX_KINDS 16
+#define FILTERED 16 /* a route of FILTERED + k: kind k, for the names name_filter accepts */
+
+typedef struct {
+    uint32_t mask; /* columns kept for this kind */
+    Buf cols[NCOLS];
+    Buf tid_rows; /* int64 rows whose tid was a string, */
+    Buf tid_strs; /* int32 index of that string */
+    size_t rows;
+} Kind;
+
+/* ------------------------------------------------------------------------------------------- */
+/* the scanner object */
+
+enum { S_START, S_KEY_FIRST, S_KEY, S_AFTER_VALUE, S_EV_FIRST, S_EV_NEXT, S_EV_VALUE, S_END };
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *route;   /* callable: category (str) -> kind index, -(kind index + 1) (names filtered) or None */
+    PyObject *name_filter; /* callable: name (str) -> bool, for the filtered kinds */
+    Buf name_ok;       /* per entry of strs: 0 not asked yet, 1 accepted, 2 refused */
+    PyObject *meta;    /* dict: top-level key -> raw JSON bytes of its value */
+    int nkinds;
+    Kind kinds[MAX_KINDS];
+    Intern strs, raws;
+    Intern cats;       /* raw text of a category token -> route entry */
+    Buf cat_route;     /* int8 kind per cats entry (-1: not kept) */
+    Buf scratch;       /* decoded strings */
+    int state;
+    int started;       /* at least one byte seen (a byte-order mark is skipped only at the start) */
+    int events_seen;   /* a traceEvents key was read */
+    uint64_t n_events;
+    uint64_t drop_name, drop_not_object, drop_gpu; /* events dropped, by reason */
+    uint32_t gpu_kinds; /* kinds whose drops count as GPU events */
+    uint64_t offset;   /* bytes consumed so far, for messages */
+    int busy;
+    int finished;
+    Buf carry;         /* a unit cut by the end of the last piece */
+    size_t retry_at;   /* scan the kept unit again once it is this long (so a huge one costs O(n)) */
+    /* error of the last scan */
+    int err_kind;      /* 0 none, 1 JSON, 2 type (not a trace), 3 memory, 4 Python exception set */
+    char err[200];
+} Scanner;
+
+/* ------------------------------------------------------------------------------------------- */
+/* scanning primitives: return the position after the token, or NULL with *st set */
+
+enum { OK = 0, NEED = 1, EJSON = 2, ETYPE = 3, EMEM = 4, EPY = 5 };
+
+typedef struct {
+    const char *base;  /* start of the buffer (for offsets in messages) */
+    const char *end;
+    int final;         /* no more input follows this buffer */
+    int st;
+    Scanner *s;
+    PyThreadState *ts; /* saved thread state while the GIL is released */
+    char msg[160];
+} Ctx;
+
+static const char *fail(Ctx *c, int st, const char *p, const char *msg) {
+    c->st = st;
+    if (st == EJSON || st == ETYPE)
+        snprintf(c->msg, sizeof c->msg, "%s (byte %llu)", msg,
+                 (unsigned long long)(c->s->offset + (uint64_t)(p - c->base)));
+    else if (msg)
+        snprintf(c->msg, sizeof c->msg, "%s", msg);
+    return NULL;
+}
+
+static const char *need(Ctx *c, const char *p) {
+    if (c->final) return fail(c, EJSON, p, "truncated: the document ends inside a value");
+    c->st = NEED;
+    return NULL;
+}
+
+static inline const char *skip_ws(const char *p, const char *end) {
+    while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t')) p++;
+    return p;
+}
+
+/* A string token starting at p ('"'). Sets [*s0, *s1) to its contents (escapes not decoded),
+ * *esc when it has a backslash, *hi when it has a byte >= 0x80. */
+static const char *scan_string(Ctx *c, const char *p, const char **s0, const char **s1, int *esc, int *hi) {
+    const char *end = c->end;
+    const char *q = p + 1;
+    int e = 0, h = 0;
+    for (;;) {
+#if defined(__SSE2__)
+        /* 16 bytes at a time to the next '"', backslash, control or non-ASCII byte */
+        {
+            const __m128i quote = _mm_set1_epi8('"'), bslash = _mm_set1_epi8('\\'), space = _mm_set1_epi8(0x20);
+            while (end - q >= 16) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(const void *)q);
+                __m128i m = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, bslash)),
+                                         _mm_cmplt_epi8(v, space)); /* signed: also bytes >= 0x80 */
+                int mask = _mm_movemask_epi8(m);
+                if (mask) {
+                    q += __builtin_ctz((unsigned)mask);
+                    break;
+                }
+                q += 16;
+            }
+        }
+#endif
+        while (q < end) {
+            unsigned char ch = (unsigned char)*q;
+            if (ch == '"' || ch == '\\' || ch < 0x20 || ch >= 0x80) break;
+            q++;
+        }
+        if (q >= end) return need(c, q);
+        unsigned char ch = (unsigned char)*q;
+        if (ch == '"') break;
+        if (ch >= 0x80) {
+            h = 1;
+            q++;
+            continue;
+        }
+        if (ch < 0x20) return fail(c, EJSON, q, "invalid character in a string");
+        /* backslash */
+        e = 1;
+        if (q + 1 >= end) return need(c, q);
+        char x = q[1];
+        if (x == 'u') {
+            if (q + 6 > end) return need(c, q);
+            for (int k = 2; k < 6; k++) {
+                char d = q[k];
+                if (!((d >= '0' && d <= '9') || (d >= 'a' && d <= 'f') || (d >= 'A' && d <= 'F')))
+                    return fail(c, EJSON, q, "invalid escape in a string");
+            }
+            q += 6;
+        } else if (x == '"' || x == '\\' || x == '/' || x == 'b' || x == 'f' || x == 'n' || x == 'r' ||
+                   x == 't') {
+            q += 2;
+        } else {
+            return fail(c, EJSON, q, "invalid escape in a string");
+        }
+    }
+    *s0 = p + 1;
+    *s1 = q;
+    if (esc) *esc = e;
+    if (hi) *hi = h;
+    return q + 1;
+}
+
+static int utf8_valid(const unsigned char *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        unsigned char c = s[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        size_t k;
+        uint32_t cp;
+        if (c >= 0xC2 && c <= 0xDF) {
+            k = 1;
+            cp = c & 0x1F;
+        } else if (c >= 0xE0 && c <= 0xEF) {
+            k = 2;
+            cp = c & 0x0F;
+        } else if (c >= 0xF0 && c <= 0xF4) {
+            k = 3;
+            cp = c & 0x07;
+        } else {
+            return 0;
+        }
+        if (n - i <= k) return 0; /* the sequence runs past the end */
+        for (size_t j = 1; j <= k; j++) {
+            unsigned char d = s[i + j];
+            if ((d & 0xC0) != 0x80) return 0;
+            cp = (cp << 6) | (d & 0x3F);
+        }
+        if ((k == 2 && cp < 0x800) || (k == 3 && (cp < 0x10000 || cp > 0x10FFFF)) ||
+            (cp >= 0xD800 && cp <= 0xDFFF))
+            return 0;
+        i += k + 1;
+    }
+    return 1;
+}
+
+static int hexv(char d) {
+    if (d >= '0' && d <= '9') return d - '0';
+    if (d >= 'a' && d <= 'f') return d - 'a' + 10;
+    return d - 'A' + 10;
+}
+
+static void put_utf8(char *o, size_t *n, uint32_t cp) {
+    if (cp < 0x80) {
+        o[(*n)++] = (char)cp;
+    } else if (cp < 0x800) {
+        o[(*n)++] = (char)(0xC0 | (cp >> 6));
+        o[(*n)++] = (char)(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+        o[(*n)++] = (char)(0xE0 | (cp >> 12));
+        o[(*n)++] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        o[(*n)++] = (char)(0x80 | (cp & 0x3F));
+    } else {
+        o[(*n)++] = (char)(0xF0 | (cp >> 18));
+        o[(*n)++] = (char)(0x80 | ((cp >> 12) & 0x3F));
+        o[(*n)++] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        o[(*n)++] = (char)(0x80 | (cp & 0x3F));
+    }
+}
+
+/* Decode the contents of a string token into UTF-8 (c->s->scratch), checking UTF-8 and
+ * surrogate pairs as a decoder that builds a str does. Returns 0, or -1 with c->st set. */
+static int decode_string(Ctx *c, const char *s0, const char *s1, int esc, int hi, const char **out, size_t *outn) {
+    if (!esc) {
+        if (hi && !utf8_valid((const unsigned char *)s0, (size_t)(s1 - s0))) {
+            fail(c, EJSON, s0, "invalid UTF-8 in a string");
+            return -1;
+        }
+        *out = s0;
+        *outn = (size_t)(s1 - s0);
+        return 0;
+    }
+    Buf *b = &c->s->scratch;
+    b->n = 0;
+    if (buf_reserve(b, (size_t)(s1 - s0) + 4) < 0) {
+        fail(c, EMEM, s0, NULL);
+        return -1;
+    }
+    char *o = b->p;
+    size_t n = 0;
+    const char *q = s0;
+    while (q < s1) {
+        if (*q != '\\') {
+            o[n++] = *q++;
+            continue;
+        }
+        char x = q[1]; /* scan_string checked the escape and its length */
+        if (x != 'u') {
+            char v = x == 'b' ? '\b' : x == 'f' ? '\f' : x == 'n' ? '\n' : x == 'r' ? '\r' : x == 't' ? '\t' : x;
+            o[n++] = v;
+            q += 2;
+            continue;
+        }
+        uint32_t cp = (uint32_t)(hexv(q[2]) << 12 | hexv(q[3]) << 8 | hexv(q[4]) << 4 | hexv(q[5]));
+        q += 6;
+        if (cp >= 0xD800 && cp <= 0xDBFF) {
+            if (q + 6 <= s1 && q[0] == '\\' && q[1] == 'u') {
+                uint32_t lo = (uint32_t)(hexv(q[2]) << 12 | hexv(q[3]) << 8 | hexv(q[4]) << 4 | hexv(q[5]));
+                if (lo >= 0xDC00 && lo <= 0xDFFF) {
+                    cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                    q += 6;
+                    put_utf8(o, &n, cp);
+                    continue;
+                }
+            }
+            fail(c, EJSON, q, "invalid surrogate in a string");
+            return -1;
+        }
+        if (cp >= 0xDC00 && cp <= 0xDFFF) {
+            fail(c, EJSON, q, "invalid surrogate in a string");
+            return -1;
+        }
+        put_utf8(o, &n, cp);
+    }
+    if (hi && !utf8_valid((const unsigned char *)o, n)) {
+        fail(c, EJSON, s0, "invalid UTF-8 in a string");
+        return -1;
+    }
+    *out = o;
+    *outn = n;
+    return 0;
+}
+
+static inline int is_digit(char ch) { return ch >= '0' && ch <= '9'; }
+
+static const char *scan_lit(Ctx *c, const char *p, const char *word, size_t n) {
+    size_t have = (size_t)(c->end - p);
+    size_t k = have < n ? have : n;
+    if (memcmp(p, word, k) != 0) return fail(c, EJSON, p, "invalid character");
+    if (have < n) return need(c, p);
+    return p + n;
+}
+
+/* A number token at p: strict JSON grammar. *is_int when it has no fraction and no exponent. */
+static const char *scan_number(Ctx *c, const char *p, int *is_int) {
+    const char *q = p, *end = c->end;
+    int isint = 1;
+    if (q < end && *q == '-') q++;
+    if (q >= end) return need(c, p);
+    if (*q == '0') {
+        q++;
+    } else if (*q >= '1' && *q <= '9') {
+        while (q < end && is_digit(*q)) q++;
+    } else {
+        return fail(c, EJSON, q, "invalid number");
+    }
+    if (q < end && *q == '.') {
+        isint = 0;
+        q++;
+        if (q >= end) return need(c, p);
+        if (!is_digit(*q)) return fail(c, EJSON, q, "invalid number");
+        while (q < end && is_digit(*q)) q++;
+    }
+    if (q < end && (*q == 'e' || *q == 'E')) {
+        isint = 0;
+        q++;
+        if (q < end && (*q == '+' || *q == '-')) q++;
+        if (q >= end) return need(c, p);
+        if (!is_digit(*q)) return fail(c, EJSON, q, "invalid number");
+        while (q < end && is_digit(*q)) q++;
+    }
+    if (q >= end && !c->final) return need(c, p); /* more digits may follow */
+    if (q < end && is_digit(*q)) return fail(c, EJSON, q, "invalid number");
+    *is_int = isint;
+    return q;
+}
+
+static const double POW10[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,  1e8,  1e9,  1e10, 1e11,
+                                 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+
+/* The double nearest a number token [p, q) (correctly rounded: exact fast path, else strtod). */
+static int number_value(const char *p, const char *q, double *out) {
+    const char *r = p;
+    int neg = 0;
+    if (*r == '-') {
+        neg = 1;
+        r++;
+    }
+    uint64_t m = 0;
+    int digits = 0, exp10 = 0;
+    while (r < q && is_digit(*r)) {
+        if (digits < 19) {
+            m = m * 10 + (uint64_t)(*r - '0');
+            if (m) digits++;
+        } else {
+            digits = 99;
+        }
+        r++;
+    }
+    if (r < q && *r == '.') {
+        r++;
+        while (r < q && is_digit(*r)) {
+            if (digits < 19) {
+                m = m * 10 + (uint64_t)(*r - '0');
+                if (m) digits++;
+                exp10--;
+            } else {
+                digits = 99;
+            }
+            r++;
+        }
+    }
+    int simple = r == q && digits <= 19 && m < (1ULL << 53);
+    if (simple && exp10 >= -22) {
+        double v = (double)m;
+        v = exp10 < 0 ? v / POW10[-exp10] : v;
+        *out = neg ? -v : v;
+        return 0;
+    }
+    /* the general case (an exponent, many digits) */
+    char tmp[128];
+    size_t n = (size_t)(q - p);
+    char *s = n < sizeof tmp ? tmp : malloc(n + 1);
+    if (!s) return -1;
+    memcpy(s, p, n);
+    s[n] = 0;
+    errno = 0;
+    *out = strtod(s, NULL);
+    if (s != tmp) free(s);
+    return 0;
+}
+
+/* int64 value of an integer token; 0 or -1 when out of range */
+static int int_value(const char *p, const char *q, int64_t *out) {
+    int neg = 0;
+    if (*p == '-') {
+        neg = 1;
+        p++;
+    }
+    uint64_t v = 0;
+    for (; p < q; p++) {
+        uint64_t d = (uint64_t)(*p - '0');
+        if (v > (UINT64_MAX - d) / 10) return -1;
+        v = v * 10 + d;
+    }
+    if (neg) {
+        if (v > (uint64_t)INT64_MAX + 1) return -1;
+        *out = v == (uint64_t)INT64_MAX + 1 ? INT64_MIN : -(int64_t)v;
+    } else {
+        if (v > (uint64_t)INT64_MAX) return -1;
+        *out = (int64_t)v;
+    }
+    return 0;
+}
+
+/* Skip one JSON value of any type, checking its syntax, without recursion. */
+static const char *skip_value(Ctx *c, const char *p) {
+    const char *end = c->end;
+    char stack[MAX_DEPTH];
+    int depth = 0;
+    const char *s0, *s1;
+    for (;;) {
+        /* a value */
+        p = skip_ws(p, end);
+        if (p >= end) return need(c, p);
+        switch (*p) {
+        case '{':
+            if (depth >= MAX_DEPTH) return fail(c, EJSON, p, "nested too deeply");
+            stack[depth++] = '{';
+            p = skip_ws(p + 1, end);
+            if (p >= end) return need(c, p);
+            if (*p == '}') {
+                depth--;
+                p++;
+                goto after;
+            }
+            goto key;
+        case '[':
+            if (depth >= MAX_DEPTH) return fail(c, EJSON, p, "nested too deeply");
+            stack[depth++] = '[';
+            p = skip_ws(p + 1, end);
+            if (p >= end) return need(c, p);
+            if (*p == ']') {
+                depth--;
+                p++;
+                goto after;
+            }
+            continue;
+        case '"':
+            p = scan_string(c, p, &s0, &s1, NULL, NULL);
+            if (!p) return NULL;
+            goto after;
+        case 't':
+            p = scan_lit(c, p, "true", 4);
+            if (!p) return NULL;
+            goto after;
+        case 'f':
+            p = scan_lit(c, p, "false", 5);
+            if (!p) return NULL;
+            goto after;
+        case 'n':
+            p = scan_lit(c, p, "null", 4);
+            if (!p) return NULL;
+            goto after;
+        default: {
+            int isint;
+            p = scan_number(c, p, &isint);
+            if (!p) return NULL;
+            goto after;
+        }
+        }
+    key:
+        /* p at the first byte of a key */
+        if (*p != '"') return fail(c, EJSON, p, "expected a key");
+        p = scan_string(c, p, &s0, &s1, NULL, NULL);
+        if (!p) return NULL;
+        p = skip_ws(p, end);
+        if (p >= end) return need(c, p);
+        if (*p != ':') return fail(c, EJSON, p, "expected ':'");
+        p++;
+        continue;
+    after:
+        if (depth == 0) return p;
+        p = skip_ws(p, end);
+        if (p >= end) return need(c, p);
+        if (*p == ',') {
+            p = skip_ws(p + 1, end);
+            if (p >= end) return need(c, p);
+            if (stack[depth - 1] == '{') goto key;
+            continue;
+        }
+        if ((*p == '}' && stack[depth - 1] == '{') || (*p == ']' && stack[depth - 1] == '[')) {
+            depth--;
+            p++;
+            goto after;
+        }
+        return fail(c, EJSON, p, "expected ',' or the end of a container");
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* events
+ *
+ * The rules are those of the Python path's docstring ("Tolerance rules"): a value of the expected
+ * type is read as the typed decoder reads it; a number written as a string is read as that number;
+ * anything else is absent, or drops the event (counted by reason) where the field is needed. The
+ * typed decoder reads the integer token -0 as +0.0 in a float field while the tolerant reading of
+ * an event the typed decoder refused gives -0.0; the typed flags keep that one difference. */
+
+typedef struct {
+    const char *s0, *s1;
+    int esc, hi;
+    int set;
+} Str;
+
+typedef struct {
+    const char *p, *q;
+} Span;
+
+enum { V_NUM, V_NUMSTR, V_NULL, V_STR, V_OTHER };
+
+typedef struct {
+    Str ph, cat, name, tid_s;
+    int ph_ok, cat_ok, name_bad; /* ph/cat a string (or absent); name present and not a string */
+    double ts, dur;
+    int ts_mz, dur_mz; /* the value came from the integer token -0 */
+    int64_t tid;
+    int typed; /* the typed decoder would read this event as it is */
+    int64_t ints[4]; /* correlation, external id, device, stream */
+    int ints_set[4];
+    double bytes;
+    int bytes_set, bytes_mz, args_typed;
+    Span raw[5]; /* grid, block, dims, types, concrete */
+} Event;
+
+/* key of an object member: decoded text of the key token */
+static const char *read_key(Ctx *c, const char *p, const char **k, size_t *kn) {
+    const char *s0, *s1;
+    int esc, hi;
+    if (p >= c->end) return need(c, p);
+    if (*p != '"') return fail(c, EJSON, p, "expected a key");
+    p = scan_string(c, p, &s0, &s1, &esc, &hi);
+    if (!p) return NULL;
+    if (esc) {
+        /* decoded into scratch; the caller compares it before anything else uses scratch. As for the
+         * typed decoder, escapes count (\u0070h is ph) but the UTF-8 of a key is not checked: such a
+         * key never names a field that is read. */
+        if (decode_string(c, s0, s1, esc, 0, k, kn) < 0) return NULL;
+    } else {
+        *k = s0;
+        *kn = (size_t)(s1 - s0);
+    }
+    p = skip_ws(p, c->end);
+    if (p >= c->end) return need(c, p);
+    if (*p != ':') return fail(c, EJSON, p, "expected ':'");
+    return skip_ws(p + 1, c->end);
+}
+
+#define KEY_IS(k, kn, lit) ((kn) == sizeof(lit) - 1 && memcmp((k), (lit), sizeof(lit) - 1) == 0)
+
+/* Whether [p, q) is exactly a JSON number; *is_int when it has no fraction and no exponent. */
+static int number_text(const char *p, const char *q, int *is_int) {
+    const char *r = p;
+    int isint = 1;
+    if (r < q && *r == '-') r++;
+    if (r >= q) return 0;
+    if (*r == '0') {
+        r++;
+    } else if (*r >= '1' && *r <= '9') {
+        while (r < q && is_digit(*r)) r++;
+    } else {
+        return 0;
+    }
+    if (r < q && *r == '.') {
+        isint = 0;
+        r++;
+        if (r >= q || !is_digit(*r)) return 0;
+        while (r < q && is_digit(*r)) r++;
+    }
+    if (r < q && (*r == 'e' || *r == 'E')) {
+        isint = 0;
+        r++;
+        if (r < q && (*r == '+' || *r == '-')) r++;
+        if (r >= q || !is_digit(*r)) return 0;
+        while (r < q && is_digit(*r)) r++;
+    }
+    *is_int = isint;
+    return r == q;
+}
+
+/* One value, classified: V_NUM (a number token: [*t0, *t1)), V_NUMSTR (a string whose whole text
+ * is a number, no escapes: its contents), V_NULL, V_STR (another string: its token in *str),
+ * V_OTHER. */
+static const char *read_value(Ctx *c, const char *p, int *cls, const char **t0, const char **t1, int *is_int,
+                              Str *str) {
+    if (p >= c->end) return need(c, p);
+    if (*p == '-' || is_digit(*p)) {
+        const char *q = scan_number(c, p, is_int);
+        if (!q) return NULL;
+        *cls = V_NUM;
+        *t0 = p;
+        *t1 = q;
+        return q;
+    }
+    if (*p == '"') {
+        Str s;
+        const char *q = scan_string(c, p, &s.s0, &s.s1, &s.esc, &s.hi);
+        if (!q) return NULL;
+        s.set = 1;
+        if (!s.esc && !s.hi && number_text(s.s0, s.s1, is_int)) {
+            *cls = V_NUMSTR;
+            *t0 = s.s0;
+            *t1 = s.s1;
+        } else {
+            *cls = V_STR;
+        }
+        if (str) *str = s;
+        return q;
+    }
+    if (*p == 'n') {
+        const char *q = scan_lit(c, p, "null", 4);
+        if (!q) return NULL;
+        *cls = V_NULL;
+        return q;
+    }
+    const char *q = skip_value(c, p);
+    if (!q) return NULL;
+    *cls = V_OTHER;
+    return q;
+}
+
+/* the text -0 (the only integer token whose typed and tolerant float readings differ) */
+static int minus_zero(const char *t0, const char *t1) { return t1 - t0 == 2 && t0[0] == '-' && t0[1] == '0'; }
+
+/* a float field: *out NaN when unusable; *typed cleared when the typed decoder would refuse it */
+static const char *read_float(Ctx *c, const char *p, double *out, int *mz, int *typed) {
+    int cls, isint;
+    const char *t0 = NULL, *t1 = NULL;
+    p = read_value(c, p, &cls, &t0, &t1, &isint, NULL);
+    if (!p) return NULL;
+    *mz = 0;
+    if (cls == V_NUM || cls == V_NUMSTR) {
+        if (number_value(t0, t1, out) < 0) return fail(c, EMEM, p, NULL);
+        if (!isfinite(*out)) {
+            *out = NAN;
+            *typed = 0;
+        }
+        if (cls == V_NUMSTR) *typed = 0;
+        else if (isint && minus_zero(t0, t1)) *mz = 1;
+    } else {
+        *out = NAN;
+        *typed = 0;
+    }
+    return p;
+}
+
+/* an integer within int64 (a number whose value is one: 5.0 is 5); *set 0 when absent */
+static int int_of(const char *t0, const char *t1, int isint, int64_t *out) {
+    if (isint) return int_value(t0, t1, out) == 0;
+    double v;
+    if (number_value(t0, t1, &v) < 0) return -1;
+    if (!isfinite(v) || v != floor(v) || v < -9223372036854775808.0 || v >= 9223372036854775808.0) return 0;
+    *out = (int64_t)v;
+    return 1;
+}
+
+static const char *read_int(Ctx *c, const char *p, int64_t *out, int *set, int *typed) {
+    int cls, isint;
+    const char *t0 = NULL, *t1 = NULL;
+    p = read_value(c, p, &cls, &t0, &t1, &isint, NULL);
+    if (!p) return NULL;
+    *set = 0;
+    if (cls == V_NUM || cls == V_NUMSTR) {
+        int r = int_of(t0, t1, isint, out);
+        if (r < 0) return fail(c, EMEM, p, NULL);
+        *set = r;
+        if (!(cls == V_NUM && isint && r)) *typed = 0;
+    } else if (cls != V_NULL) {
+        *typed = 0;
+    }
+    return p;
+}
+
+/* a string field (ph, cat, name): *ok 0 when the value is not a string */
+static const char *read_str(Ctx *c, const char *p, Str *out, int *ok) {
+    if (p >= c->end) return need(c, p);
+    if (*p != '"') {
+        *ok = 0;
+        out->set = 0;
+        return skip_value(c, p);
+    }
+    p = scan_string(c, p, &out->s0, &out->s1, &out->esc, &out->hi);
+    if (!p) return NULL;
+    const char *d;
+    size_t dn;
+    if ((out->esc || out->hi) && decode_string(c, out->s0, out->s1, out->esc, out->hi, &d, &dn) < 0) return NULL;
+    out->set = 1;
+    *ok = 1;
+    return p;
+}
+
+static const char *read_args(Ctx *c, const char *p, Event *e) {
+    for (int k = 0; k < 4; k++) e->ints_set[k] = 0;
+    e->bytes_set = e->bytes_mz = 0;
+    e->args_typed = 1;
+    for (int k = 0; k < 5; k++) e->raw[k].p = e->raw[k].q = NULL;
+    if (p >= c->end) return need(c, p);
+    if (*p == 'n') return scan_lit(c, p, "null", 4);
+    if (*p != '{') { /* not an object: every field absent */
+        e->args_typed = 0;
+        return skip_value(c, p);
+    }
+    p = skip_ws(p + 1, c->end);
+    if (p >= c->end) return need(c, p);
+    if (*p == '}') return p + 1;
+    for (;;) {
+        const char *k;
+        size_t kn;
+        p = read_key(c, p, &k, &kn);
+        if (!p) return NULL;
+        int idx = -1;
+        if (KEY_IS(k, kn, "correlation")) idx = 0;
+        else if (KEY_IS(k, kn, "External id")) idx = 1;
+        else if (KEY_IS(k, kn, "device")) idx = 2;
+        else if (KEY_IS(k, kn, "stream")) idx = 3;
+        if (idx >= 0) {
+            p = read_int(c, p, &e->ints[idx], &e->ints_set[idx], &e->args_typed);
+        } else if (KEY_IS(k, kn, "bytes")) {
+            int cls, isint;
+            const char *t0 = NULL, *t1 = NULL;
+            p = read_value(c, p, &cls, &t0, &t1, &isint, NULL);
+            e->bytes_set = e->bytes_mz = 0;
+            if (p && (cls == V_NUM || cls == V_NUMSTR)) {
+                if (number_value(t0, t1, &e->bytes) < 0) return fail(c, EMEM, p, NULL);
+                if (isfinite(e->bytes)) {
+                    e->bytes_set = 1;
+                    if (cls == V_NUM && isint && minus_zero(t0, t1)) e->bytes_mz = 1;
+                } else {
+                    e->args_typed = 0;
+                }
+                if (cls == V_NUMSTR) e->args_typed = 0;
+            } else if (p && cls != V_NULL) {
+                e->args_typed = 0;
+            }
+        } else {
+            int r = -1;
+            if (KEY_IS(k, kn, "grid")) r = 0;
+            else if (KEY_IS(k, kn, "block")) r = 1;
+            else if (KEY_IS(k, kn, "Input Dims")) r = 2;
+            else if (KEY_IS(k, kn, "Input type")) r = 3;
+            else if (KEY_IS(k, kn, "Concrete Inputs")) r = 4;
+            const char *q = skip_value(c, p);
+            if (q && r >= 0) {
+                e->raw[r].p = p;
+                e->raw[r].q = q;
+            }
+            p = q;
+        }
+        if (!p) return NULL;
+        p = skip_ws(p, c->end);
+        if (p >= c->end) return need(c, p);
+        if (*p == '}') return p + 1;
+        if (*p != ',') return fail(c, EJSON, p, "expected ',' or '}'");
+        p = skip_ws(p + 1, c->end);
+    }
+}
+
+/* one entry of traceEvents; *is_obj 0 when it is not an object */
+static const char *read_event(Ctx *c, const char *p, Event *e, int *is_obj) {
+    /* the fields an event may leave unset (a memset of the whole struct costs more than the rest) */
+    e->ph.set = e->cat.set = e->name.set = e->tid_s.set = 0;
+    e->name_bad = e->ts_mz = e->dur_mz = 0;
+    e->dur = 0.0;
+    e->tid = 0;
+    for (int k = 0; k < 4; k++) e->ints_set[k] = 0;
+    e->bytes_set = e->bytes_mz = 0;
+    for (int k = 0; k < 5; k++) e->raw[k].p = e->raw[k].q = NULL;
+    e->ph_ok = e->cat_ok = 1;
+    e->typed = 1;
+    e->args_typed = 1;
+    e->ts = NAN; /* absent: dropped */
+    if (p >= c->end) return need(c, p);
+    if (*p != '{') {
+        *is_obj = 0;
+        return skip_value(c, p);
+    }
+    *is_obj = 1;
+    p = skip_ws(p + 1, c->end);
+    if (p >= c->end) return need(c, p);
+    if (*p == '}') return p + 1;
+    for (;;) {
+        const char *k;
+        size_t kn;
+        int ok;
+        p = read_key(c, p, &k, &kn);
+        if (!p) return NULL;
+        if (KEY_IS(k, kn, "ph")) {
+            p = read_str(c, p, &e->ph, &e->ph_ok);
+            if (p && !e->ph_ok) e->typed = 0;
+        } else if (KEY_IS(k, kn, "cat")) {
+            p = read_str(c, p, &e->cat, &e->cat_ok);
+            if (p && !e->cat_ok) e->typed = 0;
+        } else if (KEY_IS(k, kn, "name")) {
+            p = read_str(c, p, &e->name, &ok);
+            if (p) {
+                e->name_bad = !ok;
+                if (!ok) e->typed = 0;
+            }
+        } else if (KEY_IS(k, kn, "ts")) {
+            p = read_float(c, p, &e->ts, &e->ts_mz, &e->typed);
+        } else if (KEY_IS(k, kn, "dur")) {
+            p = read_float(c, p, &e->dur, &e->dur_mz, &e->typed);
+        } else if (KEY_IS(k, kn, "tid")) {
+            int cls, isint;
+            const char *t0 = NULL, *t1 = NULL;
+            Str s;
+            s.set = 0;
+            p = read_value(c, p, &cls, &t0, &t1, &isint, &s);
+            if (p) {
+                e->tid_s.set = 0;
+                e->tid = 0;
+                if (cls == V_STR || cls == V_NUMSTR) {
+                    const char *d;
+                    size_t dn;
+                    if ((s.esc || s.hi) && decode_string(c, s.s0, s.s1, s.esc, s.hi, &d, &dn) < 0) return NULL;
+                    e->tid_s = s;
+                } else if (cls == V_NUM) {
+                    int r = int_of(t0, t1, isint, &e->tid);
+                    if (r < 0) return fail(c, EMEM, p, NULL);
+                    if (!r) e->tid = 0;
+                    if (!(isint && r)) e->typed = 0;
+                } else {
+                    e->typed = 0;
+                }
+            }
+        } else if (KEY_IS(k, kn, "args")) {
+            p = read_args(c, p, e);
+            if (p && !e->args_typed) e->typed = 0;
+        } else {
+            p = skip_value(c, p);
+        }
+        if (!p) return NULL;
+        p = skip_ws(p, c->end);
+        if (p >= c->end) return need(c, p);
+        if (*p == '}') return p + 1;
+        if (*p != ',') return fail(c, EJSON, p, "expected ',' or '}'");
+        p = skip_ws(p + 1, c->end);
+    }
+}
+
+/* index of a decoded string in the strings table */
+static int64_t str_index(Ctx *c, const Str *s) {
+    const char *d;
+    size_t dn;
+    if (!s->set) return intern_get(&c->s->strs, "", 0);
+    if (s->esc || s->hi) {
+        if (decode_string(c, s->s0, s->s1, s->esc, s->hi, &d, &dn) < 0) return -2;
+    } else {
+        d = s->s0;
+        dn = (size_t)(s->s1 - s->s0);
+    }
+    return intern_get(&c->s->strs, d, dn);
+}
+
+/* kind index of an event's category (the route callable decides each distinct category once) */
+static int route_of(Ctx *c, const Str *cat) {
+    Scanner *s = c->s;
+    const char *key = cat->set ? cat->s0 : "";
+    size_t kn = cat->set ? (size_t)(cat->s1 - cat->s0) : 0;
+    size_t before = s->cats.count;
+    int64_t k = intern_get(&s->cats, key, kn);
+    if (k < 0) return -3;
+    if ((size_t)k < before) return (int)(signed char)s->cat_route.p[k];
+    /* a new category: ask Python */
+    const char *d = "";
+    size_t dn = 0;
+    if (cat->set) {
+        if (cat->esc || cat->hi) {
+            if (decode_string(c, cat->s0, cat->s1, cat->esc, cat->hi, &d, &dn) < 0) return -2;
+        } else {
+            d = cat->s0;
+            dn = kn;
+        }
+    }
+    PyEval_RestoreThread(c->ts);
+    int kind = -1;
+    PyObject *str = PyUnicode_DecodeUTF8(d, (Py_ssize_t)dn, "strict");
+    PyObject *r = str ? PyObject_CallOneArg(s->route, str) : NULL;
+    Py_XDECREF(str);
+    if (!r) {
+        kind = -4;
+    } else if (r != Py_None) {
+        long v = PyLong_AsLong(r);
+        if (v == -1 && PyErr_Occurred()) kind = -4;
+        else if (v < -s->nkinds || v >= s->nkinds || (v < 0 && !s->name_filter)) {
+            PyErr_SetString(PyExc_ValueError, "route returned an unknown kind");
+            kind = -4;
+        } else {
+            kind = v >= 0 ? (int)v : FILTERED + (int)(-v - 1); /* -(k + 1): kind k, names filtered */
+        }
+    }
+    Py_XDECREF(r);
+    c->ts = PyEval_SaveThread();
+    if (kind == -4) {
+        /* forget the entry: cat_route must stay one entry per category */
+        return -4;
+    }
+    signed char v = (signed char)kind;
+    if (buf_put(&s->cat_route, &v, 1) < 0) return -3;
+    return kind;
+}
+
+static int is_x(Ctx *c, const Str *ph) {
+    if (!ph->set) return 0;
+    if (!ph->esc) return ph->s1 - ph->s0 == 1 && ph->s0[0] == 'X';
+    const char *d;
+    size_t dn;
+    if (decode_string(c, ph->s0, ph->s1, ph->esc, ph->hi, &d, &dn) < 0) return -1;
+    return dn == 1 && d[0] == 'X';
+}
+
+#define PUT(col, val)                                                                                 \
+    do {                                                                                              \
+        if (buf_put(&kd->cols[col], &(val), sizeof(val)) < 0) return fail(c, EMEM, p, NULL), -1;      \
+    } while (0)
+
+/* append one event to its kind's columns (or nothing, when its kind is not kept) */
+static int add_event(Ctx *c, Event *e, const char *p) {
+    if (!e->ph_ok || !e->cat_ok) return 0; /* ph or cat not a string: never used */
+    int x = is_x(c, &e->ph);
+    if (x < 0) return -1;
+    if (!x) return 0;
+    int kind = route_of(c, &e->cat);
+    if (kind == -4) return fail(c, EPY, p, NULL), -1;
+    if (kind == -3) return fail(c, EMEM, p, NULL), -1;
+    if (kind == -2) return -1;
+    if (kind < 0) return 0;
+    Scanner *s = c->s;
+    int filtered = kind >= FILTERED;
+    if (filtered) kind -= FILTERED;
+    if (e->name_bad) {
+        s->drop_name++;
+        if (s->gpu_kinds & (1u << kind)) s->drop_gpu++;
+        return 0;
+    }
+    if (filtered) { /* kept only when name_filter accepts the name (asked once per distinct name) */
+        int64_t v = str_index(c, &e->name);
+        if (v == -2) return -1;
+        if (v < 0) return fail(c, EMEM, p, NULL), -1;
+        if (s->name_ok.n < s->strs.count) {
+            size_t grow = s->strs.count - s->name_ok.n;
+            if (buf_reserve(&s->name_ok, grow) < 0) return fail(c, EMEM, p, NULL), -1;
+            memset(s->name_ok.p + s->name_ok.n, 0, grow);
+            s->name_ok.n += grow;
+        }
+        char *ok = &s->name_ok.p[v];
+        if (!*ok) {
+            const size_t *offs = (const size_t *)s->strs.offs.p;
+            const uint32_t *lens = (const uint32_t *)s->strs.lens.p;
+            PyEval_RestoreThread(c->ts);
+            PyObject *str = PyUnicode_DecodeUTF8(s->strs.arena.p ? s->strs.arena.p + offs[v] : "",
+                                                 (Py_ssize_t)lens[v], "strict");
+            PyObject *r = str ? PyObject_CallOneArg(s->name_filter, str) : NULL;
+            Py_XDECREF(str);
+            int t = r ? PyObject_IsTrue(r) : -1;
+            Py_XDECREF(r);
+            c->ts = PyEval_SaveThread();
+            if (t < 0) return fail(c, EPY, p, NULL), -1;
+            ok = &s->name_ok.p[v]; /* (the buffer did not move: nothing was interned meanwhile) */
+            *ok = t ? 1 : 2;
+        }
+        if (*ok != 1) return 0;
+    }
+    if (e->typed) { /* the typed decoder's reading of the integer token -0 */
+        if (e->ts_mz) e->ts = 0.0;
+        if (e->dur_mz) e->dur = 0.0;
+    }
+    if (e->args_typed && e->bytes_mz) e->bytes = 0.0;
+    Kind *kd = &s->kinds[kind];
+    uint32_t m = kd->mask;
+    for (int col = 0; col < NCOLS; col++) {
+        if (!(m & (1u << col))) continue;
+        switch (col) {
+        case C_NAME: {
+            int64_t v = str_index(c, &e->name);
+            if (v == -2) return -1;
+            if (v < 0) return fail(c, EMEM, p, NULL), -1;
+            int32_t i = (int32_t)v;
+            PUT(col, i);
+            break;
+        }
+        case C_TS: PUT(col, e->ts); break;
+        case C_DUR: PUT(col, e->dur); break;
+        case C_TID: {
+            if (e->tid_s.set) {
+                int64_t v = str_index(c, &e->tid_s);
+                if (v == -2) return -1;
+                if (v < 0) return fail(c, EMEM, p, NULL), -1;
+                int32_t i = (int32_t)v;
+                int64_t row = (int64_t)kd->rows;
+                if (buf_put(&kd->tid_rows, &row, sizeof row) < 0 || buf_put(&kd->tid_strs, &i, sizeof i) < 0)
+                    return fail(c, EMEM, p, NULL), -1;
+                int64_t zero = 0;
+                PUT(col, zero);
+            } else {
+                PUT(col, e->tid);
+            }
+            break;
+        }
+        case C_EXT: case C_CORR: case C_DEVICE: case C_STREAM: {
+            int j = col == C_CORR ? 0 : col == C_EXT ? 1 : col == C_DEVICE ? 2 : 3;
+            int64_t v = e->ints_set[j] ? e->ints[j] : -1;
+            PUT(col, v);
+            break;
+        }
+        case C_BYTES: {
+            double v = e->bytes_set ? e->bytes : -1.0;
+            PUT(col, v);
+            break;
+        }
+        case C_GRID: case C_BLOCK: {
+            Span *r = &e->raw[col == C_GRID ? 0 : 1];
+            size_t n = r->p ? (size_t)(r->q - r->p) : 0;
+            if (n && !utf8_valid((const unsigned char *)r->p, n)) {
+                fail(c, EJSON, r->p, "invalid UTF-8 in a string");
+                return -1;
+            }
+            int64_t v = intern_get(&s->strs, n ? r->p : "", n);
+            if (v < 0) return fail(c, EMEM, p, NULL), -1;
+            int32_t i = (int32_t)v;
+            PUT(col, i);
+            break;
+        }
+        case C_DIMS: case C_TYPES: case C_CONCRETE: {
+            Span *r = &e->raw[col - C_DIMS + 2];
+            int32_t i = -1;
+            if (r->p && r->q > r->p) {
+                int64_t v = intern_get(&s->raws, r->p, (size_t)(r->q - r->p));
+                if (v < 0) return fail(c, EMEM, p, NULL), -1;
+                i = (int32_t)v;
+            }
+            PUT(col, i);
+            break;
+        }
+        }
+    }
+    kd->rows++;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* the document */
+
+static int store_meta(Ctx *c, const char *k, size_t kn, const char *v0, const char *v1) {
+    PyEval_RestoreThread(c->ts);
+    int rc = 0;
+    PyObject *key = PyUnicode_DecodeUTF8(k, (Py_ssize_t)kn, "strict");
+    PyObject *val = key ? PyBytes_FromStringAndSize(v0, v1 - v0) : NULL;
+    if (!val || PyDict_SetItem(c->s->meta, key, val) < 0) rc = -1;
+    Py_XDECREF(key);
+    Py_XDECREF(val);
+    c->ts = PyEval_SaveThread();
+    return rc;
+}
+
+static void reset_tables(Scanner *s) {
+    for (int k = 0; k < s->nkinds; k++) {
+        Kind *kd = &s->kinds[k];
+        for (int col = 0; col < NCOLS; col++) kd->cols[col].n = 0;
+        kd->tid_rows.n = kd->tid_strs.n = 0;
+        kd->rows = 0;
+    }
+    s->n_events = 0;
+    s->drop_name = s->drop_not_object = s->drop_gpu = 0;
+}
+
+/* Scan [base, end); returns bytes consumed (whole units only), or -1 with c->st set. */
+static Py_ssize_t scan(Ctx *c) {
+    Scanner *s = c->s;
+    const char *p = c->base, *end = c->end;
+    const char *done = p;
+    Event ev;
+    if (!s->started && p < end) {
+        if (end - p < 3 && !c->final && memcmp(p, "\xEF\xBB\xBF", (size_t)(end - p)) == 0) return 0;
+        if (end - p >= 3 && memcmp(p, "\xEF\xBB\xBF", 3) == 0) p += 3; /* a UTF-8 byte-order mark */
+        s->started = 1;
+        done = p;
+    }
+    for (;;) {
+        p = skip_ws(p, end);
+        done = p; /* state and position are committed together */
+        if (p >= end) {
+            if (c->final && s->state != S_END) {
+                fail(c, EJSON, p, s->state == S_START ? "empty document" : "truncated: the document ends early");
+                return -1;
+            }
+            return done - c->base;
+        }
+        switch (s->state) {
+        case S_START:
+            if (*p != '{') {
+                if (*p == '[' || *p == '"' || *p == '-' || is_digit(*p) || *p == 't' || *p == 'f' || *p == 'n') {
+                    const char *q = skip_value(c, p);
+                    if (!q) return -1;
+                    fail(c, ETYPE, p, "the top level is not a JSON object");
+                } else {
+                    fail(c, EJSON, p, "invalid character");
+                }
+                return -1;
+            }
+            p++;
+            s->state = S_KEY_FIRST;
+            break;
+        case S_KEY_FIRST:
+        case S_KEY: {
+            if (*p == '}' && s->state == S_KEY_FIRST) {
+                p++;
+                s->state = S_END;
+                break;
+            }
+            const char *k;
+            size_t kn;
+            const char *q = read_key(c, p, &k, &kn);
+            if (!q) return c->st == NEED ? done - c->base : -1;
+            if (KEY_IS(k, kn, "traceEvents")) {
+                if (q >= end) {
+                    if (need(c, q), c->st == NEED) return done - c->base;
+                    return -1;
+                }
+                if (*q != '[') {
+                    const char *r = skip_value(c, q);
+                    if (!r) return c->st == NEED ? done - c->base : -1;
+                    fail(c, ETYPE, q, "no traceEvents array");
+                    return -1;
+                }
+                if (s->events_seen) reset_tables(s); /* a repeated key: the last one counts */
+                s->events_seen = 1;
+                p = q + 1;
+                s->state = S_EV_FIRST;
+                break;
+            }
+            int ascii = 1; /* only ASCII keys can name a field of the trace: others are skipped */
+            for (size_t i = 0; i < kn; i++)
+                if ((unsigned char)k[i] >= 0x80) ascii = 0;
+            /* keep k: copy it, since skipping may not touch scratch but decoding others would */
+            char kbuf[64];
+            char *kcopy = kn <= sizeof kbuf ? kbuf : malloc(kn ? kn : 1);
+            if (!kcopy) {
+                fail(c, EMEM, p, NULL);
+                return -1;
+            }
+            memcpy(kcopy, k, kn);
+            const char *r = skip_value(c, q);
+            if (!r) {
+                if (kcopy != kbuf) free(kcopy);
+                return c->st == NEED ? done - c->base : -1;
+            }
+            int rc = ascii ? store_meta(c, kcopy, kn, q, r) : 0;
+            if (kcopy != kbuf) free(kcopy);
+            if (rc < 0) {
+                c->st = EPY;
+                return -1;
+            }
+            p = r;
+            s->state = S_AFTER_VALUE;
+            break;
+        }
+        case S_AFTER_VALUE:
+            if (*p == ',') {
+                p++;
+                s->state = S_KEY;
+            } else if (*p == '}') {
+                p++;
+                s->state = S_END;
+            } else {
+                fail(c, EJSON, p, "expected ',' or '}'");
+                return -1;
+            }
+            break;
+        case S_EV_FIRST:
+            if (*p == ']') {
+                p++;
+                s->state = S_AFTER_VALUE;
+                break;
+            }
+            s->state = S_EV_VALUE;
+            break;
+        case S_EV_NEXT:
+            if (*p == ']') {
+                p++;
+                s->state = S_AFTER_VALUE;
+            } else if (*p == ',') {
+                p++;
+                s->state = S_EV_VALUE;
+            } else {
+                fail(c, EJSON, p, "expected ',' or ']'");
+                return -1;
+            }
+            break;
+        case S_EV_VALUE: {
+            int is_obj;
+            const char *q = read_event(c, p, &ev, &is_obj);
+            if (!q) return c->st == NEED ? done - c->base : -1;
+            if (!is_obj) s->drop_not_object++;
+            else if (add_event(c, &ev, p) < 0) return -1;
+            s->n_events++;
+            p = q;
+            s->state = S_EV_NEXT;
+            break;
+        }
+        case S_END:
+            fail(c, EJSON, p, "trailing characters after the document");
+            return -1;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Python interface */
+
+static PyObject *ScanError; /* (kind, message): kind 'json' or 'type' */
+
+static int Scanner_init(Scanner *self, PyObject *args, PyObject *kw) {
+    PyObject *route, *kinds, *gpu = NULL, *name_filter = NULL;
+    static char *kwlist[] = {"kinds", "route", "gpu_kinds", "name_filter", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO", kwlist, &kinds, &route, &gpu, &name_filter)) return -1;
+    if (name_filter == Py_None) name_filter = NULL;
+    if (name_filter && !PyCallable_Check(name_filter)) {
+        PyErr_SetString(PyExc_TypeError, "name_filter must be callable");
+        return -1;
+    }
+    Py_XINCREF(name_filter);
+    Py_XSETREF(self->name_filter, name_filter);
+    self->gpu_kinds = 0;
+    if (gpu) {
+        PyObject *g = PySequence_Fast(gpu, "gpu_kinds must be a sequence");
+        if (!g) return -1;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(g); i++) {
+            long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(g, i));
+            if (v < 0 || v >= MAX_KINDS) {
+                Py_DECREF(g);
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "gpu_kinds: a kind index");
+                return -1;
+            }
+            self->gpu_kinds |= 1u << v;
+        }
+        Py_DECREF(g);
+    }
+    if (!PyCallable_Check(route)) {
+        PyErr_SetString(PyExc_TypeError, "route must be callable");
+        return -1;
+    }
+    /* kinds: a sequence of sequences of column names, one per kind */
+    PyObject *seq = PySequence_Fast(kinds, "kinds must be a sequence");
+    if (!seq) return -1;
+    Py_ssize_t nk = PySequence_Fast_GET_SIZE(seq);
+    if (nk > MAX_KINDS) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many kinds");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        PyObject *cols = PySequence_Fast(PySequence_Fast_GET_ITEM(seq, i), "columns must be a sequence");
+        if (!cols) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        uint32_t mask = 0;
+        for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(cols); j++) {
+            const char *name = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(cols, j));
+            if (!name) {
+                Py_DECREF(cols);
+                Py_DECREF(seq);
+                return -1;
+            }
+            int found = -1;
+            for (int k = 0; k < NCOLS; k++)
+                if (strcmp(name, COL_NAMES[k]) == 0) found = k;
+            if (found < 0) {
+                PyErr_Format(PyExc_ValueError, "unknown column %s", name);
+                Py_DECREF(cols);
+                Py_DECREF(seq);
+                return -1;
+            }
+            mask |= 1u << found;
+        }
+        Py_DECREF(cols);
+        self->kinds[i].mask = mask;
+    }
+    Py_DECREF(seq);
+    self->nkinds = (int)nk;
+    Py_INCREF(route);
+    Py_XSETREF(self->route, route);
+    Py_XSETREF(self->meta, PyDict_New());
+    if (!self->meta) return -1;
+    return 0;
+}
+
+static void Scanner_clear(Scanner *self) {
+    for (int k = 0; k < MAX_KINDS; k++) {
+        Kind *kd = &self->kinds[k];
+        for (int col = 0; col < NCOLS; col++) buf_free(&kd->cols[col]);
+        buf_free(&kd->tid_rows);
+        buf_free(&kd->tid_strs);
+        kd->rows = 0;
+    }
+    intern_free(&self->strs);
+    intern_free(&self->raws);
+    intern_free(&self->cats);
+    buf_free(&self->cat_route);
+    buf_free(&self->scratch);
+    buf_free(&self->carry);
+    buf_free(&self->name_ok);
+}
+
+static void Scanner_dealloc(Scanner *self) {
+    Scanner_clear(self);
+    Py_XDECREF(self->route);
+    Py_XDECREF(self->name_filter);
+    Py_XDECREF(self->meta);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *raise_scan(const char *kind, const char *msg) {
+    PyObject *v = Py_BuildValue("(ss)", kind, msg);
+    if (v) {
+        PyErr_SetObject(ScanError, v);
+        Py_DECREF(v);
+    }
+    return NULL;
+}
+
+/* scan [p, p + n); the bytes consumed, or -1 with the error in c */
+static Py_ssize_t scan_at(Scanner *self, Ctx *c, const char *p, size_t n, int final) {
+    c->base = p;
+    c->end = p + n;
+    c->final = final;
+    c->st = OK;
+    Py_ssize_t k = scan(c);
+    if (k > 0) self->offset += (uint64_t)k;
+    return k;
+}
+
+/* feed(data, final=False): scan what data completes. A unit cut by the end of data is kept (copied)
+ * and completed by the next call. */
+static PyObject *Scanner_feed(Scanner *self, PyObject *args, PyObject *kw) {
+    Py_buffer view;
+    int final = 0;
+    static char *kwlist[] = {"data", "final", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*|p", kwlist, &view, &final)) return NULL;
+    if (self->busy || self->err_kind || self->finished) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_RuntimeError, self->busy ? "feed is already running"
+                                            : self->err_kind ? "the scanner stopped at an error"
+                                                             : "the document was already finished");
+        return NULL;
+    }
+    self->busy = 1;
+    Ctx c;
+    memset(&c, 0, sizeof c);
+    c.s = self;
+    const char *data = view.buf;
+    size_t len = (size_t)view.len, pos = 0;
+    Buf *carry = &self->carry;
+    Py_ssize_t k = 0;
+    c.ts = PyEval_SaveThread();
+    /* 1. complete the unit kept from the previous call, appending data in growing steps */
+    size_t step = 4096;
+    while (carry->n && (pos < len || final)) {
+        size_t take = len - pos < step ? len - pos : step;
+        size_t old = carry->n;
+        if (buf_put(carry, data + pos, take) < 0) {
+            c.st = EMEM;
+            k = -1;
+            break;
+        }
+        pos += take;
+        int last = final && pos == len;
+        if (!last && carry->n < self->retry_at) continue; /* not enough new text to try again */
+        k = scan_at(self, &c, carry->p, carry->n, last);
+        if (k < 0) break;
+        if (last) { /* the final scan reads to the end or fails */
+            carry->n = 0;
+            break;
+        }
+        if ((size_t)k >= old) { /* the kept unit is complete: go on in data itself */
+            size_t rest = carry->n - (size_t)k; /* unconsumed bytes, all from data (rest <= take) */
+            pos -= rest;
+            carry->n = 0;
+            self->retry_at = 0;
+            break;
+        }
+        memmove(carry->p, carry->p + k, carry->n - (size_t)k);
+        carry->n -= (size_t)k;
+        self->retry_at = carry->n * 2;
+        step *= 2;
+    }
+    /* 2. the rest of data */
+    if (k >= 0 && !carry->n && (pos < len || final)) {
+        k = scan_at(self, &c, data + pos, len - pos, final);
+        if (k >= 0 && (size_t)k < len - pos) {
+            if (buf_put(carry, data + pos + k, len - pos - (size_t)k) < 0) {
+                c.st = EMEM;
+                k = -1;
+            } else {
+                self->retry_at = carry->n * 2;
+            }
+        }
+    }
+    PyEval_RestoreThread(c.ts);
+    self->busy = 0;
+    PyBuffer_Release(&view);
+    if (k < 0) {
+        self->err_kind = c.st == EJSON ? 1 : c.st == ETYPE ? 2 : c.st == EMEM ? 3 : 4;
+        if (c.st == EPY) return NULL;
+        if (c.st == EMEM) return PyErr_NoMemory();
+        return raise_scan(c.st == EJSON ? "json" : "type", c.msg);
+    }
+    if (final) self->finished = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *bytes_of(Buf *b) { return PyByteArray_FromStringAndSize(b->p ? b->p : "", (Py_ssize_t)b->n); }
+
+static PyObject *table_list(Intern *t, int as_str) {
+    PyObject *list = PyList_New((Py_ssize_t)t->count);
+    if (!list) return NULL;
+    const size_t *offs = (const size_t *)t->offs.p;
+    const uint32_t *lens = (const uint32_t *)t->lens.p;
+    for (size_t k = 0; k < t->count; k++) {
+        const char *s = t->arena.p ? t->arena.p + offs[k] : ""; /* only empty texts: no arena */
+        PyObject *o;
+        if (as_str) {
+            o = PyUnicode_DecodeUTF8(s, (Py_ssize_t)lens[k], "strict");
+            if (o) PyUnicode_InternInPlace(&o);
+        } else {
+            o = PyBytes_FromStringAndSize(s, (Py_ssize_t)lens[k]);
+        }
+        if (!o) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)k, o);
+    }
+    return list;
+}
+
+/* result() -> dict: n_events, strings, raws, meta, kinds: [{column: bytearray, ...,
+ * 'rows': n, 'tid_rows': bytearray, 'tid_strs': bytearray}] */
+static PyObject *Scanner_result(Scanner *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->state != S_END || self->err_kind || !self->finished) {
+        PyErr_SetString(PyExc_RuntimeError, "the document was not scanned to its end");
+        return NULL;
+    }
+    PyObject *out = PyDict_New(), *kinds = NULL, *o = NULL;
+    if (!out) return NULL;
+#define SET(d, k, v)                                                  \
+    do {                                                              \
+        o = (v);                                                      \
+        if (!o || PyDict_SetItemString((d), (k), o) < 0) goto error; \
+        Py_CLEAR(o);                                                  \
+    } while (0)
+    SET(out, "n_events", PyLong_FromUnsignedLongLong(self->n_events));
+    SET(out, "events_seen", PyBool_FromLong(self->events_seen));
+    o = Py_BuildValue("{sKsK}", "name", (unsigned long long)self->drop_name, "not_object",
+                      (unsigned long long)self->drop_not_object);
+    if (!o || PyDict_SetItemString(out, "drops", o) < 0) goto error;
+    Py_CLEAR(o);
+    SET(out, "gpu_dropped", PyLong_FromUnsignedLongLong(self->drop_gpu));
+    SET(out, "strings", table_list(&self->strs, 1));
+    SET(out, "raws", table_list(&self->raws, 0));
+    Py_INCREF(self->meta);
+    SET(out, "meta", self->meta);
+    kinds = PyList_New(self->nkinds);
+    if (!kinds) goto error;
+    for (int k = 0; k < self->nkinds; k++) {
+        Kind *kd = &self->kinds[k];
+        PyObject *d = PyDict_New();
+        if (!d) goto error;
+        PyList_SET_ITEM(kinds, k, d);
+        SET(d, "rows", PyLong_FromSize_t(kd->rows));
+        for (int col = 0; col < NCOLS; col++)
+            if (kd->mask & (1u << col)) SET(d, COL_NAMES[col], bytes_of(&kd->cols[col]));
+        SET(d, "tid_rows", bytes_of(&kd->tid_rows));
+        SET(d, "tid_strs", bytes_of(&kd->tid_strs));
+    }
+    SET(out, "kinds", kinds);
+    kinds = NULL;
+    Scanner_clear(self); /* the columns now live in the result */
+    return out;
+error:
+    Py_XDECREF(o);
+    Py_XDECREF(kinds);
+    Py_DECREF(out);
+    return NULL;
+#undef SET
+}
+
+static PyObject *col_types(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
+    PyObject *d = PyDict_New();
+    if (!d) return NULL;
+    for (int k = 0; k < NCOLS; k++) {
+        char t[2] = {COL_TYPE[k], 0};
+        PyObject *v = PyUnicode_FromString(t);
+        if (!v || PyDict_SetItemString(d, COL_NAMES[k], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return d;
+}
+
+static PyMethodDef Scanner_methods[] = {
+    {"feed", (PyCFunction)(void (*)(void))Scanner_feed, METH_VARARGS | METH_KEYWORDS,
+     "feed(data, final=False) -> number of bytes consumed (whole units only)"},
+    {"result", (PyCFunction)Scanner_result, METH_NOARGS, "the columns, once the document is complete"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ScannerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "traceinspect.load._kineto_scan.Scanner",
+    .tp_basicsize = sizeof(Scanner),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Scanner(kinds, route): columns of the events of one Kineto JSON document",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Scanner_init,
+    .tp_dealloc = (destructor)Scanner_dealloc,
+    .tp_methods = Scanner_methods,
+};
+
+/* factorize(list) -> (codes: bytearray of int64, uniques: list): codes in order of first appearance,
+ * equal values (hash and ==, as a dict has them) sharing one code. */
+static PyObject *factorize(PyObject *Py_UNUSED(m), PyObject *arg) {
+    if (!PyList_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "factorize takes a list");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    if (n > PY_SSIZE_T_MAX / 8) return PyErr_NoMemory();
+    PyObject *codes = PyByteArray_FromStringAndSize(NULL, n * 8);
+    PyObject *seen = PyDict_New();
+    PyObject *uniq = PyList_New(0);
+    if (!codes || !seen || !uniq) goto error;
+    int64_t *out = (int64_t *)(void *)PyByteArray_AS_STRING(codes);
+    PyObject *last = NULL;
+    int64_t last_code = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyList_GET_ITEM(arg, i);
+        if (v == last) { /* runs of one object: the same key */
+            out[i] = last_code;
+            continue;
+        }
+        PyObject *c = PyDict_GetItemWithError(seen, v);
+        int64_t code;
+        if (c) {
+            code = PyLong_AsLongLong(c);
+        } else {
+            if (PyErr_Occurred()) goto error;
+            code = (int64_t)PyList_GET_SIZE(uniq);
+            PyObject *k = PyLong_FromLongLong(code);
+            if (!k) goto error;
+            int rc = PyDict_SetItem(seen, v, k);
+            Py_DECREF(k);
+            if (rc < 0 || PyList_Append(uniq, v) < 0) goto error;
+        }
+        out[i] = code;
+        last = v;
+        last_code = code;
+    }
+    Py_DECREF(seen);
+    PyObject *res = PyTuple_Pack(2, codes, uniq);
+    Py_DECREF(codes);
+    Py_DECREF(uniq);
+    return res;
+error:
+    Py_XDECREF(codes);
+    Py_XDECREF(seen);
+    Py_XDECREF(uniq);
+    return NULL;
+}
+
+static PyMethodDef module_methods[] = {
+    {"column_types", col_types, METH_NOARGS, "column name -> storage ('f', 'i', 's', 'r')"},
+    {"factorize", factorize, METH_O, "factorize(list) -> (int64 codes as a bytearray, uniques)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "_kineto_scan", "Columnar scanner for Kineto JSON", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__kineto_scan(void) {
+    if (PyType_Ready(&ScannerType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    ScanError = PyErr_NewException("traceinspect.load._kineto_scan.ScanError", PyExc_ValueError, NULL);
+    if (!ScanError || PyModule_AddObject(m, "ScanError", ScanError) < 0) {
+        Py_XDECREF(ScanError);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(ScanError);
+    Py_INCREF(&ScannerType);
+    if (PyModule_AddObject(m, "Scanner", (PyObject *)&ScannerType) < 0) {
+        Py_DECREF(&ScannerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
