@@ -79,7 +79,14 @@ def _pair_prediction(pair: dict) -> tuple[float, float, float]:
     before, after = _fixture(pair["before"]), _fixture(pair["after"])
     rule_id, _, variant = pair["fix"].partition(":")
     rule = before.rule_set.get(rule_id)
-    finding = next(f for f in before.findings if f.rule == rule_id)
+    finding = next((f for f in before.findings if f.rule == rule_id), None)
+    if finding is None:  # the rule did not fire: its fix acts on what the rule selects
+        from traceinspect.judge.engine import Finding, _fix_context
+        from traceinspect.judge.metrics import Subject
+
+        finding = Finding(rule=rule_id, severity=rule.severity, title=rule.title, message="", share=None,
+                          est_saving_us_per_step=None, ranks=[], evidence={}, remediation="")
+        finding.fix_context = _fix_context(rule, Subject(rule.select.scope, "", {}), {}, None)
     i = [f.variant for f in rule.fixes].index(variant)
     p = replayer(before).predict(fix_edits(replayer(before), before, finding, rule, i))
     measured_after = replayer(after).as_measured().measured_step_us

@@ -216,7 +216,9 @@ def _eff_reason(ctx: M.MetricContext) -> str:
 
 
 def _evaluate_rule(rule: Rule, ctx: M.MetricContext, subjects: _Subjects, phase: str) -> list[Outcome]:
-    if rule.scope != "all" and rule.scope != phase:
+    # steps whose phase no marker states count for decode and prefill alike (as in select_steps); the
+    # analysis warns that their phase was not marked
+    if rule.scope != "all" and rule.scope != phase and not (phase == "unknown" and rule.scope in ("decode", "prefill")):
         return [Outcome(rule.id, "skipped", reasons=[f"rule applies to {rule.scope} steps; the analysis is of "
                                                       f"{phase} steps"])]
     subs, why_none = subjects.of(rule)

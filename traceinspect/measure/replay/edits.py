@@ -13,6 +13,7 @@ Text form (``traceinspect whatif --edit``) and mapping form (a rule's ``fixes:``
 | ``async`` | ``async [SEL]`` | blocking calls (by name: ``name~=Synchronize``) no longer wait for the GPU |
 | ``kv-rows`` | ``kv-rows SEL`` | the selected cast reads only the active KV rows: time x active rows / pool rows |
 | ``trim`` | ``trim SEL US`` | the selected operations lose US per step in total, in proportion to their time |
+| ``graph-gaps`` | ``graph-gaps [rank=R]`` | gaps between kernels that ran back to back capped at this GPU's CUDA-graph kernel gap (``rules/replay.yaml``) |
 | ``gemm-m`` | ``gemm-m SEL F`` | the selected GEMMs at F times their M (a batch change), from the measured M-efficiency curve |
 
 ``SEL`` is ``key=value`` / ``key~=regex`` / ``key!~=regex`` terms joined by commas: ``class``,
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from traceinspect.measure.replay.sim import Params
 
 KINDS = ("scale", "remove", "transfer", "host-gaps", "launch-cost", "host-from", "async", "kv-rows", "trim",
-         "gemm-m")
+         "gemm-m", "graph-gaps")
 SELECT_KEYS = ("class", "name", "not_name", "op", "not_op", "kind", "rank")
 
 
@@ -206,7 +207,7 @@ def parse_edit(text: str) -> Edit:
                 e.dst, e.src = int(args[0]), int(args[1])
             except ValueError:
                 raise EditError("host-from takes two rank numbers") from None
-        elif kind == "async":
+        elif kind in ("async", "graph-gaps"):
             e.select = parse_select(args[0]) if args else Select()
     except EditError as err:
         raise EditError(f"edit {text!r}: {err}") from None
@@ -349,6 +350,16 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
             else:
                 hm &= m.h_launches & ~p.block
                 p.hdur[hm] = np.minimum(p.hdur[hm], v)
+        elif e.kind == "graph-gaps":
+            gap, why = graph_gap(a)
+            if gap is None:
+                out.notes.append(f"{e.describe()}: {why}; the measured gaps are kept")
+                continue
+            gm = np.ones(m.n_ops, dtype=bool)
+            if e.select.ranks:
+                gm &= np.isin(m.g_rank, list(e.select.ranks))
+            p.lS[gm] = np.minimum(p.lS[gm], gap)
+            out.notes.append(f"{e.describe()}: gaps between back-to-back kernels capped at {gap:g} us ({why})")
         elif e.kind == "host-from":
             why = _host_from(m, p, e)
             if why:
@@ -362,6 +373,17 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
             p.block[hm] = False
             p.hdur[hm] = p.r[hm]
     return out
+
+
+def graph_gap(a: Analysis) -> tuple[float | None, str]:
+    """This GPU's kernel-to-kernel gap in a CUDA-graph replay from ``rules/replay.yaml``, or why not."""
+    from traceinspect.measure.replay.model import load_settings
+
+    dev = a.device_name() or ""
+    for rx, us, src in load_settings().graph_gaps:
+        if rx.search(dev):
+            return us, src
+    return None, f"no CUDA-graph kernel gap for {dev or 'an unknown GPU'} in rules/replay.yaml"
 
 
 def _scale(p: Params, mask: np.ndarray, coll: np.ndarray, f: float) -> None:

@@ -47,6 +47,7 @@ class Settings:
     block_tol_us: float
     max_steps: int
     launch_floor_pct: float
+    graph_gaps: tuple[tuple[re.Pattern[str], float, str], ...] = ()
 
 
 @lru_cache(maxsize=4)
@@ -58,9 +59,11 @@ def load_settings(path: str | None = None) -> Settings:
     file = Path(path) if path else rules_dir() / SETTINGS_FILE
     try:
         doc = yaml.safe_load(file.read_text(encoding="utf-8"))["replay"]
+        gaps = tuple((re.compile(str(g["match"]), re.IGNORECASE), float(g["us"]), str(g.get("source", "")))
+                     for g in doc.get("graph_kernel_gap_us") or [])
         return Settings(blocking=re.compile(str(doc["blocking_calls"])),
                         block_tol_us=float(doc["block_tolerance_us"]), max_steps=max(1, int(doc["max_steps"])),
-                        launch_floor_pct=float(doc["launch_floor_percentile"]))
+                        launch_floor_pct=float(doc["launch_floor_percentile"]), graph_gaps=gaps)
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, re.error) as e:
         raise RuleError(f"unusable replay settings: {type(e).__name__}: {e}", file) from None
 
