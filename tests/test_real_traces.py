@@ -147,8 +147,6 @@ def _one_step(doc: dict[str, Any], keep_span: bool, win: tuple[float, float, flo
     doc["traceEvents"] = out
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: with no step marker, the fp8 quantize before the KV "
-                   "write is not promoted to kv_write as it is in the marked twin (16 of ~1,000 kernels)")
 def test_a_capture_with_no_step_marker_is_one_step_with_its_twins_classes(tmp_path: Path) -> None:
     src = fixture_dir("kv-full-cast-eager") / "fixture-TP-0.trace.json.gz"
     full = analyze([src], phase="all", jobs=1)
