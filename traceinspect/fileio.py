@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,3 +40,21 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 def write_json_atomic(path: str | Path, doc: Any) -> None:
     """Write a strict JSON document (no NaN) atomically."""
     write_text_atomic(path, json.dumps(doc, indent=2, allow_nan=False) + "\n")
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file as a dict; raise ConfigError (exit 2) naming the file and why it is unusable."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    from traceinspect.errors import ConfigError
+
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ConfigError("config file not found", path) from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file: {e}", path) from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"invalid TOML: {e}", path) from e

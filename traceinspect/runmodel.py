@@ -21,7 +21,6 @@ Confidence is ``high`` (stated by the user or the server, or two independent met
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,16 +30,12 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.errors import ConfigError
+from traceinspect.fileio import read_toml
 from traceinspect.tables import text_values
 
 if TYPE_CHECKING:
     from traceinspect.graphs import GraphOps
     from traceinspect.model import TraceSet
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 FACTS = ("layers", "kv_pool_tokens", "kv_cache_dtype", "page_size", "kv_row_bytes", "experts", "top_k",
          "hidden_size", "vocab_size", "tp_size", "pp_size", "ep_size", "batch")
@@ -164,14 +159,7 @@ def user_facts(layers: int | None = None, experts: int | None = None, top_k: int
 
 
 def _config_model(path: Path) -> dict[str, int]:
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise ConfigError("config file not found", path) from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config file: {e}", path) from e
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"invalid TOML: {e}", path) from e
+    data = read_toml(path)
     model = data.get("model", {})
     if not isinstance(model, dict):
         raise ConfigError("[model] must be a table", path)

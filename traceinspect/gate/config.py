@@ -17,18 +17,13 @@ are errors (a typo must not silently loosen a gate).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from traceinspect.errors import ConfigError
+from traceinspect.fileio import read_toml
 from traceinspect.gate.thresholds import Floor, Threshold, parse_floor, parse_threshold
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 DEFAULT_CONFIG_NAME = "traceinspect.toml"
 GATE_KEYS = {"max-regression", "floor", "alpha", "fail-on", "allow-mismatch"}
@@ -58,14 +53,7 @@ def _expect(value: Any, typ: type | tuple[type, ...], key: str, path: Path) -> A
 def load_config(path: str | Path) -> GateConfig:
     """Read a ``traceinspect.toml``; raise ConfigError (exit 2) with the reason if it is unusable."""
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise ConfigError("config file not found", p) from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config file: {e}", p) from e
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"invalid TOML: {e}", p) from e
+    data = read_toml(p)
     cfg = GateConfig(path=p)
     gate = data.get("gate", {})
     rules = data.get("rules", {})
