@@ -1,0 +1,30 @@
+"""Every fixture set's JSON, Markdown, HTML and terminal output equal the stored golden copies (see
+tests/golden/golden.py), so a change that moves code cannot move a number or a word unnoticed."""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
+from golden import OUTPUTS, fixture_sets, render, set_name, stored  # noqa: E402
+
+
+@pytest.mark.parametrize("fixture", fixture_sets(), ids=set_name)
+def test_outputs_equal_golden(fixture: Path, tmp_path: Path) -> None:
+    got, want = render(fixture, tmp_path / set_name(fixture)), stored(fixture)
+    for name in OUTPUTS:
+        if got[name] != want[name]:
+            diff = "".join(list(difflib.unified_diff(want[name].splitlines(True), got[name].splitlines(True),
+                                                     "golden/" + name, "now/" + name, n=1))[:60])
+            pytest.fail(f"{set_name(fixture)}/{name} differs from the golden copy "
+                        f"(python tests/golden/update.py {set_name(fixture)} after a change meant to alter it):\n{diff}")
+
+
+def test_every_fixture_set_has_a_golden_copy() -> None:
+    names = {set_name(f) for f in fixture_sets()}
+    stored_names = {p.name for p in (Path(__file__).resolve().parent / "golden").iterdir() if p.is_dir()}
+    assert names == stored_names - {"__pycache__"}
