@@ -209,7 +209,7 @@ def test_capture_saves_the_model_config(servers: dict[str, Standin], tmp_path: P
     info = json.loads((out / "server_info.json").read_text())
     assert info["model_config"] == {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 512,
                                     "model_type": "llama", "source": str(snap / "config.json")}
-    from traceinspect.runmodel import LAYER_KEYS, model_int
+    from traceinspect.model.run import LAYER_KEYS, model_int
 
     assert model_int(info, LAYER_KEYS) == (6, "model_config.num_hidden_layers=6")
 

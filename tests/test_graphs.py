@@ -9,10 +9,9 @@ import pandas as pd
 import pytest
 from conftest import copy_set, fixture_dir, graph_set_missing_one_launch, manifest, raw_events
 
-from traceinspect import graphs
 from traceinspect.analysis import Options, analyze
-from traceinspect.classify import CLASSES, classify_kernels
-from traceinspect.graphs import NO_CAPTURE, CaptureTrace, GraphOps, recover_graph_ops
+from traceinspect.classify import CLASSES, classify_kernels, graphs
+from traceinspect.classify.graphs import NO_CAPTURE, CaptureTrace, GraphOps, recover_graph_ops
 from traceinspect.link import link
 from traceinspect.load import load_trace_set
 from traceinspect.model import RankInfo, TraceSet

@@ -15,7 +15,7 @@ import pytest
 from conftest import fixture_dir, run_cli
 
 from traceinspect.analysis import analyze
-from traceinspect.consistency import CLOCK_WARN_US
+from traceinspect.measure.clock import CLOCK_WARN_US
 
 EAGER = "kv-full-cast-eager"
 OTHER = "kv-gather-cast-eager"  # another capture of the same setup

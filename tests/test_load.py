@@ -117,7 +117,9 @@ def test_ranks_linked_where_parsed_equal_linking_the_stacked_tables() -> None:
     files = sorted(fix.glob("*-TP-*.trace.json.gz"))
     if len(files) < 2:
         pytest.skip("fixture not present")
-    ts = load_trace_set(fix, use_cache=False)
+    from traceinspect.link import link_parsed
+
+    ts = load_trace_set(fix, use_cache=False, prepare=link_parsed)
     assert ts.linked
     parsed = [parse_file(f) for f in files]
     ranks = list(range(len(parsed)))

@@ -15,12 +15,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from traceinspect.classify.runfacts import decide as decide_run
 from traceinspect.errors import ConfigError, RuleError
 from traceinspect.judge import Finding, evaluate, explain, load_rule_file, load_rule_set
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import ExprError, evaluate_explain, parse
-from traceinspect.judge.saferegex import RegexError, compile_safe
-from traceinspect.runmodel import decide as decide_run
+from traceinspect.saferegex import RegexError, compile_safe
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_IDS = {"kv-full-pool-cast", "small-m-gemm", "comm-wait", "comm-bound", "launch-bound", "host-sync",

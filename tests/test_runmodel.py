@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from conftest import copy_set, fixture_dir, real_trace
 
+from traceinspect.classify.runfacts import decide, longest_period
 from traceinspect.errors import ConfigError
-from traceinspect.runmodel import decide, longest_period, user_facts
+from traceinspect.model.run import user_facts
 
 
 def run_model(d: Path, **user: int):
     """The run model of a trace set as the pipeline decides it (load, link, steps, graphs, classify)."""
-    from traceinspect.classify import classify_kernels
-    from traceinspect.graphs import recover_graph_ops
+    from traceinspect.classify import classify_kernels, recover_graph_ops
     from traceinspect.link import link
     from traceinspect.load import load_trace_set
     from traceinspect.steps import build_steps
@@ -136,7 +136,8 @@ def test_one_place_per_fact() -> None:
     reader for them in the stages."""
     root = Path(__file__).resolve().parents[1] / "traceinspect"
     for p in root.rglob("*.py"):
-        if p.name == "runmodel.py" or "capture" in p.parts:
+        # the run model: its types and server_info reader, and deciding it
+        if p.relative_to(root).as_posix() in ("model/run.py", "classify/runfacts.py") or "capture" in p.parts:
             continue
         text = p.read_text()
         for needle in ('.get("num_hidden_layers"', '.get("max_total_num_tokens"', 'si.get("kv_cache_dtype"',

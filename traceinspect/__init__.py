@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from traceinspect.version import __version__
 
 if TYPE_CHECKING:
     from traceinspect.load import load_trace_set

@@ -15,18 +15,24 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect import __version__
-from traceinspect.classify import CLASSES, classify_kernels
-from traceinspect.consistency import clock_warnings, step_count_warnings
+from traceinspect.classify import CLASSES, GraphOps, classify_kernels, recover_graph_ops
 from traceinspect.errors import TraceInputError
-from traceinspect.graphs import GraphOps, recover_graph_ops
 from traceinspect.judge.gaps import Gaps
-from traceinspect.link import link
+from traceinspect.link import link, link_parsed
 from traceinspect.load import load_trace_set
+from traceinspect.measure.clock import clock_warnings
 from traceinspect.measure.time import class_step_time, class_totals, percentile, top_kernels
 from traceinspect.model import TraceSet
-from traceinspect.runmodel import RunModel, user_facts
-from traceinspect.steps import RunKind, build_steps, resolve_phase, run_kind, select_steps
+from traceinspect.model.run import RunModel, user_facts
+from traceinspect.steps import (
+    RunKind,
+    build_steps,
+    resolve_phase,
+    run_kind,
+    select_steps,
+    step_count_warnings,
+)
+from traceinspect.version import __version__
 
 if TYPE_CHECKING:
     from traceinspect.judge import Finding
@@ -156,7 +162,7 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
     rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
     user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
     ts = load_trace_set(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs,
-                        executor=opts.executor, use_cache=opts.use_cache)
+                        executor=opts.executor, use_cache=opts.use_cache, prepare=link_parsed)
     # the loaded tables hold ~1e6 long-lived objects: keep the cyclic garbage collector from rescanning
     # them during the analysis (and from touching their pages in the process forked beside it)
     gc.freeze()

@@ -9,8 +9,8 @@ import sys
 
 import click
 
-from traceinspect import __version__
 from traceinspect.errors import TraceInspectError
+from traceinspect.version import __version__
 
 # name -> "module:attribute" of a click.Command
 COMMANDS: dict[str, str] = {

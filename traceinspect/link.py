@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from traceinspect.load import duplicate_warning
+from traceinspect.load.parse import ParsedRank
 from traceinspect.model import TraceSet
 from traceinspect.tables import factorize_text, string_column
 
@@ -152,9 +154,19 @@ def link(ts: TraceSet) -> TraceSet:
     return ts
 
 
-def duplicate_warning(n_dup: int) -> str:
-    """The warning for runtime events that reuse a correlation id."""
-    return f"{n_dup} runtime events reuse a correlation id; the first one is used"
+def link_parsed(p: ParsedRank) -> None:
+    """Link one rank's tables where they were parsed (the loader's ``prepare``: the work is per rank, so it
+    runs in the parse worker; see :func:`link_tables`)."""
+    tables = (p.kernels, p.runtime, p.cpu_ops)
+    for t in tables:
+        t["rank"] = 0
+    p.link_dups = link_tables(*tables)
+    for t in tables:
+        del t["rank"]
+    # kernel names as a categorical (made here, in the parse worker): the analysis groups and filters
+    # the kernel table by name many times
+    p.kernels["name"] = string_column(*factorize_text(p.kernels["name"].to_numpy(dtype=object)))
+    p.linked = True
 
 
 def link_tables(k: pd.DataFrame, rt: pd.DataFrame, ops: pd.DataFrame) -> int:

@@ -473,3 +473,19 @@ def run_kind(ts: TraceSet, steps: pd.DataFrame) -> RunKind:
     if phases == {"prefill"}:
         return RunKind("prefill", "every step is a prefill step")
     return RunKind("mixed", f"steps of phases {', '.join(sorted(phases))}")
+
+
+def step_count_warnings(selected: pd.DataFrame, ts: TraceSet, phase: str) -> list[str]:
+    """A warning when ranks have different numbers of analysed steps."""
+    counts = selected.groupby("rank").size()
+    present = {int(r): int(n) for r, n in counts.items()}
+    if len(ts.ranks) < 2:
+        return []
+    per = {i.label: present.get(i.rank, 0) for i in ts.ranks}
+    if len(set(per.values())) <= 1:
+        return []
+    n = min(per.values())
+    detail = ", ".join(f"{k}: {v}" for k, v in per.items())
+    return [f"ranks have different numbers of complete {phase} steps ({detail}): analysed the first {n} aligned "
+            "steps (by position) for step times and cross-rank comparisons; per-rank totals use all of a "
+            "rank's steps"]

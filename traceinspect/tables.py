@@ -97,3 +97,8 @@ def string_column(codes: np.ndarray, uniques: np.ndarray) -> pd.Categorical:
     rank = np.empty(len(uniq), dtype=np.int64)
     rank[order] = np.searchsorted(cats, text[order])
     return pd.Categorical.from_codes(rank[np.asarray(codes, dtype=np.int64)], categories=pd.Index(cats, dtype=object))
+
+
+def set_object_column(k: pd.DataFrame, col: str, values: np.ndarray) -> None:
+    """Set an object column (pandas 3 would convert an object array of str to its string dtype)."""
+    k[col] = pd.Series(values, index=k.index, dtype=object, copy=False)

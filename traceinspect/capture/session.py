@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from traceinspect import __version__
 from traceinspect.capture.client import SGLangClient, normalize_url
 from traceinspect.capture.errors import (
     CaptureError,
@@ -42,6 +41,7 @@ from traceinspect.capture.load import LoadDriver, LoadSpec, make_driver, wait_fo
 from traceinspect.capture.ui import CaptureUI
 from traceinspect.capture.wait import RankKey, RankWatcher, WaitResult, expected_ranks, wait_for_ranks
 from traceinspect.gate.stats import EDGE_STEPS, samples_needed
+from traceinspect.version import __version__
 
 # SGLang's by-stage prefill capture ends at the first decode batch, so under mixed traffic it holds
 # whatever prefills came first, or nothing; prefill steps are better taken from an "all" capture.

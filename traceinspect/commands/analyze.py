@@ -55,7 +55,7 @@ def build_options(**kw: Any) -> Any:
 
 def _config_path(kw: dict[str, Any]) -> str | None:
     """The traceinspect.toml whose [model] table states run facts: --config, else ./traceinspect.toml."""
-    from traceinspect.runmodel import CONFIG_NAME
+    from traceinspect.model.run import CONFIG_NAME
 
     if kw.get("no_config"):
         return None

@@ -93,7 +93,7 @@ def _undecided_line(metrics: Sequence[str]) -> str | None:
 
 
 def _si_value(si: dict[str, Any], key: str) -> Any:
-    from traceinspect.runmodel import EXPERT_KEYS, LAYER_KEYS, TOPK_KEYS, model_int
+    from traceinspect.model.run import EXPERT_KEYS, LAYER_KEYS, TOPK_KEYS, model_int
 
     if key.startswith("model_info experts"):
         return model_int(si, EXPERT_KEYS)[0]
@@ -131,14 +131,14 @@ def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | Non
              use_cache: bool = True) -> tuple[list[Check], bool]:
     """The checklist of a trace set and whether ``analyze`` can use it."""
     from traceinspect.errors import TraceInspectError
-    from traceinspect.link import link
+    from traceinspect.link import link, link_parsed
     from traceinspect.load import load_trace_set
     from traceinspect.steps import SOURCES_TRIED, build_steps, select_steps
 
     checks: list[Check] = []
     try:
         ts = load_trace_set(list(paths), phase=phase, server_info=server_info, require_kernels=False,
-                            use_cache=use_cache)
+                            use_cache=use_cache, prepare=link_parsed)
     except TraceInspectError as e:
         errors = _file_errors(paths, phase) or [e.one_line()]
         checks.append(Check("files", FAIL, "the trace set cannot be read", errors))
@@ -184,13 +184,12 @@ def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | Non
         checks.append(_warnings_check(ts.warnings))
         return checks, False
 
-    from traceinspect.classify import classify_kernels
-    from traceinspect.graphs import recover_graph_ops
+    from traceinspect.classify import classify_kernels, recover_graph_ops
 
     recovered = recover_graph_ops(ts)
     run = classify_kernels(ts, steps, graph_ops=recovered, phase=phase)
     selected = select_steps(steps, phase)
-    from traceinspect.consistency import step_count_warnings
+    from traceinspect.steps import step_count_warnings
 
     ts.warnings += step_count_warnings(selected, ts, phase)
     checks.append(_steps_check(ts, steps, selected, phase, label))
@@ -339,7 +338,7 @@ def _clock_check(ts: Any, steps: Any, selected: Any, phase: str, label: dict[int
     if ts.n_ranks < 2:
         return Check("clocks", INFO, "single rank: no clock offsets to measure")
     from traceinspect.analysis import Analysis, Options
-    from traceinspect.consistency import CLOCK_WARN_US, clock_warnings
+    from traceinspect.measure.clock import CLOCK_WARN_US, clock_warnings
     from traceinspect.measure.collectives import analyze_collectives
     from traceinspect.measure.time import class_step_time, class_totals
 

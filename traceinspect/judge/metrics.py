@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.judge.saferegex import search
-from traceinspect.runmodel import dims as _dims
-from traceinspect.runmodel import tensor_bytes as _tensor_bytes
+from traceinspect.model.classes import CLASSES
+from traceinspect.model.shapes import dims as _dims
+from traceinspect.model.shapes import tensor_bytes as _tensor_bytes
+from traceinspect.saferegex import search
 from traceinspect.tables import per_distinct
 
 if TYPE_CHECKING:
@@ -45,20 +46,9 @@ SYNC_CALLS = frozenset({
 })
 DTOH = re.compile(r"DtoH|Device\s*->\s*(?:Host|Pinned|Pageable)", re.IGNORECASE)
 CAST_DST = re.compile(r"direct_copy_kernel_cuda.*?lambda\((?:c10::)?(\w+)\)")
-CLASS_IDS_FALLBACK = (
-    "fp4_gemm", "fp8_gemm", "bf16_gemm", "fp32_gemm", "conv", "moe_gemm", "moe_dispatch", "attention", "kv_write",
-    "kv_cast", "dtype_cast", "comm", "norm", "activation", "rotary", "quantize", "sampling", "memcpy", "elementwise",
-    "other",
-)
-
-
 def class_ids() -> tuple[str, ...]:
-    """The kernel class ids of the classifier (the fallback list when it cannot be imported)."""
-    try:
-        from traceinspect.classify import CLASSES
-    except Exception:  # noqa: BLE001 - the classifier stage is optional for rule loading
-        return CLASS_IDS_FALLBACK
-    return tuple(CLASSES)
+    """The kernel class ids (the ``class`` subjects' names)."""
+    return CLASSES
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from traceinspect import units
 from traceinspect.errors import ConfigError, RuleError
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, parse
-from traceinspect.judge.saferegex import RegexError, compile_safe
 from traceinspect.judge.yamlsrc import LDict, LList, line_of, read_yaml
+from traceinspect.saferegex import RegexError, compile_safe
 
 ID_RE = re.compile(r"^[a-z][a-z0-9]*(?:-[a-z0-9]+)*$")
 SEVERITIES = ("critical", "warning", "info")

@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from traceinspect.consistency import rank_set_warnings
 from traceinspect.errors import TraceInputError
+from traceinspect.load.consistency import rank_set_warnings
 from traceinspect.load.discover import RankFile, discover, read_server_info
 from traceinspect.load.parse import GPU_KINDS, ParsedRank, drop_summary, parse_file
 from traceinspect.model import RankInfo, TraceSet
@@ -37,12 +37,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_rank_file(path: str | Path, use_cache: bool = True) -> tuple[str, int, ParsedRank]:
+def load_rank_file(path: str | Path, use_cache: bool = True,
+                   prepare: Callable[[ParsedRank], None] | None = None) -> tuple[str, int, ParsedRank]:
     """Hash, then read one rank file from the cache or parse it (and cache the tables).
 
     This is the unit of work a local process or a dask worker runs: it touches only the file and the
     cache of the machine it runs on and returns the content hash, the file size and the compact tables,
-    already linked (kernel -> runtime event -> CPU op is per rank).
+    after ``prepare`` (the pipeline passes the link stage's per-rank linking: kernel -> runtime event ->
+    CPU op is per rank).
     """
     from traceinspect.load import cache, parse
 
@@ -55,7 +57,8 @@ def load_rank_file(path: str | Path, use_cache: bool = True) -> tuple[str, int, 
         finally:
             digest = hasher.hexdigest()
         size = path.stat().st_size
-        _link_rank(parsed)
+        if prepare is not None:
+            prepare(parsed)
         return digest, size, parsed
     digest = _sha256(path)
     size = path.stat().st_size
@@ -64,25 +67,9 @@ def load_rank_file(path: str | Path, use_cache: bool = True) -> tuple[str, int, 
         parsed = parse_file(path)
         if root is not None:
             cache.store(root, digest, parsed)  # the parsed tables: linking is cheap and redone
-    _link_rank(parsed)
+    if prepare is not None:
+        prepare(parsed)
     return digest, size, parsed
-
-
-def _link_rank(p: ParsedRank) -> None:
-    """Link one rank's tables where they were parsed (the work is per rank; see link_tables)."""
-    from traceinspect.link import link_tables
-    from traceinspect.tables import factorize_text, string_column
-
-    tables = (p.kernels, p.runtime, p.cpu_ops)
-    for t in tables:
-        t["rank"] = 0
-    p.link_dups = link_tables(*tables)
-    for t in tables:
-        del t["rank"]
-    # kernel names as a categorical (made here, in the parse worker): the analysis groups and filters
-    # the kernel table by name many times
-    p.kernels["name"] = string_column(*factorize_text(p.kernels["name"].to_numpy(dtype=object)))
-    p.linked = True
 
 
 def _progress(paths: list[Path], quiet: bool | None) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -119,8 +106,8 @@ def _progress(paths: list[Path], quiet: bool | None) -> tuple[Callable[[int], No
     return advance, bar.stop
 
 
-def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool,
-                 advance: Callable[[int], None]) -> list[tuple[str, int, ParsedRank]]:
+def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool, advance: Callable[[int], None],
+                 prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[str, int, ParsedRank]]:
     import multiprocessing as mp
 
     jobs = jobs if jobs is not None else min(len(paths), os.cpu_count() or 1)
@@ -129,7 +116,7 @@ def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool,
     if jobs <= 1 or len(paths) <= 1:
         out = []
         for i, p in enumerate(paths):
-            out.append(load_rank_file(p, use_cache))
+            out.append(load_rank_file(p, use_cache, prepare))
             advance(i)
         return out
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -139,7 +126,7 @@ def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool,
     # largest files first, so that the last one to finish is a small one
     order = sorted(range(len(paths)), key=lambda i: -_size(paths[i]))
     with ProcessPoolExecutor(max_workers=min(jobs, len(paths)), mp_context=ctx) as pool:
-        futures = {pool.submit(load_rank_file, paths[i], use_cache): i for i in order}
+        futures = {pool.submit(load_rank_file, paths[i], use_cache, prepare): i for i in order}
         for fut in as_completed(futures):
             i = futures[fut]
             results[i] = fut.result()
@@ -154,8 +141,8 @@ def _size(p: Path) -> int:
         return 0
 
 
-def _parse_dask(paths: list[Path], executor: str, jobs: int | None, use_cache: bool,
-                advance: Callable[[int], None]) -> list[tuple[str, int, ParsedRank]]:
+def _parse_dask(paths: list[Path], executor: str, jobs: int | None, use_cache: bool, advance: Callable[[int], None],
+                prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[str, int, ParsedRank]]:
     """Parse rank files on dask.distributed workers; only the compact tables travel back.
 
     ``dask://HOST:PORT`` uses a running scheduler whose workers see the same paths (a shared or
@@ -172,7 +159,7 @@ def _parse_dask(paths: list[Path], executor: str, jobs: int | None, use_cache: b
 
     def run(client: Any) -> list[tuple[str, int, ParsedRank]]:
         run_id = uuid.uuid4().hex  # task keys unique to this load, whoever else uses the scheduler
-        futures = [client.submit(load_rank_file, str(p), use_cache, pure=False, key=f"traceinspect-parse-{run_id}-{i}")
+        futures = [client.submit(load_rank_file, str(p), use_cache, prepare, pure=False, key=f"traceinspect-parse-{run_id}-{i}")
                    for i, p in enumerate(paths)]
         index = {f.key: i for i, f in enumerate(futures)}
         results: list[Any] = [None] * len(paths)
@@ -200,15 +187,15 @@ def _parse_dask(paths: list[Path], executor: str, jobs: int | None, use_cache: b
         return run(client)
 
 
-def _parse_all(paths: list[Path], jobs: int | None, executor: str, use_cache: bool,
-               quiet: bool | None = None) -> list[tuple[str, int, ParsedRank]]:
+def _parse_all(paths: list[Path], jobs: int | None, executor: str, use_cache: bool, quiet: bool | None = None,
+               prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[str, int, ParsedRank]]:
     if executor != "local" and executor != "dask" and not executor.startswith("dask://"):
         raise TraceInputError(f"unknown executor {executor!r} (use local, dask or dask://HOST:PORT)")
     advance, close = _progress(paths, quiet)
     try:
         if executor == "local":
-            return _parse_local(paths, jobs, use_cache, advance)
-        return _parse_dask(paths, executor, jobs, use_cache, advance)
+            return _parse_local(paths, jobs, use_cache, advance, prepare)
+        return _parse_dask(paths, executor, jobs, use_cache, advance, prepare)
     finally:
         close()
 
@@ -295,6 +282,11 @@ def _concat(frames: list[pd.DataFrame], ranks: list[int],
     return pd.DataFrame(cols, copy=False)
 
 
+def duplicate_warning(n_dup: int) -> str:
+    """The warning for runtime events that reuse a correlation id."""
+    return f"{n_dup} runtime events reuse a correlation id; the first one is used"
+
+
 def load_trace_set(
     paths: Sequence[str | Path] | str | Path,
     *,
@@ -304,6 +296,7 @@ def load_trace_set(
     require_kernels: bool = True,
     executor: str = "local",
     use_cache: bool = True,
+    prepare: Callable[[ParsedRank], None] | None = None,
 ) -> TraceSet:
     """Load every rank file under ``paths`` (a directory, files, or globs) into one TraceSet.
 
@@ -312,14 +305,15 @@ def load_trace_set(
     false) a trace with no GPU kernels. ``executor`` is ``local`` (a process per rank file),
     ``dask`` (a local dask.distributed cluster) or ``dask://HOST:PORT`` (an existing scheduler whose
     workers can read the same paths); parsed tables are cached by content hash unless ``use_cache``
-    is false or ``$TRACEINSPECT_CACHE`` is ``off``.
+    is false or ``$TRACEINSPECT_CACHE`` is ``off``. ``prepare`` runs on each rank's tables where they were
+    parsed (the pipeline passes :func:`traceinspect.link.link_parsed`).
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
     found = discover(list(paths), phase=phase)
     warnings = list(found.notes)
     files = found.files
-    loaded = _parse_all([f.path for f in files], jobs, executor, use_cache)
+    loaded = _parse_all([f.path for f in files], jobs, executor, use_cache, prepare=prepare)
     hashes = [h for h, _, _ in loaded]
     fsizes = [n for _, n, _ in loaded]
     parsed = [p for _, _, p in loaded]
@@ -345,8 +339,6 @@ def load_trace_set(
     linked = all(p.linked for p in ordered)
     n_dup = sum(p.link_dups for p in ordered)
     if linked and n_dup:
-        from traceinspect.link import duplicate_warning
-
         warnings.append(duplicate_warning(n_dup))
     ts = TraceSet(
         ranks=infos,

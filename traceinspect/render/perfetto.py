@@ -19,9 +19,9 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from traceinspect import __version__
 from traceinspect.fileio import write_bytes_atomic
 from traceinspect.render.palette import CHROME_CNAME
+from traceinspect.version import __version__
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis

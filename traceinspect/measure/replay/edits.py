@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from traceinspect.errors import ConfigError
-from traceinspect.judge.saferegex import RegexError, compile_safe, search
+from traceinspect.saferegex import RegexError, compile_safe, search
 from traceinspect.tables import per_distinct, text_values
 
 if TYPE_CHECKING:

@@ -23,17 +23,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from traceinspect.measure.gemm import GEMM_CLASSES, op_handler
-from traceinspect.model import TraceSet
+from traceinspect.classify.table import ClassTable, classify_name
+from traceinspect.errors import TraceInputError
+from traceinspect.link import link
+from traceinspect.load.parse import parse_file
+from traceinspect.model import KERNEL_COLUMNS, RankInfo, TraceSet
+from traceinspect.model.classes import GEMM_CLASSES
+from traceinspect.model.shapes import OpInputs, op_handler
 from traceinspect.tables import combine_codes, factorize_text
-
-if TYPE_CHECKING:
-    from traceinspect.classify import ClassTable
 
 GRAPH_COLUMNS = ["rank", "replay", "cap_op", "cap_op_path", "reason"]
 NO_CAPTURE = ("CUDA-graph replay: kernels have no CPU op and no graph-capture trace was found "
@@ -153,11 +155,6 @@ def _unusable(path: Path, reason: str, parsed: Any = None) -> CaptureTrace:
 def load_capture(path: Path, rank: int) -> CaptureTrace:
     """Read and link a graph-capture trace: one synthetic GPU event per captured work call (named by
     its API), linked to its CPU op with the same code as the profiled trace."""
-    from traceinspect.errors import TraceInputError
-    from traceinspect.link import link
-    from traceinspect.load.parse import parse_file
-    from traceinspect.model import KERNEL_COLUMNS, RankInfo
-
     try:
         pr = parse_file(path)
     except TraceInputError as e:
@@ -290,8 +287,6 @@ def _match(cap: CaptureTrace, rkind: np.ndarray, rcat: np.ndarray) -> tuple[np.n
 
 def _name_categories(rk: pd.DataFrame, table: ClassTable | None) -> tuple[np.ndarray, np.ndarray]:
     """Kind codes and name-only kernel categories (GEMM / collective / other) of replayed events."""
-    from traceinspect.classify import classify_name
-
     # decided once per distinct (name, kind), on integer codes of the two columns
     nc, names = factorize_text(rk["name"].to_numpy(dtype=object))
     kc, kinds = factorize_text(rk["kind"].astype(object).to_numpy(dtype=object))
@@ -372,3 +367,40 @@ def recover_graph_ops(ts: TraceSet, table: ClassTable | None = None) -> GraphOps
                               "cap_op_path": pd.Series(cap_path, index=rep.index, dtype=object),
                               "reason": pd.Series(reason, index=rep.index, dtype=object)}, index=rep.index)
     return GraphOps(table_out, captures, ranks)
+
+
+CAPTURED_NOTE = "op from graph capture trace"
+
+
+def captured_rows(k: pd.DataFrame, graph_ops: GraphOps | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Positions in ``k`` of graph-replayed kernels with a recovered op path, and those paths."""
+    if graph_ops is None or not len(graph_ops.kernels) or "graph_replay" not in k:
+        return None
+    paths = graph_ops.op_paths()
+    if not len(paths):
+        return None
+    pos = k.index.get_indexer(paths.index)
+    ok = pos >= 0
+    pos, vals = pos[ok], paths.to_numpy(dtype=object)[ok]
+    keep = k["graph_replay"].to_numpy(dtype=bool)[pos]
+    return (pos[keep], vals[keep]) if keep.any() else None
+
+
+def captured_ops(k: pd.DataFrame, graph_ops: GraphOps | None
+                  ) -> tuple[np.ndarray, np.ndarray, dict[int, OpInputs]]:
+    """Per kernel row: replayed with a recovered op path, and the captured op's row in its rank's
+    capture ``cpu_ops`` (-1 if unknown); per rank, the capture trace's recorded shapes."""
+    captured = np.zeros(len(k), dtype=bool)
+    cap_op = np.full(len(k), -1, dtype=np.int64)
+    inputs: dict[int, OpInputs] = {}
+    rows_paths = captured_rows(k, graph_ops)
+    if rows_paths is not None:
+        captured[rows_paths[0]] = True
+    if graph_ops is not None and len(graph_ops.kernels) and "cap_op" in graph_ops.kernels:
+        pos = k.index.get_indexer(graph_ops.kernels.index)
+        ok = pos >= 0
+        cap_op[pos[ok]] = graph_ops.kernels["cap_op"].to_numpy(dtype=np.int64)[ok]
+        for rank, cap in graph_ops.captures.items():
+            if cap.ops is not None and len(cap.ops):
+                inputs[int(rank)] = OpInputs(cap.ops.reset_index(drop=True))
+    return captured, cap_op, inputs

@@ -1,4 +1,4 @@
-"""The run model: what the analysed run was (layers, KV pool, experts, parallel sizes, batch), each
+"""Deciding the run model: what the analysed run was (layers, KV pool, experts, parallel sizes, batch), each
 fact with its value, where it came from and how sure it is. Decided once per analysis, after the
 kernels have their name-based classes and before the evidence-based ones; every later stage
 (classify's evidence checks, measure, judge, render) reads it from here and nowhere else.
@@ -20,199 +20,38 @@ Confidence is ``high`` (stated by the user or the server, or two independent met
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from traceinspect.errors import ConfigError
-from traceinspect.fileio import read_toml
+from traceinspect.model.run import (
+    EXPERT_KEYS,
+    HIDDEN_KEYS,
+    TOPK_KEYS,
+    USER_FLAGS,
+    VOCAB_KEYS,
+    Fact,
+    RunModel,
+    ServerInfo,
+    undecided,
+)
+from traceinspect.model.shapes import dims, tensor_bytes
+from traceinspect.steps import select_steps
 from traceinspect.tables import text_values
 
 if TYPE_CHECKING:
-    from traceinspect.graphs import GraphOps
+    from traceinspect.classify.graphs import GraphOps
     from traceinspect.model import TraceSet
 
-FACTS = ("layers", "kv_pool_tokens", "kv_cache_dtype", "page_size", "kv_row_bytes", "experts", "top_k",
-         "hidden_size", "vocab_size", "tp_size", "pp_size", "ep_size", "batch")
-USER_KEYS = {"layers": "layers", "experts": "experts", "top-k": "top_k"}  # traceinspect.toml [model] -> fact
-USER_FLAGS = {"layers": "--layers", "experts": "--experts", "top_k": "--top-k"}
-CONFIG_NAME = "traceinspect.toml"
-
-# model-config keys per fact, in the order they are tried (HF config names of the common families)
-LAYER_KEYS = ("num_hidden_layers", "n_layers", "num_layers", "n_layer")
-EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts", "num_routed_experts",
-               "n_experts")
-TOPK_KEYS = ("num_experts_per_tok", "moe_top_k", "moe_topk", "top_k", "num_experts_per_token")
-VOCAB_KEYS = ("vocab_size",)
-HIDDEN_KEYS = ("hidden_size", "d_model", "n_embd")
 ROUTER_TOPK = ("aten::topk",)  # the op whose input is the router's [tokens, experts] logits
 ROUTER_GEMMS = {"aten::mm": (1, 1), "aten::matmul": (1, -1), "aten::linear": (1, 0), "aten::addmm": (2, 1)}
-# blocks of server_info.json that hold model-config fields, strongest first
-MODEL_BLOCKS = ("model_config", "hf_config", "model_info")
 # kernel classes that run a fixed number of times in every layer (the layer-count cross-check)
 REGULAR_CLASSES = ("attention", "norm", "comm", "rotary", "kv_write")
 MIN_LAYERS = 2
 MAX_PERIOD_KERNELS = 20_000  # longer steps are not searched for a period (cost grows with the square)
 STRUCTURE_STEPS = 3  # steps whose kernel sequence is searched for the layer period
-
-# SGLang --kv-cache-dtype / --dtype values and recorded "Input type" strings -> PyTorch dtype names
-TORCH_DTYPES = {
-    "fp8_e4m3": "Float8_e4m3fn", "fp8_e4m3fn": "Float8_e4m3fn", "float8_e4m3fn": "Float8_e4m3fn",
-    "fp8": "Float8_e4m3fn", "fp8_e5m2": "Float8_e5m2", "float8_e5m2": "Float8_e5m2",
-    "fp4_e2m1": "Float4_e2m1fn_x2", "float4_e2m1fn_x2": "Float4_e2m1fn_x2", "bfloat16": "BFloat16",
-    "bf16": "BFloat16", "float16": "Half", "fp16": "Half", "half": "Half", "float32": "float", "fp32": "float",
-    "float": "float",
-}
-DTYPE_BYTES = {
-    "float": 4, "double": 8, "c10::half": 2, "c10::bfloat16": 2, "c10::float8_e4m3fn": 1,
-    "c10::float8_e5m2": 1, "c10::float8_e4m3fnuz": 1, "c10::float8_e5m2fnuz": 1, "c10::float8_e8m0fnu": 1,
-    "unsigned char": 1, "signed char": 1, "char": 1, "short": 2, "int": 4, "long": 8, "long int": 8,
-    "bool": 1, "c10::float4_e2m1fn_x2": 1, "c10::complex<float>": 8,
-}
-
-
-@dataclass(frozen=True)
-class Fact:
-    """One decided value: ``value`` (None when undecided), ``source``, ``confidence`` and ``detail``
-    (the exact key or method; when undecided, why)."""
-
-    value: Any
-    source: str | None
-    confidence: str
-    detail: str
-
-    def to_json(self) -> dict[str, Any]:
-        v = self.value
-        if isinstance(v, (np.integer, np.floating)):
-            v = v.item()
-        return {"value": v, "source": self.source, "confidence": self.confidence, "detail": self.detail}
-
-
-UNDECIDED = "none"
-
-
-def _undecided(reason: str) -> Fact:
-    return Fact(None, None, UNDECIDED, reason)
-
-
-@dataclass
-class RunModel:
-    """The facts of one analysis (see the module docstring)."""
-
-    facts: dict[str, Fact] = field(default_factory=dict)
-
-    def value(self, name: str) -> Any:
-        f = self.facts.get(name)
-        return f.value if f is not None else None
-
-    def source(self, name: str) -> str | None:
-        f = self.facts.get(name)
-        return f.source if f is not None else None
-
-    def describe(self, name: str) -> str:
-        """'source: detail' of a decided fact, or why it is undecided."""
-        f = self.facts.get(name)
-        if f is None:
-            return f"{name}: not decided"
-        return f.detail if f.value is None else f"{f.source}: {f.detail}"
-
-    def missing(self, name: str) -> str | None:
-        """Why a fact is undecided (None when it has a value)."""
-        f = self.facts.get(name)
-        if f is None:
-            return f"{name} was not decided"
-        return f.detail if f.value is None else None
-
-    @property
-    def kv_torch_dtype(self) -> str | None:
-        """The KV cache dtype as PyTorch's "Input type" writes it, without ``c10::`` (Float8_e4m3fn)."""
-        v = self.value("kv_cache_dtype")
-        return TORCH_DTYPES.get(str(v).lower().replace("c10::", "")) if v is not None else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {name: self.facts[name].to_json() for name in FACTS if name in self.facts}
-
-
-# ----------------------------------------------------------------------------- the user's facts
-
-
-def user_facts(layers: int | None = None, experts: int | None = None, top_k: int | None = None,
-               config: str | Path | None = None, cwd: str | Path | None = None) -> dict[str, tuple[int, str]]:
-    """Facts the user states: flags win over ``[model]`` of ``traceinspect.toml`` (``config``, else
-    ./traceinspect.toml when present). Value -> (value, where it was stated)."""
-    out: dict[str, tuple[int, str]] = {}
-    path = Path(config) if config is not None else Path(cwd or ".") / CONFIG_NAME
-    if config is not None or path.is_file():
-        for name, v in _config_model(path).items():
-            out[name] = (v, f"{path} [model]")
-    for name, v in (("layers", layers), ("experts", experts), ("top_k", top_k)):
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"{USER_FLAGS[name]} must be a positive integer, not {v!r}", "command line")
-            out[name] = (v, USER_FLAGS[name])
-    return out
-
-
-def _config_model(path: Path) -> dict[str, int]:
-    data = read_toml(path)
-    model = data.get("model", {})
-    if not isinstance(model, dict):
-        raise ConfigError("[model] must be a table", path)
-    unknown = sorted(set(model) - set(USER_KEYS))
-    if unknown:
-        raise ConfigError(f"unknown key(s) in [model]: {', '.join(unknown)} (known: {', '.join(sorted(USER_KEYS))})",
-                          path)
-    out: dict[str, int] = {}
-    for key, name in USER_KEYS.items():
-        if key in model:
-            v = model[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ConfigError(f"model.{key} must be a positive integer, not {v!r}", path)
-            out[name] = v
-    return out
-
-
-# ----------------------------------------------------------------------------- server_info
-
-
-def _pos_int(v: Any) -> int | None:
-    if isinstance(v, bool) or v is None:
-        return None
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    return v if isinstance(v, int) and v > 0 else None
-
-
-def _blocks(si: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
-    """(name, dict) of the model-config blocks of server_info.json, then server_info itself."""
-    out: list[tuple[str, Mapping[str, Any]]] = []
-    for name in MODEL_BLOCKS:
-        b = si.get(name)
-        if isinstance(b, dict):
-            out.append((name, b))
-            tc = b.get("text_config")
-            if isinstance(tc, dict):
-                out.append((f"{name}.text_config", tc))
-    out.append(("server_info", si))
-    return out
-
-
-def model_int(si: Mapping[str, Any] | None, keys: Iterable[str]) -> tuple[int | None, str]:
-    """The first positive integer under one of ``keys`` in the model-config blocks of server_info
-    (strongest first), and 'block.key=value'."""
-    if not si:
-        return None, ""
-    for name, b in _blocks(si):
-        for key in keys:
-            v = _pos_int(b.get(key))
-            if v is not None:
-                return v, f"{name}.{key}={v}"
-    return None, ""
 
 
 # ----------------------------------------------------------------------------- deciding
@@ -222,16 +61,15 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
            user: Mapping[str, tuple[int, str]] | None = None, phase: str = "decode") -> RunModel:
     """The run model of a loaded, linked, step-split trace set whose kernels carry their
     name-based ``cls`` (the structure methods read it); ``phase``: the analysed steps (the batch)."""
-    si = ts.server_info if isinstance(ts.server_info, dict) else {}
+    si = ServerInfo(ts.server_info)
     user = dict(user or {})
     rm = RunModel()
     f = rm.facts
     sel = _structure_steps(steps)
-    pp = _pos_int(si.get("pp_size"))
 
     # parallel sizes: server_info, else the rank file names
     for name, attr in (("tp_size", "tp"), ("pp_size", "pp"), ("ep_size", "ep")):
-        v = _pos_int(si.get(name))
+        v = si.count(name)
         if v is not None:
             f[name] = Fact(v, "server_info", "high", f"server_info.{name}={v}")
             continue
@@ -249,12 +87,9 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
     if "layers" in user:
         f["layers"] = Fact(user["layers"][0], "user", "high", user["layers"][1])
     else:
-        n, how = model_int(si, LAYER_KEYS)
+        n, how = si.stage_layers()
         if n is not None:
-            if pp and pp > 1 and n % pp == 0:
-                f["layers"] = Fact(n // pp, "server_info", "high", f"{how} / pp_size={pp}")
-            else:
-                f["layers"] = Fact(n, "server_info", "high", how)
+            f["layers"] = Fact(n, "server_info", "high", how)
         else:
             f["layers"] = layers_from_structure(ts.kernels, sel)
 
@@ -264,27 +99,27 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
         if name in user:
             f[name] = Fact(user[name][0], "user", "high", user[name][1])
             continue
-        v, how = model_int(si, keys)
+        v, how = si.model_int(keys)
         if v is not None:
             f[name] = Fact(v, "server_info", "high", how)
         elif name in routing:
             f[name] = routing[name]
         else:
-            f[name] = _undecided(f"no {' / '.join(keys[:3])} in server_info.json (model_info / model_config)"
+            f[name] = undecided(f"no {' / '.join(keys[:3])} in server_info.json (model_info / model_config)"
                                  + (" nor router top-k shapes in the trace" if name in ("experts", "top_k") else "")
                                  + (f"; give it with {USER_FLAGS[name]}" if name in USER_FLAGS else ""))
 
     # the KV pool
-    tok = _pos_int(si.get("max_total_num_tokens"))
+    tok = si.count("max_total_num_tokens")
     if tok is not None:
         f["kv_pool_tokens"] = Fact(tok, "server_info", "high", f"server_info.max_total_num_tokens={tok}")
     else:
         pool = _pool_from_shapes(ts, steps, graph_ops, f["layers"].value)
-        f["kv_pool_tokens"] = pool if pool is not None else _undecided(
+        f["kv_pool_tokens"] = pool if pool is not None else undecided(
             "no server_info.json with max_total_num_tokens (save it with `traceinspect capture`, or pass "
             "--server-info FILE), and no per-layer KV-dtype tensor both indexed and cast in the recorded shapes")
         tok = f["kv_pool_tokens"].value
-    page = _pos_int(si.get("page_size"))
+    page = si.count("page_size")
     f["page_size"] = (Fact(page, "server_info", "high", f"server_info.page_size={page}") if page is not None
                       else Fact(1, "default", "low", "no page_size in server_info: 1 assumed"))
     row = _kv_row(ts, graph_ops, tok, f["page_size"].value)
@@ -297,19 +132,18 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
     elif row is not None and row[1]:
         f["kv_cache_dtype"] = Fact(row[1], row[2], "medium", f"dtype of the recorded pool tensor {row[3]}")
     else:
-        f["kv_cache_dtype"] = _undecided("no kv_cache_dtype in server_info and no recorded tensor with the KV "
+        f["kv_cache_dtype"] = undecided("no kv_cache_dtype in server_info and no recorded tensor with the KV "
                                          "pool's row count")
     if row is not None:
         f["kv_row_bytes"] = Fact(row[0], row[2], "medium" if row[2] != "user" else "high",
                                  f"recorded tensor {row[3]} with kv_pool_tokens rows")
     else:
-        f["kv_row_bytes"] = _undecided(
+        f["kv_row_bytes"] = undecided(
             "kv_pool_tokens unknown" if tok is None else
             "no recorded tensor has kv_pool_tokens rows (record_shapes off, or CUDA-graph replay without a "
             "capture trace: start SGLang with --enable-profile-cuda-graph)")
 
     # the batch: step annotations of the analysed steps
-    from traceinspect.steps import select_steps
 
     analysed = steps
     if steps is not None and len(steps) and {"included", "phase"} <= set(steps.columns):
@@ -317,7 +151,7 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
     bs = analysed["bs"] if analysed is not None and "bs" in analysed else pd.Series(dtype=float)
     bs = bs[bs >= 0]
     f["batch"] = (Fact(float(np.median(bs)), "trace_structure", "high", "median bs=N of the step annotations")
-                  if len(bs) else _undecided("steps carry no bs=N annotation"))
+                  if len(bs) else undecided("steps carry no bs=N annotation"))
     return rm
 
 
@@ -334,27 +168,6 @@ def _structure_steps(steps: pd.DataFrame | None) -> pd.DataFrame | None:
 
 
 # ----------------------------------------------------------------------------- KV row from shapes
-
-
-def dims(raw: Any) -> list[Any] | None:
-    """Decoded recorded dims/types (raw JSON bytes or already decoded), or None."""
-    if raw is None:
-        return None
-    try:
-        v = json.loads(raw) if isinstance(raw, (bytes, bytearray, str)) else raw
-    except (ValueError, TypeError):
-        return None
-    return v if isinstance(v, list) else None
-
-
-def tensor_bytes(shape: list[int], dtype: str | None) -> int | None:
-    """Bytes of a tensor of ``shape`` and recorded dtype (None for an unknown dtype)."""
-    if dtype is None:
-        return None
-    size = DTYPE_BYTES.get(dtype.lower())
-    if size is None:
-        return None
-    return int(np.prod(shape, dtype=np.float64)) * size
 
 
 def _kv_row(ts: TraceSet, graph_ops: GraphOps | None, pool: int | None,
@@ -605,14 +418,14 @@ def layers_from_structure(k: pd.DataFrame, steps: pd.DataFrame | None) -> Fact:
     is L repetitions of one block), checked against the per-step count of the kernels that run a fixed
     number of times per layer (attention, norms, collectives, rotary, KV writes)."""
     if steps is None or not len(steps) or not len(k) or "step" not in k or "cls" not in k:
-        return _undecided("no num_hidden_layers in server_info and no analysable steps; give it with --layers")
+        return undecided("no num_hidden_layers in server_info and no analysable steps; give it with --layers")
     ids = steps.index.to_numpy()
     in_steps = k["step"].isin(ids).to_numpy().copy()
     if "kind" in k:
         in_steps &= (k["kind"] == "kernel").to_numpy()
     kk = k.loc[in_steps, ["rank", "step", "ts", "name", "cls"]]
     if not len(kk):
-        return _undecided("no num_hidden_layers in server_info and no kernels in the steps; give it with --layers")
+        return undecided("no num_hidden_layers in server_info and no kernels in the steps; give it with --layers")
     rank = int(kk["rank"].min())
     kr = kk[kk["rank"] == rank].sort_values(["step", "ts"], kind="stable")
     names = text_values(kr["name"])
@@ -643,7 +456,7 @@ def layers_from_structure(k: pd.DataFrame, steps: pd.DataFrame | None) -> Fact:
             return Fact(att[1], "trace_structure", "low",
                         f"per-step count of attention kernel {att[0][:80]!r} (no repeating block found in the "
                         f"kernel sequence)")
-        return _undecided("no num_hidden_layers in server_info, the kernel sequence of a step does not repeat "
+        return undecided("no num_hidden_layers in server_info, the kernel sequence of a step does not repeat "
                           "one block, and no attention kernel runs a fixed number of times per step; give it "
                           "with --layers")
     reps_vals = [r[0] for r in results]

@@ -1,4 +1,4 @@
-"""Checks that the rank files of a trace set belong together, as warnings that say what was done.
+"""Checks that the rank files of a loaded trace set belong together, as warnings that say what was done.
 
 Traces come from other teams, other versions and half-finished runs: a rank may be missing, a file may
 come from another capture, ranks may have recorded different numbers of steps, and hosts' clocks may
@@ -11,19 +11,14 @@ import math
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from traceinspect.model.run import ServerInfo
 
 if TYPE_CHECKING:
-    import pandas as pd
-
-    from traceinspect.analysis import Analysis
     from traceinspect.model import TraceSet
 
-CLOCK_WARN_US = 1000.0  # a clock offset between ranks above this is reported
 
-
-def _int(v: Any) -> int | None:
-    """A positive count from server_info, or None (strings, floats, bools and absurd values are not)."""
+def _count(v: Any) -> int | None:
+    """A positive count as a trace writes it (not a bool, not absurd), else None."""
     return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 31 else None
 
 
@@ -58,8 +53,8 @@ def rank_set_warnings(ts: TraceSet) -> list[str]:
                    "analysed together as given")
 
     missing_said = False
-    si = ts.server_info or {}
-    tp, dp, pp = _int(si.get("tp_size")), _int(si.get("dp_size")) or 1, _int(si.get("pp_size")) or 1
+    si = ServerInfo(ts.server_info)
+    tp, dp, pp = si.count("tp_size"), si.size("dp_size"), si.size("pp_size")
     if tp is not None and tp * dp * pp != len(infos) and not (si.get("dp_size") and si.get("enable_dp_attention")):
         out.append(f"server_info says tp_size={tp}" + (f", dp_size={dp}" if dp > 1 else "")
                    + (f", pp_size={pp}" if pp > 1 else "")
@@ -82,7 +77,7 @@ def rank_set_warnings(ts: TraceSet) -> list[str]:
 
     # distributedInfo: world sizes, ranks absent, and one distributed rank in two files
     dist = [(i, i.distributed_info.get("rank"), i.distributed_info.get("world_size")) for i in infos]
-    worlds = {w for _, _, w in dist if _int(w)}
+    worlds = {w for _, _, w in dist if _count(w)}
     if len(worlds) > 1:
         out.append(f"rank files disagree on distributedInfo.world_size ({sorted(worlds)}): they may come from "
                    "different runs; analysed together as given")
@@ -116,45 +111,4 @@ def rank_set_warnings(ts: TraceSet) -> list[str]:
                            f"{'ends' if after else 'starts'}): the files may come from different runs, or from "
                            "hosts whose clocks differ (cross-rank times are corrected only where collectives "
                            "give a clock offset)")
-    return out
-
-
-def step_count_warnings(selected: pd.DataFrame, ts: TraceSet, phase: str) -> list[str]:
-    """A warning when ranks have different numbers of analysed steps."""
-    counts = selected.groupby("rank").size()
-    present = {int(r): int(n) for r, n in counts.items()}
-    if len(ts.ranks) < 2:
-        return []
-    per = {i.label: present.get(i.rank, 0) for i in ts.ranks}
-    if len(set(per.values())) <= 1:
-        return []
-    n = min(per.values())
-    detail = ", ".join(f"{k}: {v}" for k, v in per.items())
-    return [f"ranks have different numbers of complete {phase} steps ({detail}): analysed the first {n} aligned "
-            "steps (by position) for step times and cross-rank comparisons; per-rank totals use all of a "
-            "rank's steps"]
-
-
-def clock_warnings(a: Analysis) -> list[str]:
-    """Warnings for clock offsets between ranks above CLOCK_WARN_US, with the offset used."""
-    c = a.collectives
-    if c is None or not c.applicable:
-        return []
-    label = {i.rank: i.label for i in a.trace.ranks}
-    inst = c.instances
-    out = []
-    for r, off in sorted(c.offsets.items()):
-        if off is None or not np.isfinite(off) or abs(off) <= CLOCK_WARN_US:
-            continue
-        ref = c.reference_rank.get(r, r)
-        n = int((inst["rank"] == r).sum()) if len(inst) else 0
-        applied = c.offsets_applied.get(r, 0.0)
-        noise = c.offset_noise.get(r, float("nan"))
-        what = (f"subtracted {applied / 1e3:+,.3f} ms from {label.get(r, r)}'s times before comparing ranks"
-                if applied else
-                f"not corrected (its spread, {noise / 1e3:,.3f} ms, is too large to trust it): cross-rank "
-                "times of this rank are uncorrected")
-        out.append(f"the clock of {label.get(r, r)} is {abs(off) / 1e3:,.3f} ms "
-                   f"{'ahead of' if off > 0 else 'behind'} {label.get(ref, ref)}'s (median over {n} matched "
-                   f"collectives' end times): {what}")
     return out

@@ -1,0 +1,223 @@
+"""MoE evidence: routing kernels checked against the expert count, plain GEMMs that run once per expert
+marked ``moe_gemm``."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from traceinspect.classify.graphs import captured_ops
+from traceinspect.classify.runfacts import decide as decide_run
+from traceinspect.classify.table import ClassTable, default_table
+from traceinspect.model import TraceSet
+from traceinspect.model.run import RunModel
+from traceinspect.model.shapes import OpInputs, ShapeCache
+from traceinspect.tables import (
+    set_object_column,
+    text_values,
+    unique_text,
+)
+
+if TYPE_CHECKING:
+    from traceinspect.classify.graphs import GraphOps
+
+
+# --- routing labels that must work on the expert dimension ---------------------------------------
+
+_RULE_ID = re.compile(r"^rule (\S+) \(")
+_SOFTMAX_WARP = re.compile(r"softmax_warp_forward<[^,<>]+, [^,<>]+, [^,<>]+, (\d+),")
+_SIZE_OPS = ("aten::_softmax", "aten::softmax", "aten::topk", "aten::_log_softmax", "aten::log_softmax")
+
+
+def _routing_size(name: str, o: int, inputs: OpInputs | None) -> tuple[int | None, str]:
+    """Elements per row a softmax / top-k works on: recorded shapes, else the kernel template."""
+    if inputs is not None and o >= 0:
+        for j in inputs.chain(o, 4):
+            if str(inputs.names[j]) in _SIZE_OPS:
+                t = inputs.tensors(j)
+                if t:
+                    return t[0][1][-1], f"{inputs.names[j]} input {t[0][1]}"
+    m = _SOFTMAX_WARP.search(name)
+    if m:
+        n = 1 << int(m.group(1))
+        return n, f"softmax_warp_forward log2_elements={m.group(1)} (rows of <= {n})"
+    return None, ""
+
+
+_MOE_OPS = re.compile(r"moe|expert|deep_ep|select_experts|fused_topk", re.IGNORECASE)
+
+
+def model_has_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel | None = None
+                      ) -> tuple[bool, str]:
+    """Whether the model has experts (MoE), and the evidence: the run model's expert count (the user,
+    server_info, or the router's recorded top-k shapes), else expert GEMMs, MoE routing kernels named as
+    such, or MoE ops in the trace. The one place this is decided: routing labels of generic softmax /
+    top-k / sort kernels stand only where it is true."""
+    run = run if run is not None else decide_run(ts)
+    n_exp = run.value("experts")
+    if n_exp is not None:
+        return n_exp > 1, f"{n_exp} experts ({run.describe('experts')})"
+    table = table or default_table()
+    generic = {r.id for r in table.rules if r.verify == "experts"}
+    k = ts.kernels
+    if len(k) and "cls" in k:
+        cls = text_values(k["cls"])
+        if (cls == "moe_gemm").any():
+            return True, "expert GEMM kernels in the trace"
+        ev = k["cls_evidence"].to_numpy(dtype=object)
+        named = {e for e in unique_text(ev[cls == "moe_dispatch"])
+                 if (m := _RULE_ID.match(str(e))) and m.group(1) not in generic}
+        if named:
+            return True, "MoE routing / dispatch kernels in the trace"
+    if len(ts.cpu_ops):
+        names = pd.Series(unique_text(ts.cpu_ops["name"].to_numpy(dtype=object)), dtype=object)
+        if names.str.contains(_MOE_OPS).any():
+            return True, "MoE ops in the trace"
+    return False, "no expert count (server_info, --experts, router shapes) and no expert GEMM, MoE routing kernel or MoE op in the trace"
+
+
+def verify_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel | None = None) -> None:
+    """Re-label kernels of ``verify: experts`` rules where the model has no experts (-> elementwise), or
+    whose softmax / top-k size is known and is not the model's expert count (vocabulary-wide ->
+    sampling, else elementwise)."""
+    table = table or default_table()
+    ids = {r.id for r in table.rules if r.verify == "experts"}
+    k = ts.kernels
+    if not ids or not len(k):
+        return
+    run = run if run is not None else decide_run(ts)
+    ev = k["cls_evidence"].to_numpy(dtype=object)
+    uniq = unique_text(ev)
+    hit = {e for e in uniq if (m := _RULE_ID.match(str(e))) and m.group(1) in ids}
+    if not hit:
+        return
+    rows = np.nonzero(np.isin(ev, list(hit)))[0]
+    cls = k["cls"].to_numpy(dtype=object).copy()
+    ev = ev.copy()
+    has, why = model_has_experts(ts, table, run)
+    if not has:
+        for r in rows:
+            ev[r] = f"elementwise: not MoE routing, the model has no experts ({why}); was {cls[r]} by {ev[r]}"
+            cls[r] = "elementwise"
+        set_object_column(k, "cls", cls)
+        set_object_column(k, "cls_evidence", ev)
+        return
+    n_exp, exp_src = run.value("experts"), run.describe("experts")
+    if n_exp is None:
+        return
+    vocab = run.value("vocab_size")
+    names = k["name"].to_numpy(dtype=object)
+    op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
+    inputs = OpInputs(ts.cpu_ops) if len(ts.cpu_ops) else None
+    pow2 = 1 << max(n_exp - 1, 0).bit_length()
+    memo: dict[tuple[str, int], tuple[str, str] | None] = {}
+    for r in rows:
+        o = int(op_idx[r])
+        key = (names[r], o if inputs is not None and o >= 0 and inputs.has_shapes(o) else -1)
+        if key not in memo:
+            size, how = _routing_size(names[r], key[1], inputs)
+            if size is None:
+                memo[key] = None
+            elif size == n_exp or (how.startswith("softmax_warp") and size == pow2):
+                memo[key] = (cls[r], f"{how} matches {n_exp} experts ({exp_src})")
+            else:
+                new = "sampling" if vocab and size >= vocab else "elementwise"
+                memo[key] = (new, f"{how} is not the {n_exp} experts ({exp_src}): not MoE routing")
+        res = memo[key]
+        if res is not None:
+            ev[r] = f"{ev[r]}; {res[1]}" if res[0] == cls[r] else f"{res[0]}: {res[1]}; was {cls[r]} by {ev[r]}"
+            cls[r] = res[0]
+    set_object_column(k, "cls", cls)
+    set_object_column(k, "cls_evidence", ev)
+
+
+# --- expert GEMMs from the structure ----------------------------------------------------------
+
+DENSE_GEMM_CLASSES = ("bf16_gemm", "fp8_gemm", "fp4_gemm")
+MIN_EXPERTS = 4  # a GEMM shape repeated this often per layer (experts unknown) is an expert loop
+
+
+def mark_experts(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, graph_ops: GraphOps | None = None) -> None:
+    """GEMMs of a MoE built from plain GEMMs become ``moe_gemm``: a GEMM shape (op, N, K, dtype) that
+    runs once per expert in every layer (per-expert ``mm`` loop: calls per layer = the experts on this
+    rank, or at least MIN_EXPERTS when the expert count is unknown), or a batched GEMM whose batch is the
+    expert count (``bmm`` over ``[experts, rows, hidden]``) and whose K or N is the hidden size. Shapes
+    come from the launching op (eager) or the op recovered from the capture trace (graph replay)."""
+    k = ts.kernels
+    layers = run.value("layers")
+    if not len(k) or "cls" not in k or layers is None:
+        return
+    cls = k["cls"].to_numpy(dtype=object)
+    cand = np.isin(cls, DENSE_GEMM_CLASSES)
+    if "kind" in k:
+        cand &= (k["kind"] == "kernel").to_numpy()
+    if "step" in k:
+        cand &= (k["step"] >= 0).to_numpy()
+    if not cand.any():
+        return
+    experts, hidden = run.value("experts"), run.value("hidden_size")
+    ep = run.value("ep_size") or 1
+    local = experts // ep if experts and ep > 1 and experts % ep == 0 else experts
+    op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
+    captured, cap_op, _ = captured_ops(k, graph_ops)
+    rows = np.nonzero(cand)[0]
+    cache = ShapeCache()
+    frames: dict[int, pd.DataFrame] = {-1: ts.cpu_ops}
+    if graph_ops is not None:
+        frames.update({int(r): c.ops.reset_index(drop=True) for r, c in graph_ops.captures.items()
+                       if c.ops is not None and len(c.ops)})
+    cols: dict[int, tuple[np.ndarray, ...]] = {}
+    for src, f in frames.items():
+        if f is not None and len(f) and "input_dims" in f:
+            cols[src] = (f["name"].to_numpy(dtype=object), f["input_dims"].to_numpy(dtype=object),
+                         f["input_types"].to_numpy(dtype=object) if "input_types" in f else np.full(len(f), None),
+                         f["concrete"].to_numpy(dtype=object) if "concrete" in f else np.full(len(f), None))
+    ranks, step = k["rank"].to_numpy(), k["step"].to_numpy()
+    use_cap = captured[rows] & (cap_op[rows] >= 0)
+    src_col = np.where(use_cap, ranks[rows], -1).astype(np.int64)
+    o_col = np.where(use_cap, cap_op[rows], op_idx[rows]).astype(np.int64)
+    pairs, inverse = np.unique(np.stack([src_col, o_col], axis=1), axis=0, return_inverse=True)
+    pair_key: list[tuple[Any, ...] | None] = []  # one shape decode per distinct (source, op)
+    for src, o in pairs.tolist():
+        c = cols.get(src)
+        if c is None or o < 0 or o >= len(c[0]):
+            pair_key.append(None)
+            continue
+        shapes, _ = cache.get(str(c[0][o]), c[1][o], c[2][o], c[3][o])
+        sh = shapes[0] if len(shapes) == 1 and shapes[0].kind == "gemm" else None
+        pair_key.append(None if sh is None else (str(c[0][o]), sh.n, sh.k, sh.batch, sh.dtype))
+    by_key: dict[tuple[Any, ...], list[int]] = {}
+    for r, p in zip(rows.tolist(), inverse.reshape(-1).tolist(), strict=True):
+        key = pair_key[p]
+        if key is not None:
+            by_key.setdefault(key, []).append(r)
+    ev = k["cls_evidence"].to_numpy(dtype=object).copy()
+    new_cls = cls.copy()
+    exp_src = run.describe("experts")
+    for (op, n, kk, batch, _dtype), members in by_key.items():
+        m = np.asarray(members)
+        per_step = pd.Series(1, index=pd.MultiIndex.from_arrays([ranks[m], step[m]])).groupby(level=[0, 1]).size()
+        per_layer = float(per_step.median()) / layers
+        hid = hidden is None or hidden in (n, kk)
+        why = None
+        if batch and batch > 1:
+            if local and batch == local and hidden is not None and hid:
+                why = (f"batched GEMM {op} with batch {batch} = the experts on this rank ({exp_src}) and "
+                       f"{'K' if kk == hidden else 'N'} = hidden size {hidden}")
+        elif local:
+            if 0.5 * local <= per_layer <= local + 1e-9 and hid:
+                why = (f"{per_layer:g} {op} calls per layer with N={n} K={kk} = one per expert "
+                       f"({local} on this rank: {exp_src}; {layers} layers)")
+        elif per_layer >= MIN_EXPERTS and float(per_layer).is_integer() and hid and per_step.nunique() == 1:
+            why = (f"{per_layer:g} {op} calls per layer with N={n} K={kk} in every step: one per expert "
+                   f"(expert count unknown; {layers} layers)")
+        if why is None:
+            continue
+        for r in members:
+            ev[r] = f"moe_gemm: {why}; was {new_cls[r]} by {ev[r]}"
+            new_cls[r] = "moe_gemm"
+    set_object_column(k, "cls", new_cls)
+    set_object_column(k, "cls_evidence", ev)

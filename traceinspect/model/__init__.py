@@ -1,0 +1,21 @@
+"""The bottom layer: what the stages pass each other, importing no stage.
+
+:mod:`~traceinspect.model.trace` (the trace tables and their column contract), :mod:`~traceinspect.model.run`
+(the run model's types and the one reader of ``server_info.json``), :mod:`~traceinspect.model.shapes` (recorded
+op inputs decoded once per distinct value, with the dtype table), :mod:`~traceinspect.model.classes` (the kernel
+class ids).
+"""
+
+from traceinspect.model.trace import (
+    ANNOTATION_COLUMNS,
+    CPU_OP_COLUMNS,
+    GPU_ANNOTATION_COLUMNS,
+    KERNEL_COLUMNS,
+    RUNTIME_COLUMNS,
+    DeviceInfo,
+    RankInfo,
+    TraceSet,
+)
+
+__all__ = ["ANNOTATION_COLUMNS", "CPU_OP_COLUMNS", "GPU_ANNOTATION_COLUMNS", "KERNEL_COLUMNS", "RUNTIME_COLUMNS",
+           "DeviceInfo", "RankInfo", "TraceSet"]
