@@ -64,7 +64,7 @@ class CaptureTrace:
     window: np.ndarray  # capture (Begin..EndCapture) number per call
     op_idx: np.ndarray  # the op's row in ``ops``, or -1
     op_path: np.ndarray  # the op's path (outer -> inner, ' > ' joined), '' if none
-    ops: pd.DataFrame  # the capture trace's cpu_ops (model.py columns, with ``parent``)
+    ops: pd.DataFrame  # the capture trace's cpu_ops (model columns, with ``parent``)
     reason: str = ""  # why the trace is unusable ('' if usable)
     path: Path | None = None
     parsed: Any = None  # the ParsedRank read from the file (None when it could not be read)
