@@ -12,7 +12,7 @@ setup(
     packages=[*find_packages(include=["traceinspect", "traceinspect.*"]), "traceinspect.rules",
               "traceinspect.fixtures"],
     package_dir={"traceinspect.rules": "rules", "traceinspect.fixtures": "fixtures"},
-    package_data={"traceinspect.rules": ["*.yaml"], "traceinspect.render": ["templates/*"],
+    package_data={"traceinspect.rules": ["*.yaml", "tables/*.yaml"], "traceinspect.render": ["templates/*"],
                   "traceinspect.fixtures": ["**/*"]},
     ext_modules=[
         Extension(

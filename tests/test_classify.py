@@ -23,7 +23,7 @@ from traceinspect.classify import (
 )
 from traceinspect.errors import RuleError
 from traceinspect.model import RankInfo, TraceSet
-from traceinspect.resources import rules_dir
+from traceinspect.resources import tables_dir
 
 HERE = Path(__file__).parent
 CORPUS = HERE / "data" / "kernel_names_dev.tsv"
@@ -51,7 +51,7 @@ def table() -> ClassTable:
 def test_classes_and_shipped_table(table: ClassTable) -> None:
     assert len(CLASSES) == 20 and CLASSES[0] == "fp4_gemm" and CLASSES[-1] == "other"
     assert {"fp32_gemm", "conv"} <= set(CLASSES)
-    assert table.source == rules_dir() / "kernel_classes.yaml"
+    assert table.source == tables_dir() / "kernel_classes.yaml"
     assert table.source.is_file()
     assert {r.cls for r in table.rules} <= set(CLASSES)
     prios = [r.priority for r in table.rules]

@@ -48,7 +48,7 @@ class Options:
 
     phase: str = "auto"  # decode | prefill | all | auto (decode, else the one phase the trace holds)
     server_info: str | Path | None = None
-    gpu: str | None = None  # GPU spec override: a name in rules/gpus.yaml or a YAML file
+    gpu: str | None = None  # GPU spec override: a name in rules/tables/gpus.yaml or a YAML file
     rules: Sequence[str | Path] = ()
     only: Sequence[str] = ()
     disable: Sequence[str] = ()

@@ -11,3 +11,9 @@ def rules_dir() -> Path:
     if inside.is_dir():
         return inside
     return Path(__file__).parent.parent / "rules"
+
+
+def tables_dir() -> Path:
+    """The shipped data tables (kernel classes, GPU specs, step markers, collectives, replay and evidence
+    settings): ``rules/tables/``, beside the rule files."""
+    return rules_dir() / "tables"

@@ -1,6 +1,6 @@
 """Stage 3, steps: segment each rank into forward steps and attribute kernels to them.
 
-Step sources, in order (the first that marks steps on a rank is used; ``rules/steps.yaml`` holds the
+Step sources, in order (the first that marks steps on a rank is used; ``rules/tables/steps.yaml`` holds the
 patterns and thresholds): SGLang ``step[...]`` spans; ``ProfilerStep#N`` in any category (a
 ``user_annotation``, or a ``cpu_op``/``Operator`` in PyTorch 1.8-era traces; the GPU-side
 ``gpu_user_annotation`` copy where no CPU one exists); a serving engine's forward markers (vLLM's
@@ -58,7 +58,7 @@ class _Windows:
 
 @dataclass(frozen=True)
 class StepRules:
-    """``rules/steps.yaml``: forward-marker patterns and the thresholds of the weaker sources."""
+    """``rules/tables/steps.yaml``: forward-marker patterns and the thresholds of the weaker sources."""
 
     forward: list[re.Pattern[str]]
     iteration_min_repeats: int
@@ -75,9 +75,9 @@ class StepRules:
 def step_rules() -> StepRules:
     import yaml
 
-    from traceinspect.resources import rules_dir
+    from traceinspect.resources import tables_dir
 
-    doc = yaml.safe_load((rules_dir() / "steps.yaml").read_text(encoding="utf-8"))
+    doc = yaml.safe_load((tables_dir() / "steps.yaml").read_text(encoding="utf-8"))
     it, gaps = doc["iteration"], doc["gaps"]
     return StepRules(
         forward=[re.compile(m["pattern"]) for m in doc["forward_markers"]],
@@ -281,7 +281,7 @@ def _graph_windows(ts: TraceSet, rank: int) -> _Windows | None:
 
 def _gap_steps(k: pd.DataFrame) -> np.ndarray | None:
     """Step number per kernel from idle gaps on the GPU timeline (no CPU evidence), or None unless
-    the gaps are periodic and the pieces alike (``gaps`` in rules/steps.yaml)."""
+    the gaps are periodic and the pieces alike (``gaps`` in rules/tables/steps.yaml)."""
     rules = step_rules()
     order = np.argsort(k["ts"].to_numpy(), kind="stable")
     ts, end = k["ts"].to_numpy()[order], k["end"].to_numpy()[order]

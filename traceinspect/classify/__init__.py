@@ -1,6 +1,6 @@
 """Stage 4, classify: give every GPU kernel a class id (and a second one for fused kernels).
 
-The class table is data (``rules/kernel_classes.yaml``): ordered, prioritised regex rules over
+The class table is data (``rules/tables/kernel_classes.yaml``): ordered, prioritised regex rules over
 the kernel name, the enclosing CPU op path and the event kind. Classification runs once per unique
 (name, op_path, kind) triple. Then, on evidence from the whole trace:
 

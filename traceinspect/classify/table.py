@@ -14,7 +14,7 @@ import yaml
 
 from traceinspect.errors import RuleError
 from traceinspect.model.classes import CLASSES
-from traceinspect.resources import rules_dir
+from traceinspect.resources import tables_dir
 
 if TYPE_CHECKING:
     pass
@@ -328,12 +328,12 @@ def _parse_file(path: Path, base_macros: dict[str, str]) -> tuple[list[dict[str,
 
 
 def load_class_table(path: str | Path | None = None, extra: Sequence[Path] = ()) -> ClassTable:
-    """Load and compile a class table (default: the shipped ``rules/kernel_classes.yaml``).
+    """Load and compile a class table (default: the shipped ``rules/tables/kernel_classes.yaml``).
 
     ``extra`` files add rules (and may use the main file's macros); on equal priority their rules
     win over the main file's. Raises :class:`RuleError` naming file and line on a malformed file.
     """
-    main = Path(path) if path is not None else rules_dir() / DEFAULT_FILE
+    main = Path(path) if path is not None else tables_dir() / DEFAULT_FILE
     raw, promote, macros = _parse_file(main, {})
     extras = tuple(Path(p) for p in extra)
     ordered: list[dict[str, Any]] = []

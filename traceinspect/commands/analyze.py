@@ -21,7 +21,7 @@ def analysis_options(f: Any) -> Any:
                      help="Steps to analyse (auto: decode, else the one phase the trace holds)."),
         click.option("--server-info", type=click.Path(dir_okay=False), default=None,
                      help="server_info.json to use (default: the one beside the traces)."),
-        click.option("--gpu", default=None, help="GPU spec: a name from rules/gpus.yaml or a YAML file."),
+        click.option("--gpu", default=None, help="GPU spec: a name from rules/tables/gpus.yaml or a YAML file."),
         click.option("--rules", "rules", multiple=True, type=click.Path(), help="Extra rule file or directory."),
         click.option("--only", multiple=True, help="Run only this rule id (repeatable)."),
         click.option("--disable", multiple=True, help="Disable this rule id (repeatable)."),

@@ -117,7 +117,7 @@ def check_cmd(paths: tuple[str, ...]) -> None:
 @RULES_OPT
 @click.option("--only", multiple=True, help="Explain only this rule id (repeatable).")
 @click.option("--phase", type=click.Choice(["decode", "prefill", "all"]), default="decode", show_default=True)
-@click.option("--gpu", default=None, help="GPU spec: a name from rules/gpus.yaml or a YAML file.")
+@click.option("--gpu", default=None, help="GPU spec: a name from rules/tables/gpus.yaml or a YAML file.")
 def explain_cmd(paths: tuple[str, ...], rules: tuple[str, ...], only: tuple[str, ...], phase: str,
                 gpu: str | None) -> None:
     """Analyse a trace set and say, for every rule, whether it fired and why (or why not)."""

@@ -1,6 +1,6 @@
 """What the rules could not say: rules that could not decide on a large share of GPU time
 (``undecided``), and large classes of GPU time no finding is about (``unexplained``), each with the
-exact way to supply what is missing. Texts and thresholds: ``rules/evidence.yaml``."""
+exact way to supply what is missing. Texts and thresholds: ``rules/tables/evidence.yaml``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from traceinspect.errors import RuleError
-from traceinspect.resources import rules_dir
+from traceinspect.resources import tables_dir
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -26,7 +26,7 @@ DERIVED = {"kv_pool_bytes_per_layer": ("kv_pool_tokens", "kv_row_bytes"), "kv_ro
 
 @dataclass(frozen=True)
 class EvidenceTable:
-    """rules/evidence.yaml, read."""
+    """rules/tables/evidence.yaml, read."""
 
     undecided_share: float
     unexplained_share: float
@@ -45,7 +45,7 @@ class EvidenceTable:
 
 @lru_cache(maxsize=1)
 def evidence_table() -> EvidenceTable:
-    path = rules_dir() / EVIDENCE_FILE
+    path = tables_dir() / EVIDENCE_FILE
     try:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as e:
@@ -160,7 +160,7 @@ def find_gaps(a: Analysis, rule_set: RuleSet, outcomes: list[Outcome]) -> Gaps:
                 explain.append(f"rule {o.rule} is silent: {o.reasons[0] if o.reasons else 'its conditions are false'}")
         if str(c) == "other":
             explain.append("`traceinspect classify PATH --unknown` lists the unclassified kernels; patterns for "
-                           "them go into a class table of your own (rules/kernel_classes.yaml format)")
+                           "them go into a class table of your own (rules/tables/kernel_classes.yaml format)")
         elif not mine:
             explain.append(f"no rule is about class {c}: `traceinspect classify PATH` lists its kernels; a rule "
                            "file of your own can judge them (docs/rules/format.md)")

@@ -113,7 +113,7 @@ _m("run", "kv_row_bytes", "bytes", "Bytes of one token's row of a per-layer KV p
    "shape whose first dimension equals kv_pool_tokens (CPU ops of the trace, or of the CUDA-graph capture "
    "trace); None if no such tensor was recorded.")
 _m("run", "kv_pool_bytes_per_layer", "bytes", "kv_pool_tokens x kv_row_bytes.")
-_m("run", "gpu", "text", "GPU spec entry used for peaks (rules/gpus.yaml), None if the device is not in the table.")
+_m("run", "gpu", "text", "GPU spec entry used for peaks (rules/tables/gpus.yaml), None if the device is not in the table.")
 _m("run", "mem_bw_gbps", "GB/s", "Peak DRAM bandwidth of the GPU from the spec table.")
 _m("run", "comm_us_per_step", "us", "Collective-communication kernel time (class comm) per rank per step.")
 _m("run", "comm_share", "ratio", "Share of GPU time in class comm.")
@@ -181,7 +181,7 @@ _m("gemm", "us_per_step", "us", "GPU time of those calls per rank per step.")
 _m("gemm", "share", "ratio", "Share of all GPU time of the analysed steps.")
 _m("gemm", "compute_share", "ratio", "us_per_step / compute_us_per_step (share of the non-collective GPU time).")
 _m("gemm", "tflops", "TFLOP/s", "Achieved TFLOP/s: FLOPs (2*M*N*K per GEMM) summed over calls / kernel time.")
-_m("gemm", "pct_peak", "ratio", "tflops / dense peak of the GPU for the dtype (rules/gpus.yaml), as a "
+_m("gemm", "pct_peak", "ratio", "tflops / dense peak of the GPU for the dtype (rules/tables/gpus.yaml), as a "
    "fraction (0.01 = 1%); None if the GPU or dtype has no peak in the table.")
 _m("gemm", "peak_tflops", "TFLOP/s", "The dense peak used for pct_peak (time-weighted over the calls).")
 _m("gemm", "unknown_share", "ratio", "Share of the selected GEMM-class time whose shapes are unknown "
@@ -214,7 +214,7 @@ _m("rank", "launch_lateness_us", "us", "Median lateness of this rank's collectiv
    "earliest rank (clock-corrected; from the collectives stage).")
 
 # ----------------------------------------------------------------------------- class
-_m("class", "class_name", "text", "Kernel class id of the subject (see rules/kernel_classes.yaml).")
+_m("class", "class_name", "text", "Kernel class id of the subject (see rules/tables/kernel_classes.yaml).")
 _m("class", "class_us_per_step", "us", "GPU time of the class per rank per step.")
 _m("class", "class_share", "ratio", "Share of all GPU time of the analysed steps.")
 _m("class", "class_calls_per_step", "count", "Calls of the class per rank per step.")
@@ -837,7 +837,7 @@ class MetricContext:
         v["pct_peak"] = v["tflops"] / peak if v["tflops"] is not None and peak else None
         if v["pct_peak"] is None:
             missing["pct_peak"] = ("GEMM FLOPs unknown" if v["tflops"] is None else
-                                   "no dense peak for this GPU and dtype in rules/gpus.yaml ("
+                                   "no dense peak for this GPU and dtype in rules/tables/gpus.yaml ("
                                    + (getattr(self.a.efficiency, "spec_reason", "") or "GPU unknown") + ")")
         unk_us = float(unknown["us"].sum()) if unknown is not None and len(unknown) else 0.0
         v["unknown_share"] = unk_us / (unk_us + float(us.sum())) if (unk_us + us.sum()) > 0 else None

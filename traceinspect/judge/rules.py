@@ -18,6 +18,7 @@ from traceinspect.errors import ConfigError, RuleError
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, parse
 from traceinspect.judge.yamlsrc import LDict, LList, line_of, read_yaml
+from traceinspect.resources import rules_dir
 from traceinspect.saferegex import RegexError, compile_safe
 
 ID_RE = re.compile(r"^[a-z][a-z0-9]*(?:-[a-z0-9]+)*$")
@@ -573,29 +574,6 @@ def _fixes(ctx: _Ctx, rule: LDict, rid: str, scope: str, names: dict[str, Any]) 
 
 
 # ============================================================================= files
-TABLE_KEYS = {"macros", "promote", "gpus", "classes", "collectives"}
-
-
-def is_rule_file(path: Path) -> bool:
-    """True if ``path`` is a rule file: YAML with a top-level ``rules:`` list of rules. Data tables
-    that live beside rules (kernel classes, GPU specs) are not: they have no ``rules:`` key, or
-    table keys (``macros``, ``promote``, ...) and entries with a ``priority``."""
-    try:
-        doc = read_yaml(path)
-    except RuleError:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if re.search(r"^rules\s*:", text, re.MULTILINE):
-            raise  # meant as a rule file: report the problem
-        return False
-    if not isinstance(doc, dict) or "rules" not in doc:
-        return False
-    if TABLE_KEYS & set(doc):
-        return False
-    v = doc["rules"]
-    return not (isinstance(v, list) and v and all(isinstance(x, dict) and "priority" in x and "when" not in x
-                                                   for x in v))
-
-
 def load_rule_file(path: str | Path) -> list[Rule]:
     """Load and validate one rule file."""
     p = Path(path)
@@ -622,10 +600,10 @@ def load_rule_file(path: str | Path) -> list[Rule]:
 
 
 def rule_files(path: Path) -> list[Path]:
-    """Rule files of a directory (``*.yaml``/``*.yml``, sorted; data tables skipped) or the file itself."""
+    """Rule files of a directory (every ``*.yaml``/``*.yml`` in it, sorted: the shipped data tables live in
+    ``rules/tables/``, not beside the rules) or the file itself."""
     if path.is_dir():
-        cands = sorted([*path.glob("*.yaml"), *path.glob("*.yml")])
-        return [c for c in cands if c.is_file() and is_rule_file(c)]
+        return sorted(c for c in [*path.glob("*.yaml"), *path.glob("*.yml")] if c.is_file())
     if path.is_file():
         return [path]
     raise RuleError("rule file or directory not found", path)
@@ -633,8 +611,6 @@ def rule_files(path: Path) -> list[Path]:
 
 def shipped_rules_dir() -> Path:
     """The shipped rules directory."""
-    from traceinspect.resources import rules_dir
-
     return rules_dir()
 
 

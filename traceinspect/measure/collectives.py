@@ -111,7 +111,7 @@ def _median(v: Any) -> float:
 
 @dataclass(frozen=True)
 class Settings:
-    """The data-driven part of the collectives analysis (``rules/collectives.yaml``)."""
+    """The data-driven part of the collectives analysis (``rules/tables/collectives.yaml``)."""
 
     kinds: tuple[tuple[str, re.Pattern[str]], ...]
     offset_sigmas: float
@@ -124,11 +124,11 @@ class Settings:
 
 @lru_cache(maxsize=4)
 def load_settings(path: str | None = None) -> Settings:
-    """Read the collectives settings (default: the shipped ``rules/collectives.yaml``)."""
+    """Read the collectives settings (default: the shipped ``rules/tables/collectives.yaml``)."""
     from traceinspect.errors import RuleError
-    from traceinspect.resources import rules_dir
+    from traceinspect.resources import tables_dir
 
-    file = Path(path) if path else rules_dir() / SETTINGS_FILE
+    file = Path(path) if path else tables_dir() / SETTINGS_FILE
     try:
         doc = yaml.load(file.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))["collectives"]
         kinds = tuple((str(k["kind"]), re.compile(str(k["pattern"]), re.IGNORECASE)) for k in doc["kinds"])
@@ -877,7 +877,7 @@ def _jsonify_path(s: dict[str, Any], top: int = 12) -> dict[str, Any]:
 def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str, Any]:
     """Longest path through each aligned step's cross-rank dependency graph; the median
     step in detail and the composition averaged over the steps (all of them, or an even sample of
-    ``critical_path.max_steps`` of rules/collectives.yaml; see docs/collectives.md)."""
+    ``critical_path.max_steps`` of rules/tables/collectives.yaml; see docs/collectives.md)."""
     if not len(sel):
         return {"applicable": False, "reason": "no analysed steps common to all ranks"}
     act = _activities(a, sel, res)

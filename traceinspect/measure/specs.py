@@ -1,4 +1,4 @@
-"""GPU spec table (``rules/gpus.yaml``): dense peak TFLOP/s per dtype and memory bandwidth, and the
+"""GPU spec table (``rules/tables/gpus.yaml``): dense peak TFLOP/s per dtype and memory bandwidth, and the
 matching of a trace's device (``deviceProperties`` name / compute capability) to one entry."""
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class GpuSpec:
 
 
 def _default_path() -> Path:
-    from traceinspect.resources import rules_dir
+    from traceinspect.resources import tables_dir
 
-    return rules_dir() / "gpus.yaml"
+    return tables_dir() / "gpus.yaml"
 
 
 def _parse(doc: Any, path: Path) -> list[GpuSpec]:
@@ -88,7 +88,7 @@ def _parse(doc: Any, path: Path) -> list[GpuSpec]:
 
 
 def load_gpu_specs(path: str | Path | None = None) -> list[GpuSpec]:
-    """Read a GPU spec file (default: the shipped ``rules/gpus.yaml``)."""
+    """Read a GPU spec file (default: the shipped ``rules/tables/gpus.yaml``)."""
     p = Path(path) if path is not None else _default_path()
     try:
         doc = yaml.load(p.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))

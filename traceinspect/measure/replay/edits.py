@@ -13,7 +13,7 @@ Text form (``traceinspect whatif --edit``) and mapping form (a rule's ``fixes:``
 | ``async`` | ``async [SEL]`` | blocking calls (by name: ``name~=Synchronize``) no longer wait for the GPU |
 | ``kv-rows`` | ``kv-rows SEL`` | the selected cast reads only the active KV rows: time x active rows / pool rows |
 | ``trim`` | ``trim SEL US`` | the selected operations lose US per step in total, in proportion to their time |
-| ``graph-gaps`` | ``graph-gaps [rank=R]`` | gaps between kernels that ran back to back capped at this GPU's CUDA-graph kernel gap (``rules/replay.yaml``) |
+| ``graph-gaps`` | ``graph-gaps [rank=R]`` | gaps between kernels that ran back to back capped at this GPU's CUDA-graph kernel gap (``rules/tables/replay.yaml``) |
 | ``gemm-m`` | ``gemm-m SEL F`` | the selected GEMMs at F times their M (a batch change), from the measured M-efficiency curve |
 
 ``SEL`` is ``key=value`` / ``key~=regex`` / ``key!~=regex`` terms joined by commas: ``class``,
@@ -376,14 +376,14 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
 
 
 def graph_gap(a: Analysis) -> tuple[float | None, str]:
-    """This GPU's kernel-to-kernel gap in a CUDA-graph replay from ``rules/replay.yaml``, or why not."""
+    """This GPU's kernel-to-kernel gap in a CUDA-graph replay from ``rules/tables/replay.yaml``, or why not."""
     from traceinspect.measure.replay.model import load_settings
 
     dev = a.device_name() or ""
     for rx, us, src in load_settings().graph_gaps:
         if rx.search(dev):
             return us, src
-    return None, f"no CUDA-graph kernel gap for {dev or 'an unknown GPU'} in rules/replay.yaml"
+    return None, f"no CUDA-graph kernel gap for {dev or 'an unknown GPU'} in rules/tables/replay.yaml"
 
 
 def _scale(p: Params, mask: np.ndarray, coll: np.ndarray, f: float) -> None:

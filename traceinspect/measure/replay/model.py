@@ -10,7 +10,7 @@ Dependencies (all measured, per rank, times corrected by the collectives stage's
 * stream order: no earlier than ``lS`` after the previous operation on its stream ended;
 * cross-stream: an operation that started when an operation of another stream ended, and that
   neither its launch nor its stream explains, waits for that operation (an event wait);
-* host syncs: a blocking call (``blocking_calls`` in ``rules/replay.yaml``) ends ``r`` after the GPU
+* host syncs: a blocking call (``blocking_calls`` in ``rules/tables/replay.yaml``) ends ``r`` after the GPU
   work it waited for, when it waited;
 * collectives (matched by :mod:`traceinspect.measure.collectives`): each rank's kernel ends ``res``
   after the last rank arrived.
@@ -52,11 +52,11 @@ class Settings:
 
 @lru_cache(maxsize=4)
 def load_settings(path: str | None = None) -> Settings:
-    """Read ``rules/replay.yaml`` (or ``path``)."""
+    """Read ``rules/tables/replay.yaml`` (or ``path``)."""
     from traceinspect.errors import RuleError
-    from traceinspect.resources import rules_dir
+    from traceinspect.resources import tables_dir
 
-    file = Path(path) if path else rules_dir() / SETTINGS_FILE
+    file = Path(path) if path else tables_dir() / SETTINGS_FILE
     try:
         doc = yaml.safe_load(file.read_text(encoding="utf-8"))["replay"]
         gaps = tuple((re.compile(str(g["match"]), re.IGNORECASE), float(g["us"]), str(g.get("source", "")))
