@@ -113,6 +113,24 @@ def test_huge_exponent_is_bounded_and_fast() -> None:
     assert ev("1e308 * 10") == float("inf") or ev("1e308 * 10") is None
 
 
+def test_evaluation_reads_no_clock_and_bounds_its_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A busy machine cannot turn a decided condition undecided: no clock is read while evaluating, and
+    the work is bounded by a step count that every valid expression stays within."""
+    import ast
+
+    from traceinspect.judge import expr as X
+
+    def no_clock() -> float:
+        raise AssertionError("the evaluator read the clock")
+
+    monkeypatch.setattr(time, "perf_counter", no_clock)
+    monkeypatch.setattr(time, "monotonic", no_clock)
+    big = parse(" or ".join(["a in [" + ",".join(["1"] * 60) + "]"] * 4), lambda n: True)  # ~250 nodes
+    assert len(list(ast.walk(big.tree))) > 240 and evaluate_explain(big, {"a": 2}) == (False, None)
+    with pytest.raises(ExprError, match="evaluation steps"):
+        X._Evaluator({"a": 1}, steps=10).run(big.tree)
+
+
 def test_string_arithmetic_refused() -> None:
     v, why = evaluate_explain(parse("s * 100000000", lambda n: True), {"s": "x"})
     assert v is None and "numbers only" in why

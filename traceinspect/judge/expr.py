@@ -4,8 +4,10 @@ Rule conditions, estimates and message placeholders are Python-looking expressio
 walking their syntax tree (``ast.parse(mode='eval')``) over a whitelist of node types. There is
 no ``eval``, no attribute access, no subscripts, no comprehensions or lambdas, and names resolve
 only to metrics of the rule's scope. Arithmetic is on numbers only (strings can be compared and
-tested with ``in``), exponents are bounded, and source length, tree depth, node count and
-evaluation time are all bounded.
+tested with ``in``), exponents and integer sizes are bounded, and source length, tree depth and node
+count are bounded. Evaluation visits each node at most once (there are no loops), and a step budget
+enforces that: the work of one evaluation is bounded by the expression, never by a clock, so a rule
+decides the same on a loaded machine as on an idle one.
 
 Missing evidence: a metric whose value is ``None`` makes every expression that needs it ``None``
 ("cannot decide"), except for the explicit ``x is None`` / ``x is not None`` tests, and the
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import math
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ MAX_NODES = 300
 MAX_STRING = 200  # characters of a string literal
 MAX_EXPONENT = 64  # |b| in a ** b
 MAX_INT_BITS = 256  # integer results beyond this are an error (no runaway big-int arithmetic)
-TIME_BUDGET_S = 0.05  # per evaluation
+MAX_STEPS = 2 * MAX_NODES  # node visits per evaluation (each node is visited at most once)
 
 
 class ExprError(ValueError):
@@ -105,7 +106,7 @@ class Expr:
     def evaluate(self, env: Mapping[str, Any]) -> Any:
         """Value of the expression over ``env`` (metric name -> value); ``None`` when it cannot be
         decided (missing metric, division by zero, overflow). Never raises for valid expressions
-        except :class:`ExprError` when the time budget is exceeded."""
+        except :class:`ExprError` when the step budget is exceeded."""
         return evaluate(self, env)
 
 
@@ -211,13 +212,14 @@ def _describe(node: ast.AST) -> str:
 
 
 class _Evaluator:
-    def __init__(self, env: Mapping[str, Any], deadline: float) -> None:
+    def __init__(self, env: Mapping[str, Any], steps: int = MAX_STEPS) -> None:
         self.env = env
-        self.deadline = deadline
+        self.steps = steps
 
     def run(self, node: ast.AST) -> Any:  # noqa: C901 - a dispatch over node types
-        if time.perf_counter() > self.deadline:
-            raise ExprError(f"expression exceeded its time budget of {TIME_BUDGET_S * 1000:.0f} ms")
+        self.steps -= 1
+        if self.steps < 0:
+            raise ExprError(f"expression exceeded its budget of {MAX_STEPS} evaluation steps")
         if isinstance(node, ast.Expression):
             return self.run(node.body)
         if isinstance(node, ast.Constant):
@@ -343,7 +345,7 @@ def evaluate(expr: Expr, env: Mapping[str, Any]) -> Any:
 def evaluate_explain(expr: Expr, env: Mapping[str, Any]) -> tuple[Any, str | None]:
     """Evaluate and also say why the result is ``None`` when it is (missing metrics or an
     arithmetic problem); the reason is ``None`` for a decided value."""
-    ev = _Evaluator(env, time.perf_counter() + TIME_BUDGET_S)
+    ev = _Evaluator(env)
     try:
         value = ev.run(expr.tree)
     except _Undecided as e:
