@@ -1,0 +1,129 @@
+"""``gemm`` metrics: GEMM shapes of the efficiency stage, filtered and aggregated, declared beside their
+computation."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from traceinspect.judge.metrics.registry import Subject, _f, _fmt_num, _weighted_median, declare
+from traceinspect.measure.gemm_shapes import gemm_shapes
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+
+declare("gemm", "m", "rows", "GEMM M (rows of the activation; for grouped expert GEMMs the rows per expert): "
+   "time-weighted median over the subject's calls.")
+declare("gemm", "m_min", "rows", "Smallest M among the subject's calls.")
+declare("gemm", "m_max", "rows", "Largest M among the subject's calls.")
+declare("gemm", "n", "count", "GEMM N of the subject's most expensive shape.")
+declare("gemm", "k", "count", "GEMM K of the subject's most expensive shape.")
+declare("gemm", "batch", "count", "Batch count of a batched GEMM (bmm), 1 for plain GEMMs (most expensive shape).")
+declare("gemm", "dtype", "text", "Compute dtype of the most expensive shape (fp4, fp8, bf16, fp16, fp32).")
+declare("gemm", "op_name", "text", "CPU op of the most expensive shape (aten::mm, aten::_scaled_mm, ...).")
+declare("gemm", "shapes", "count", "Distinct (M, N, K, batch, dtype) shapes in the subject.")
+declare("gemm", "is_moe", "bool", "True when the subject's GEMMs are expert (MoE) GEMMs.")
+declare("gemm", "per_expert_m", "rows", "Rows per expert of the subject's expert GEMMs (M of each per-expert "
+   "GEMM, or rows / experts of a grouped GEMM), time-weighted median; None for dense GEMMs.")
+declare("gemm", "calls_per_step", "count", "GEMM calls per rank per step (calls with known shapes).")
+declare("gemm", "us_per_step", "us", "GPU time of those calls per rank per step.")
+declare("gemm", "share", "ratio", "Share of all GPU time of the analysed steps.")
+declare("gemm", "compute_share", "ratio", "us_per_step / compute_us_per_step (share of the non-collective GPU time).")
+declare("gemm", "tflops", "TFLOP/s", "Achieved TFLOP/s: FLOPs (2*M*N*K per GEMM) summed over calls / kernel time.")
+declare("gemm", "pct_peak", "ratio", "tflops / dense peak of the GPU for the dtype (rules/tables/gpus.yaml), as a "
+   "fraction (0.01 = 1%); None if the GPU or dtype has no peak in the table.")
+declare("gemm", "peak_tflops", "TFLOP/s", "The dense peak used for pct_peak (time-weighted over the calls).")
+declare("gemm", "unknown_share", "ratio", "Share of the selected GEMM-class time whose shapes are unknown "
+   "(no CPU op, no capture trace): they are left out of every other gemm metric.")
+
+
+class GemmMetrics:
+    """The ``gemm`` scope of :class:`~traceinspect.judge.metrics.MetricContext`."""
+
+    a: Analysis
+    n_step_rows: int
+    total_us: float
+    run: dict[str, Any]
+
+    _gemm_cache: pd.DataFrame | None = None
+
+    def gemm_rows(self) -> pd.DataFrame | None:
+        """The GEMM calls of the efficiency stage per shape (:func:`traceinspect.measure.gemm_shapes.gemm_shapes`)."""
+        if self._gemm_cache is None:
+            self._gemm_cache = gemm_shapes(getattr(self.a.efficiency, "calls", None))
+        return self._gemm_cache
+
+    def gemm_row_values(self, row: pd.Series) -> dict[str, Any]:
+        """Metrics of one shape row (what ``select.gemm.where`` sees)."""
+        return self._gemm_group(pd.DataFrame([row])).values
+
+    def gemm_subjects(self, rows: pd.DataFrame, group_by: str | None, unknown: pd.DataFrame | None = None
+                      ) -> list[Subject]:
+        known = rows[rows["known"].astype(bool)]
+        if not len(known):
+            return []
+        if group_by == "shape":
+            groups = [known.iloc[[i]] for i in range(len(known))]
+        elif group_by in ("cls", "moe"):
+            col = "cls" if group_by == "cls" else "is_moe"
+            groups = [g for _, g in known.groupby(col, sort=False)]
+        else:
+            groups = [known]
+        out = []
+        for g in groups:
+            unk = None
+            if unknown is not None and len(unknown):
+                unk = unknown
+                if group_by in ("cls", "moe"):
+                    col = "cls" if group_by == "cls" else "is_moe"
+                    unk = unknown[unknown[col] == g[col].iloc[0]]
+            out.append(self._gemm_group(g, unk))
+        out.sort(key=lambda s: -(s.values["us_per_step"] or 0.0))
+        return out
+
+    def _gemm_group(self, g: pd.DataFrame, unknown: pd.DataFrame | None = None) -> Subject:
+        n = self.n_step_rows
+        v: dict[str, Any] = {}
+        missing: dict[str, str] = {}
+        us = g["us"].astype(float).to_numpy()
+        m = g["m"].astype(float).to_numpy()
+        top = g.iloc[int(np.argmax(us))]
+        v["m"] = _weighted_median(m, us)
+        v["m_min"] = _f(np.nanmin(m))
+        v["m_max"] = _f(np.nanmax(m))
+        v["n"] = _f(top["n"])
+        v["k"] = _f(top["k"])
+        v["batch"] = _f(top["batch"])
+        v["dtype"] = str(top["dtype"]) or None
+        v["op_name"] = str(top["op_name"])
+        v["shapes"] = len(g)
+        moe = g["is_moe"].astype(bool).to_numpy()
+        v["is_moe"] = bool(moe.all())
+        v["per_expert_m"] = _weighted_median(m[moe], us[moe]) if moe.any() else None
+        if not moe.any():
+            missing["per_expert_m"] = "no expert GEMMs in the subject"
+        v["calls_per_step"] = float(g["calls"].sum()) / n
+        v["us_per_step"] = float(us.sum()) / n
+        v["share"] = float(us.sum()) / self.total_us if self.total_us else None
+        comp = self.run.get("compute_us_per_step")
+        v["compute_share"] = v["us_per_step"] / comp if comp else None
+        flops = float(np.nansum(g["flops"].astype(float)))
+        v["tflops"] = flops / float(us.sum()) / 1e6 if us.sum() > 0 and flops > 0 else None
+        pk_us = float(g["peak_known_us"].sum())
+        peak = float(g["peak_us"].sum()) / pk_us if pk_us > 0 else None
+        v["peak_tflops"] = peak
+        v["pct_peak"] = v["tflops"] / peak if v["tflops"] is not None and peak else None
+        if v["pct_peak"] is None:
+            missing["pct_peak"] = ("GEMM FLOPs unknown" if v["tflops"] is None else
+                                   "no dense peak for this GPU and dtype in rules/tables/gpus.yaml ("
+                                   + (getattr(self.a.efficiency, "spec_reason", "") or "GPU unknown") + ")")
+        unk_us = float(unknown["us"].sum()) if unknown is not None and len(unknown) else 0.0
+        v["unknown_share"] = unk_us / (unk_us + float(us.sum())) if (unk_us + us.sum()) > 0 else None
+        ranks = sorted({r for t in g["ranks"] for r in t})
+        kind = "expert GEMMs" if v["is_moe"] else ("GEMMs" if moe.any() else "dense GEMMs")
+        label = f"{kind} M={_fmt_num(v['m'])}" if len(g) > 1 else \
+            f"{kind} M={_fmt_num(v['m'])} N={_fmt_num(v['n'])} K={_fmt_num(v['k'])} {v['dtype'] or ''}".strip()
+        return Subject("gemm", label, v, ranks, missing, tuple(sorted({str(c) for c in g["cls"].unique()})))
+

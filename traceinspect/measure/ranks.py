@@ -1,0 +1,99 @@
+"""Per-rank step statistics: each rank's step span, busy and compute time, how it compares with the
+other ranks, how late its steps start and how often it finishes its work last."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+
+@dataclass
+class RankSteps:
+    """One rank over the analysed steps (per-step medians; None where it cannot be measured)."""
+
+    rank: int
+    step_us: float | None  # median GPU span of its steps
+    busy_us: float | None  # median GPU busy time
+    compute_us: float | None  # median per-step time of its non-communication kernels
+    others_compute_us: float | None  # median of compute_us over the other ranks
+    compute_excess: float | None  # compute_us / others_compute_us - 1
+    launch_lag_us: float | None  # median lag of its first GPU activity behind the earliest rank's (aligned steps)
+    slowest_step_fraction: float | None  # share of aligned steps in which it finished its work last
+    comm_us: float  # communication kernel time per step (from the kernels)
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """Median of the values that are not None, or None."""
+    arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    return float(np.median(arr)) if len(arr) else None
+
+
+def finite(x: object) -> float | None:
+    """A finite float or None."""
+    if x is None:
+        return None
+    try:
+        v = float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return v if np.isfinite(v) else None
+
+
+def rank_steps(selected: pd.DataFrame, kernels: pd.DataFrame, ranks: list[int], aligned: int) -> list[RankSteps]:
+    """The statistics of each rank in ``ranks`` over the analysed steps ``selected``, whose kernels (with
+    ``cls``) are ``kernels``; ``aligned`` steps per rank are compared across ranks by position."""
+    sel = selected.copy()
+    sel["pos"] = sel.groupby("rank").cumcount()
+    al = sel[sel["pos"] < aligned]
+    k = kernels
+    kc = k[["rank", "step", "dur", "end"]]
+    is_comm = (k["cls"] == "comm").to_numpy()
+    noncomm = kc[~is_comm]
+    comp = noncomm.groupby(["rank", "step"])["dur"].sum() if len(noncomm) else pd.Series(dtype=float)
+    comp_end = noncomm.groupby(["rank", "step"])["end"].max() if len(noncomm) else pd.Series(dtype=float)
+    comm = kc[is_comm]
+    comm_us = comm.groupby("rank")["dur"].sum() if len(comm) else pd.Series(dtype=float)
+    steps_per = sel.groupby("rank").size()
+    per_rank_comp = {}
+    for rank, grp in sel.groupby("rank"):
+        vals = [float(comp.get((rank, s), 0.0)) for s in grp.index]
+        per_rank_comp[int(rank)] = median(vals)
+    multi = len(ranks) > 1
+    # slowest / lag over aligned steps
+    slow_count: dict[int, int] = {}
+    lag: dict[int, list[float]] = {}
+    if multi and aligned:
+        for _pos, grp in al.groupby("pos"):
+            starts = grp.set_index("rank")["gpu_start"]
+            first = starts.min()
+            for r, s in starts.items():
+                lag.setdefault(int(r), []).append(float(s - first))
+            ends = {int(r): float(comp_end.get((r, s), np.nan)) for r, s in zip(grp["rank"], grp.index, strict=True)}
+            ends = {r: e for r, e in ends.items() if np.isfinite(e)}
+            if len(ends) == len(grp):
+                # finishing last relative to the rank's own step start is what makes others wait
+                rel = {r: ends[r] - float(starts.min()) for r in ends}
+                last = max(rel, key=rel.get)  # type: ignore[arg-type]
+                slow_count[last] = slow_count.get(last, 0) + 1
+    out = []
+    for r in ranks:
+        rs = sel[sel["rank"] == r]
+        mine = per_rank_comp.get(r)
+        others = [per_rank_comp[o] for o in per_rank_comp if o != r and per_rank_comp[o] is not None]
+        others_med = median(others) if others else None
+        ns = max(int(steps_per.get(r, 0)), 1)
+        out.append(RankSteps(
+            rank=r,
+            step_us=finite(rs["span_us"].median()) if len(rs) else None,
+            busy_us=finite(rs["busy_us"].median()) if len(rs) else None,
+            compute_us=mine,
+            others_compute_us=others_med,
+            compute_excess=mine / others_med - 1 if mine is not None and others_med else None,
+            launch_lag_us=median(lag.get(r, [])) if lag else None,
+            slowest_step_fraction=slow_count.get(r, 0) / aligned if (multi and aligned) else None,
+            comm_us=float(comm_us.get(r, 0.0)) / ns,
+        ))
+    return out
