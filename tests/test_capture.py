@@ -27,7 +27,7 @@ import pytest
 
 from traceinspect.capture.errors import ConfigError
 from traceinspect.capture.layout import check_prefix, redact, redact_argv
-from traceinspect.capture.load import LoadSpec, bench_serving_command
+from traceinspect.capture.traffic import TrafficSpec, bench_serving_command
 from traceinspect.capture.wait import RankWatcher, check_complete, expected_ranks
 
 TESTS = Path(__file__).resolve().parent
@@ -548,16 +548,16 @@ def test_local_host_detection() -> None:
 
 
 def test_load_spec_parsing() -> None:
-    spec = LoadSpec.parse("concurrency=256,input=1024,output=2048")
+    spec = TrafficSpec.parse("concurrency=256,input=1024,output=2048")
     assert (spec.concurrency, spec.input, spec.output, spec.driver) == (256, 1024, 2048, "builtin")
-    assert LoadSpec.parse("c=4,in=8,out=16,driver=bench-serving").driver == "bench_serving"
+    assert TrafficSpec.parse("c=4,in=8,out=16,driver=bench-serving").driver == "bench_serving"
     for bad in ("concurrency=0", "concurrency=x", "speed=3", "driver=locust", "concurrency"):
         with pytest.raises(ConfigError):
-            LoadSpec.parse(bad)
+            TrafficSpec.parse(bad)
 
 
 def test_bench_serving_command_never_passes_request_rate() -> None:
-    cmd = bench_serving_command("http://127.0.0.1:30000", LoadSpec.parse("concurrency=256,input=1024,output=2048"))
+    cmd = bench_serving_command("http://127.0.0.1:30000", TrafficSpec.parse("concurrency=256,input=1024,output=2048"))
     assert "--request-rate" not in cmd
     assert cmd[cmd.index("--max-concurrency") + 1] == "256"
     assert cmd[cmd.index("--dataset-name") + 1] == "random-ids"
@@ -692,7 +692,7 @@ def test_profile_steps_in_process(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_bench_serving_driver_runs_sglang_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With sglang installed the bench_serving driver runs it; a stand-in module records how it was called."""
-    from traceinspect.capture.load import BenchServingLoad, bench_serving_module
+    from traceinspect.capture.traffic import BenchServingTraffic, bench_serving_module
 
     pkg = tmp_path / "site" / "sglang"
     pkg.mkdir(parents=True)
@@ -708,7 +708,7 @@ def test_bench_serving_driver_runs_sglang_module(tmp_path: Path, monkeypatch: py
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
     monkeypatch.setenv("FAKE_BENCH_OUT", str(record))
     assert bench_serving_module() == "sglang.bench_serving"
-    drv = BenchServingLoad("http://127.0.0.1:1", LoadSpec.parse("concurrency=4,input=8,output=16,prompts=12"),
+    drv = BenchServingTraffic("http://127.0.0.1:1", TrafficSpec.parse("concurrency=4,input=8,output=16,prompts=12"),
                            api_key="k-123", log_path=tmp_path / "bench.log")
     assert "k-123" not in " ".join(drv.cmd)
     drv.start()

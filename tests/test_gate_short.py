@@ -54,7 +54,7 @@ def _add_class(doc: dict, cls: str, us: float) -> dict:
 
 
 def test_samples_needed_and_the_capture_default() -> None:
-    from traceinspect.capture.session import DEFAULT_STEPS
+    from traceinspect.capture.options import DEFAULT_STEPS
 
     assert samples_needed(0.05) == 4  # 1/C(8,4) = 1/70 < 0.05; 3 vs 3 reaches only 1/20
     assert samples_needed(0.01) == 5
@@ -129,7 +129,7 @@ def test_diff_and_gate_name_the_server_config_keys_that_differ(eager_doc, tmp_pa
 
 def test_check_expected_reads_nested_and_resolved_values() -> None:
     from traceinspect.capture.errors import ServerMismatch
-    from traceinspect.capture.session import check_expected
+    from traceinspect.capture.expect import check_expected
 
     info = {"max_running_requests": None, "tp_size": 2, "disable_cuda_graph": False,
             "internal_states": [{"max_running_requests": 2048}], "model_info": {"num_hidden_layers": 4}}

@@ -26,8 +26,9 @@ from traceinspect.capture.errors import (
     ServerUnreachable,
 )
 from traceinspect.capture.layout import DEFAULT_PREFIX
-from traceinspect.capture.load import LoadSpec
-from traceinspect.capture.session import DEFAULT_STEPS, CaptureOptions, CaptureResult, run_capture
+from traceinspect.capture.options import DEFAULT_STEPS, CaptureOptions, CaptureResult
+from traceinspect.capture.session import run_capture
+from traceinspect.capture.traffic import TrafficSpec
 from traceinspect.capture.ui import CaptureUI
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ __all__ = [
     "StepMarker",
     "CaptureResult",
     "CaptureOptions",
-    "LoadSpec",
+    "TrafficSpec",
     "CaptureError",
     "CaptureIncomplete",
     "CaptureInterrupted",
@@ -51,7 +52,7 @@ __all__ = [
 
 def capture(url: str, out: str | Path, *, steps: int = DEFAULT_STEPS, phase: str = "decode",
             api_key: str | None = None, expect: dict[str, Any] | None = None,
-            admin_api_key: str | None = None, load: str | LoadSpec | None = None, analyze: bool = False, prefix: str = DEFAULT_PREFIX,
+            admin_api_key: str | None = None, load: str | TrafficSpec | None = None, analyze: bool = False, prefix: str = DEFAULT_PREFIX,
             timeout: float = 300.0, ramp_timeout: float = 120.0, min_batch: int = 1,
             activities: tuple[str, ...] = ("CPU", "GPU"), record_shapes: bool = True, with_stack: bool = False,
             server_out_dir: str | None = None, verbose: bool = False) -> CaptureResult:
@@ -69,7 +70,7 @@ def capture(url: str, out: str | Path, *, steps: int = DEFAULT_STEPS, phase: str
     what was written) when some rank file never came, and other :class:`CaptureError` subclasses
     when the server cannot be used. ``capture.json`` in the capture directory records the outcome.
     """
-    spec = LoadSpec.parse(load) if isinstance(load, str) else load
+    spec = TrafficSpec.parse(load) if isinstance(load, str) else load
     opts = CaptureOptions(url=url, out=out, steps=steps, phase=phase, api_key=api_key,
                           expect=tuple((str(k), str(v).lower() if isinstance(v, bool) else str(v))
                                        for k, v in (expect or {}).items()),

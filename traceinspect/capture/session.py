@@ -10,7 +10,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,12 +21,11 @@ from traceinspect.capture.errors import (
     CaptureInterrupted,
     ConfigError,
     ProfileRejected,
-    ServerMismatch,
 )
+from traceinspect.capture.expect import check_expected, describe
 from traceinspect.capture.layout import (
     CAPTURE_JSON,
     CAPTURE_SCHEMA,
-    DEFAULT_PREFIX,
     SERVER_INFO_JSON,
     atomic_write_json,
     check_prefix,
@@ -37,73 +35,11 @@ from traceinspect.capture.layout import (
     redact_argv,
     redact_text,
 )
-from traceinspect.capture.load import LoadDriver, LoadSpec, make_driver, wait_for_batch
+from traceinspect.capture.options import PHASES, WHY_MISSING, CaptureOptions, CaptureResult
+from traceinspect.capture.traffic import TrafficDriver, make_driver, wait_for_batch
 from traceinspect.capture.ui import CaptureUI
 from traceinspect.capture.wait import RankKey, RankWatcher, WaitResult, expected_ranks, wait_for_ranks
-from traceinspect.gate.stats import EDGE_STEPS, samples_needed
 from traceinspect.version import __version__
-
-# SGLang's by-stage prefill capture ends at the first decode batch, so under mixed traffic it holds
-# whatever prefills came first, or nothing; prefill steps are better taken from an "all" capture.
-PHASES = {"decode": (True, "DECODE"), "all": (False, None)}
-ACTIVITIES = ("CPU", "GPU")
-
-WHY_MISSING = (
-    "Usually one of: no traffic reached the server (the profiler only advances on forward steps, so a "
-    "rank with no batches never writes); the output directory is not visible from the server (it writes "
-    "to output_dir on its own filesystem); or another profile was already running"
-)
-
-
-# steps recorded by default: enough analysed steps (the first and last are not analysed) for the gate's
-# noise test to be able to decide at its default alpha
-DEFAULT_STEPS = samples_needed() + EDGE_STEPS
-
-@dataclass
-class CaptureOptions:
-    """Everything :func:`run_capture` needs."""
-
-    url: str
-    out: str | Path
-    steps: int = DEFAULT_STEPS
-    phase: str = "decode"
-    api_key: str | None = None
-    admin_api_key: str | None = None
-    load: LoadSpec | None = None
-    analyze: bool = False
-    prefix: str = DEFAULT_PREFIX
-    timeout_s: float = 300.0
-    ramp_timeout_s: float = 120.0
-    min_batch: int = 1
-    activities: tuple[str, ...] = ACTIVITIES
-    record_shapes: bool = True
-    with_stack: bool = False
-    server_out_dir: str | None = None
-    expect: tuple[tuple[str, str], ...] = ()  # (key, value): what /server_info must say before profiling
-    stable_s: float = 1.0
-    poll_s: float = 0.25
-    command: list[str] | None = None
-
-
-@dataclass
-class CaptureResult:
-    """What a capture produced. ``status`` is ``complete`` or ``incomplete``."""
-
-    status: str
-    out_dir: Path
-    profile_id: str
-    prefix: str
-    files: list[Path]
-    missing: list[str]
-    server_info: dict[str, Any]
-    reason: str | None = None
-    warnings: list[str] = field(default_factory=list)
-    analysis: Any = None
-    report: Path | None = None
-
-    @property
-    def complete(self) -> bool:
-        return self.status == "complete"
 
 
 def is_local_host(host: str) -> bool:
@@ -159,7 +95,7 @@ class _Capture:
         self.t0 = time.time()
         self.out_dir: Path | None = None
         self.client: SGLangClient | None = None
-        self.driver: LoadDriver | None = None
+        self.driver: TrafficDriver | None = None
         self.profile_started = False
         self.armed = False  # a profile_by_stage request left state on the server
         self.server_info: dict[str, Any] = {}
@@ -634,85 +570,8 @@ class _Capture:
             self.ui.info(f"wrote {p}")
 
 
-_MISSING = object()
-
-
-def server_value(info: dict[str, Any], key: str) -> Any:
-    """A key of /server_info: ``a.b.0`` walks nested objects and lists; a plain key is read at the top
-    level, or, when absent or null there, from the first ``internal_states`` entry (newer SGLang keeps
-    resolved runtime values there)."""
-    cur: Any = info
-    parts = key.split(".")
-    if len(parts) == 1:
-        v = info.get(key, _MISSING)
-        if v is _MISSING or v is None:
-            states = info.get("internal_states")
-            if isinstance(states, list) and states and isinstance(states[0], dict) and key in states[0]:
-                return states[0][key]
-        return v
-    for p in parts:
-        if isinstance(cur, dict) and p in cur:
-            cur = cur[p]
-        elif isinstance(cur, list) and p.isdigit() and int(p) < len(cur):
-            cur = cur[int(p)]
-        else:
-            return _MISSING
-    return cur
-
-
-def _parse_expected(text: str) -> Any:
-    import json
-
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _same(actual: Any, expected_text: str) -> bool:
-    exp = _parse_expected(expected_text)
-    if isinstance(actual, bool) or isinstance(exp, bool):
-        return actual is exp or str(actual).lower() == expected_text.strip().lower()
-    if isinstance(actual, (int, float)) and isinstance(exp, (int, float)):
-        return float(actual) == float(exp)
-    return actual == exp or str(actual) == expected_text
-
-
-def check_expected(info: dict[str, Any], expect: tuple[tuple[str, str], ...]) -> None:
-    """Raise :class:`ServerMismatch` naming every ``--expect`` key whose value on the live server differs
-    (expected and actual), before anything is profiled."""
-    bad = []
-    for key, want in expect:
-        v = server_value(info, key)
-        if v is _MISSING:
-            bad.append(f"{key}: expected {want}, actual: not in /server_info")
-        elif not _same(v, want):
-            import json
-
-            bad.append(f"{key}: expected {want}, actual {json.dumps(v) if not isinstance(v, str) else v}")
-    if bad:
-        raise ServerMismatch("the server is not configured as --expect says (nothing profiled): " + "; ".join(bad))
-
-
 def n_complete(res: WaitResult | None) -> int:
     return len(res.complete) if res is not None else 0
-
-
-def describe(info: dict[str, Any]) -> str:
-    """One line about the server's configuration."""
-    parts = []
-    model = info.get("served_model_name") or info.get("model_path")
-    if model:
-        parts.append(str(model))
-    par = [f"{k.split('_')[0]}{info[k]}" for k in ("tp_size", "dp_size", "ep_size", "pp_size")
-           if isinstance(info.get(k), int) and (info[k] > 1 or k == "tp_size")]
-    parts += par
-    for key in ("quantization", "kv_cache_dtype", "attention_backend"):
-        if info.get(key):
-            parts.append(f"{key}={info[key]}")
-    if info.get("version"):
-        parts.append(f"sglang {info['version']}")
-    return ", ".join(parts) or "(no details)"
 
 
 def run_capture(opts: CaptureOptions, ui: CaptureUI | None = None) -> CaptureResult:
@@ -721,4 +580,4 @@ def run_capture(opts: CaptureOptions, ui: CaptureUI | None = None) -> CaptureRes
     return _Capture(opts, ui).run()
 
 
-__all__ = ["CaptureOptions", "CaptureResult", "run_capture", "is_local_host", "describe"]
+__all__ = ["CaptureOptions", "CaptureResult", "run_capture", "is_local_host"]

@@ -18,21 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from traceinspect.model.run import ServerInfo
+
 # The analyzer's name pattern (traceinspect.load.discover.SGLANG_NAME; a test keeps the two equal),
 # repeated here so that capturing does not import the analyzer's table stack.
 SGLANG_NAME = re.compile(
     r"^(?P<stem>.*?)-TP-(?P<tp>\d+)(?:-DP-(?P<dp>\d+))?(?:-PP-(?P<pp>\d+))?(?:-EP-(?P<ep>\d+))?"
     r"(?:-(?P<stage>EXTEND|DECODE|prefill|decode))?(?:\.pt)?\.trace\.json(?:\.gz)?$"
 )
-
-
-def _int(info: dict[str, Any], key: str, default: int = 1) -> int:
-    v = info.get(key)
-    try:
-        n = int(v)
-    except (TypeError, ValueError):
-        return default
-    return n if n > 0 else default
 
 
 @dataclass(frozen=True, order=True)
@@ -66,15 +59,16 @@ def expected_ranks(info: dict[str, Any]) -> list[RankKey]:
     ``dp_size`` counts replicas (each with its own TP group) unless DP attention is on, where it
     splits one TP group (older releases: ``enable_dp_attention``; 0.5.23 reports ``attn_dp_size``).
     """
-    tp, pp, ep = _int(info, "tp_size"), _int(info, "pp_size"), _int(info, "ep_size")
-    dp = _int(info, "dp_size")
+    si = ServerInfo(info)
+    tp, pp, ep = si.size("tp_size"), si.size("pp_size"), si.size("ep_size")
+    dp = si.size("dp_size")
     if "attn_dp_size" in info:
-        replicas, attn_dp = dp, _int(info, "attn_dp_size")
+        replicas, attn_dp = dp, si.size("attn_dp_size")
     elif info.get("enable_dp_attention"):
         replicas, attn_dp = 1, dp
     else:
         replicas, attn_dp = dp, 1
-    moe_dp = _int(info, "moe_dp_size")
+    moe_dp = si.size("moe_dp_size")
     dp_ranks = replicas * attn_dp
     keys: list[RankKey] = []
     for d in range(replicas):

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from traceinspect.capture.session import DEFAULT_STEPS
+from traceinspect.capture.options import DEFAULT_STEPS
 
 
 @click.command("capture")
@@ -54,8 +54,9 @@ def capture_cmd(url: str, out: str, steps: int, expect: tuple[str, ...], phase: 
     load and the profile are stopped and what was written is kept, marked incomplete).
     """
     from traceinspect.capture.layout import redact_argv
-    from traceinspect.capture.load import LoadSpec
-    from traceinspect.capture.session import CaptureOptions, run_capture
+    from traceinspect.capture.options import CaptureOptions
+    from traceinspect.capture.session import run_capture
+    from traceinspect.capture.traffic import TrafficSpec
     from traceinspect.capture.ui import CaptureUI
 
     secrets = tuple(k for k in (api_key, admin_api_key) if k)
@@ -65,7 +66,7 @@ def capture_cmd(url: str, out: str, steps: int, expect: tuple[str, ...], phase: 
         if not sep or not key.strip():
             raise click.BadParameter(f"{e!r}: expected KEY=VALUE", param_hint="--expect")
         pairs.append((key.strip(), value.strip()))
-    spec = LoadSpec.parse(load) if load else None
+    spec = TrafficSpec.parse(load) if load else None
     opts = CaptureOptions(
         url=url, out=out, steps=steps, expect=tuple(pairs), phase=phase, api_key=api_key, admin_api_key=admin_api_key, load=spec,
         analyze=analyze, prefix=prefix,

@@ -8,6 +8,7 @@ and the reasons, for ``--explain``-style output).
 from __future__ import annotations
 
 from traceinspect.judge.engine import Finding, Outcome, evaluate, explain
-from traceinspect.judge.rules import Rule, RuleSet, load_rule_file, load_rule_set
+from traceinspect.judge.rule import Rule, RuleSet
+from traceinspect.judge.rules import load_rule_file, load_rule_set
 
 __all__ = ["Finding", "Outcome", "Rule", "RuleSet", "evaluate", "explain", "load_rule_file", "load_rule_set"]

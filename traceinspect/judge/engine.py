@@ -19,7 +19,7 @@ import numpy as np
 from traceinspect import units
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, evaluate_explain
-from traceinspect.judge.rules import SEVERITY_RANK, Rule, RuleSet
+from traceinspect.judge.rule import SEVERITY_RANK, Rule, RuleSet
 from traceinspect.tables import text_values
 
 if TYPE_CHECKING:

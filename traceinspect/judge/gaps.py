@@ -16,7 +16,7 @@ from traceinspect.resources import tables_dir
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
     from traceinspect.judge.engine import Outcome
-    from traceinspect.judge.rules import Rule, RuleSet
+    from traceinspect.judge.rule import Rule, RuleSet
 
 EVIDENCE_FILE = "evidence.yaml"
 # a derived metric is missing because of what it is computed from: supply that instead

@@ -1,15 +1,14 @@
-"""Rule files: loading, validation and the :class:`Rule` / :class:`RuleSet` types.
+"""Rule files: loading and validation into the :mod:`~traceinspect.judge.rule` types (re-exported here).
 
-A rule file is YAML with a top-level ``rules:`` list (see ``docs/rules/README.md`` for the format).
-Files in a rules directory without a ``rules:`` key are data tables (kernel classes, GPU specs)
-and are skipped. Every problem is reported as ``RuleError("<file>:<line>: <reason>")``.
+A rule file is YAML with a top-level ``rules:`` list (see ``docs/rules/format.md`` for the format); every
+YAML file of a rules directory is one (the shipped data tables live in ``rules/tables/``). Every problem is
+reported as ``RuleError("<file>:<line>: <reason>")``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,164 +16,33 @@ from traceinspect import units
 from traceinspect.errors import ConfigError, RuleError
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, parse
+from traceinspect.judge.rule import (
+    EDIT_KEYS,
+    FIX_KEYS,
+    FORMAT_SPEC,
+    GEMM_SELECT_KEYS,
+    GROUP_BY,
+    ID_RE,
+    KERNEL_SELECT_KEYS,
+    MAX_TEXT,
+    OPTIONAL,
+    PHASE_SCOPES,
+    PLACEHOLDER,
+    RANK_REFS,
+    REMOVES,
+    REQUIRED,
+    SEVERITIES,
+    SHARE_OF,
+    Fix,
+    FixEdit,
+    Placeholder,
+    Rule,
+    RuleSet,
+    Selector,
+)
 from traceinspect.judge.yamlsrc import LDict, LList, line_of, read_yaml
 from traceinspect.resources import rules_dir
 from traceinspect.saferegex import RegexError, compile_safe
-
-ID_RE = re.compile(r"^[a-z][a-z0-9]*(?:-[a-z0-9]+)*$")
-SEVERITIES = ("critical", "warning", "info")
-SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
-PHASE_SCOPES = ("decode", "prefill", "all")
-REQUIRED = ("id", "title", "severity", "scope", "when", "estimate", "message", "why", "remediation", "references")
-OPTIONAL = ("select", "let", "impact", "share_of", "removes", "evidence", "params", "tests", "example", "override",
-            "notes", "fixes")
-SHARE_OF = ("step_time",)  # every share is of the step time; the key stays readable for older rule files
-REMOVES = ("time", "idle")  # what fixing the finding removes: kernel time, or GPU idle inside the step
-FIX_KEYS = {"variant", "label", "edits"}
-EDIT_KEYS = {"edit", "select", "value", "rank", "from"}
-RANK_REFS = ("subject", "fastest", "latest")
-KERNEL_SELECT_KEYS = {"class", "name", "not_name", "op", "not_op", "kind", "graph"}
-GROUP_BY = {"kernels": ("none", "name", "cls"), "gemm": ("none", "shape", "cls", "moe"), "rank": ("rank",),
-            "class": ("class",), "run": ("none",)}
-GEMM_SELECT_KEYS = {"moe", "class", "where"}
-PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
-FORMAT_SPEC = re.compile(r"^[<>^]?[+\- ]?,?\d{0,2}(?:\.\d{1,2})?[eEfFgG%dsn]?$")
-MAX_TEXT = 20_000
-
-
-@dataclass(frozen=True)
-class Placeholder:
-    """One ``{expression:format}`` of a message template."""
-
-    expr: Expr
-    spec: str
-
-
-@dataclass
-class Selector:
-    """What a rule is evaluated on (scope) and how the subjects are picked."""
-
-    scope: str = "run"  # run | kernels | gemm | rank | class
-    classes: tuple[str, ...] = ()
-    name: re.Pattern[str] | None = None
-    not_name: re.Pattern[str] | None = None
-    op: re.Pattern[str] | None = None
-    not_op: re.Pattern[str] | None = None
-    kinds: tuple[str, ...] = ()
-    graph: bool | None = None  # kernels: only graph-replayed (True) / only eager (False)
-    moe: bool | None = None  # gemm: only expert (True) / only dense (False) GEMMs
-    where: Expr | None = None  # gemm: row filter over the gemm scope's shape metrics
-    group_by: str = "none"
-    text: dict[str, Any] = field(default_factory=dict)  # as written, for `rules show`
-
-
-@dataclass
-class FixEdit:
-    """One edit of a fix as declared: ``value`` is an expression over the rule's names (or None)."""
-
-    spec: dict[str, Any]
-    value: Expr | None = None
-
-
-@dataclass
-class Fix:
-    """A named way to fix what a rule finds, as replay edits (``fixes:`` of a rule)."""
-
-    variant: str
-    label: str
-    edits: list[FixEdit]
-
-
-@dataclass
-class Rule:
-    """One validated rule."""
-
-    id: str
-    title: str
-    severity: str
-    scope: str  # phase scope: decode | prefill | all
-    select: Selector
-    when: list[Expr]
-    estimate: Expr
-    impact: Expr | None
-    message: str
-    placeholders: list[Placeholder]
-    why: str
-    remediation: str
-    references: list[str]
-    evidence: dict[str, Expr]
-    params: dict[str, float]
-    tests: dict[str, list[str]]
-    let: dict[str, Expr] = field(default_factory=dict)
-    share_of: str = "step_time"
-    removes: str = "time"  # "idle": the estimate is capped at the GPU idle time inside the step
-    example: str = ""
-    notes: str = ""
-    source: Path | None = None
-    line: int = 0
-    override: bool = False
-    shipped: bool = False
-    fixes: list[Fix] = field(default_factory=list)
-
-    @property
-    def where(self) -> str:
-        return f"{self.source}:{self.line}" if self.source else self.id
-
-    def metric_names(self) -> list[str]:
-        """Every metric the rule reads, in first-use order."""
-        seen: dict[str, None] = {}
-        exprs: list[Expr] = [*self.when, self.estimate]
-        if self.impact is not None:
-            exprs.append(self.impact)
-        if self.select.where is not None:
-            exprs.append(self.select.where)
-        exprs.extend(self.evidence.values())
-        exprs.extend(p.expr for p in self.placeholders)
-        for e in exprs:
-            for n in sorted(e.names):
-                if n in self.let:
-                    for n2 in sorted(self.let[n].names):
-                        if n2 not in self.params and n2 not in self.let:
-                            seen.setdefault(n2, None)
-                if n not in self.params:
-                    seen.setdefault(n, None)
-        return list(seen)
-
-    def test_paths(self, kind: str) -> list[Path]:
-        """Fixture directories of ``tests.fires`` / ``tests.silent``, resolved against the rule
-        file's directory, its parent, then the working directory."""
-        out = []
-        for p in self.tests.get(kind, []):
-            path = Path(p)
-            if not path.is_absolute():
-                cands = []
-                if self.source is not None:
-                    cands += [self.source.parent / path, self.source.parent.parent / path]
-                cands.append(Path.cwd() / path)
-                path = next((c for c in cands if c.exists()), cands[0])
-            out.append(path)
-        return out
-
-
-@dataclass
-class RuleSet:
-    """The rules to evaluate, in file order, and the files they came from."""
-
-    rules: list[Rule]
-    files: list[Path] = field(default_factory=list)
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.rules)
-
-    def __len__(self) -> int:
-        return len(self.rules)
-
-    def get(self, rule_id: str) -> Rule | None:
-        return next((r for r in self.rules if r.id == rule_id), None)
-
-    @property
-    def ids(self) -> list[str]:
-        return [r.id for r in self.rules]
 
 
 # ============================================================================= parsing helpers

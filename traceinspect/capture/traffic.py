@@ -33,7 +33,7 @@ DRIVERS = ("builtin", "bench_serving")
 
 
 @dataclass(frozen=True)
-class LoadSpec:
+class TrafficSpec:
     """What traffic to drive."""
 
     concurrency: int = 64
@@ -43,7 +43,7 @@ class LoadSpec:
     driver: str = "builtin"
 
     @classmethod
-    def parse(cls, text: str) -> LoadSpec:
+    def parse(cls, text: str) -> TrafficSpec:
         """Parse ``concurrency=256,input=1024,output=2048[,prompts=N][,driver=builtin|bench_serving]``."""
         aliases = {"c": "concurrency", "conc": "concurrency", "in": "input", "input_len": "input",
                    "isl": "input", "out": "output", "output_len": "output", "osl": "output",
@@ -91,7 +91,7 @@ def bench_serving_module() -> str | None:
     return None
 
 
-def bench_serving_command(url: str, spec: LoadSpec, module: str = "sglang.bench_serving",
+def bench_serving_command(url: str, spec: TrafficSpec, module: str = "sglang.bench_serving",
                           model: str | None = None, tokenizer: str | None = None) -> list[str]:
     """The bench_serving command line for ``spec`` (never ``--request-rate``: see the module doc)."""
     cmd = [
@@ -111,7 +111,7 @@ def bench_serving_command(url: str, spec: LoadSpec, module: str = "sglang.bench_
     return cmd
 
 
-class LoadDriver:
+class TrafficDriver:
     """Common interface: start(), in_flight, error, stop()."""
 
     name = "none"
@@ -144,12 +144,12 @@ class _Counters:
     statuses: dict[int, int] = field(default_factory=dict)
 
 
-class BuiltinLoad(LoadDriver):
+class BuiltinTraffic(TrafficDriver):
     """Keeps ``concurrency`` ``/generate`` requests in flight from a background thread."""
 
     name = "builtin"
 
-    def __init__(self, url: str, spec: LoadSpec, api_key: str | None = None, seed: int = 0) -> None:
+    def __init__(self, url: str, spec: TrafficSpec, api_key: str | None = None, seed: int = 0) -> None:
         self.url = url
         self.spec = spec
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -162,7 +162,7 @@ class BuiltinLoad(LoadDriver):
         self._started = threading.Event()
 
     def __repr__(self) -> str:
-        return f"BuiltinLoad({self.url!r}, {self.spec!r})"
+        return f"BuiltinTraffic({self.url!r}, {self.spec!r})"
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="traceinspect-load", daemon=True)
@@ -253,12 +253,12 @@ class BuiltinLoad(LoadDriver):
             self._thread.join(timeout)
 
 
-class BenchServingLoad(LoadDriver):
+class BenchServingTraffic(TrafficDriver):
     """Runs sglang's bench_serving as a subprocess; the API key goes through its environment."""
 
     name = "bench_serving"
 
-    def __init__(self, url: str, spec: LoadSpec, api_key: str | None = None,
+    def __init__(self, url: str, spec: TrafficSpec, api_key: str | None = None,
                  model: str | None = None, tokenizer: str | None = None, log_path: Path | None = None) -> None:
         module = bench_serving_module()
         if module is None:
@@ -304,15 +304,15 @@ class BenchServingLoad(LoadDriver):
             self._log = None
 
 
-def make_driver(url: str, spec: LoadSpec, api_key: str | None = None, model: str | None = None,
-                tokenizer: str | None = None, log_path: Path | None = None) -> LoadDriver:
+def make_driver(url: str, spec: TrafficSpec, api_key: str | None = None, model: str | None = None,
+                tokenizer: str | None = None, log_path: Path | None = None) -> TrafficDriver:
     """The driver ``spec.driver`` names."""
     if spec.driver == "bench_serving":
-        return BenchServingLoad(url, spec, api_key=api_key, model=model, tokenizer=tokenizer, log_path=log_path)
-    return BuiltinLoad(url, spec, api_key=api_key)
+        return BenchServingTraffic(url, spec, api_key=api_key, model=model, tokenizer=tokenizer, log_path=log_path)
+    return BuiltinTraffic(url, spec, api_key=api_key)
 
 
-def wait_for_batch(read_running: Any, target: int, timeout_s: float, driver: LoadDriver | None = None,
+def wait_for_batch(read_running: Any, target: int, timeout_s: float, driver: TrafficDriver | None = None,
                    poll_s: float = 0.5, progress: Any = None) -> tuple[int | None, float, str | None]:
     """Wait until the server's running batch reaches ``target``.
 
