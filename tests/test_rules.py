@@ -184,7 +184,7 @@ rules:
   - id: my-rule
     title: Casts are slow
     severity: warning
-    scope: decode
+    phase: decode
     select:
       kernels: {class: dtype_cast}
     params: {min_share: 0.1}
@@ -213,6 +213,11 @@ def test_good_user_rule_loads(tmp_path: Path) -> None:
     assert r.line == 2 and r.source is not None
 
 
+def test_scope_is_the_older_name_of_phase(tmp_path: Path) -> None:
+    (r,) = load_rule_file(write(tmp_path, GOOD.replace("phase: decode", "scope: prefill")))
+    assert r.phase == "prefill"
+
+
 def _error(tmp_path: Path, text: str) -> RuleError:
     p = write(tmp_path, text)
     with pytest.raises(RuleError) as ei:
@@ -226,7 +231,9 @@ def _error(tmp_path: Path, text: str) -> RuleError:
     (("estimate: us_per_step * 0.5", "estimate: us_per_step.__class__"), 11, "attribute access"),
     (("estimate: us_per_step * 0.5", "estimate: __import__('os')"), 11, "only .* may be called"),
     (("severity: warning", "severity: high"), 4, "severity must be one of"),
-    (("scope: decode", "scope: everything"), 5, "scope must be one of"),
+    (("phase: decode", "phase: everything"), 5, "phase must be one of"),
+    (("phase: decode", "scope: everything"), 5, "scope must be one of"),
+    (("phase: decode", "phase: decode\n    scope: decode"), 6, "give 'phase' only"),
     (("id: my-rule", "id: My_Rule"), 2, "kebab-case"),
     (("{share:.1%}", "{share.real}"), 12, "attribute access"),
     (("{share:.1%}", "{share:>99999}"), 12, "format spec"),

@@ -19,6 +19,18 @@ SIZE_BASE = 1000
 SHARE_BASIS = "step time"  # what every share in the outputs is a fraction of
 
 
+def finite(x: Any) -> float | None:
+    """``x`` as a finite float (numpy scalars and numeric text included), else None: the one test of "is
+    this a measured number" the stages and the judge share."""
+    if x is None:
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
 

@@ -45,7 +45,7 @@ def list_cmd(rules: tuple[str, ...]) -> None:
     for col in ("id", "severity", "steps", "select", "title", "file"):
         t.add_column(col, overflow="fold")
     for r in rs:
-        t.add_row(r.id, r.severity, r.scope, r.select.scope, escape(r.title),
+        t.add_row(r.id, r.severity, r.phase, r.select.scope, escape(r.title),
                   escape(f"{r.source.name}:{r.line}" if r.source else ""))
     _console().print(t)
 
@@ -219,7 +219,7 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
     by_fixture: dict[tuple[Path, str], list[_Case]] = defaultdict(list)
     for c in cases:
         rule = rs.get(c.rule)
-        phase = rule.scope if rule.scope != "all" else "decode"
+        phase = rule.phase if rule.phase != "all" else "decode"
         by_fixture[(c.path, phase)].append(c)
     for (path, phase), group in sorted(by_fixture.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
         if not path.exists():

@@ -52,8 +52,8 @@ def rule_markdown(rule: Rule, generated_note: bool = True) -> str:
     if generated_note and rule.source is not None:
         out += [GENERATED.format(file=rule.source.name), ""]
     out += [f"# {rule.id}", "", f"**{rule.title}**", ""]
-    out += [f"Severity: `{rule.severity}` · Steps: `{rule.scope}` · Source: `rules/{rule.source.name}`"
-            if rule.source else f"Severity: `{rule.severity}` · Steps: `{rule.scope}`", ""]
+    out += [f"Severity: `{rule.severity}` · Steps: `{rule.phase}` · Source: `rules/{rule.source.name}`"
+            if rule.source else f"Severity: `{rule.severity}` · Steps: `{rule.phase}`", ""]
     out += ["## What it does", ""]
     out += [f"Selects {_select_text(rule)}, and fires when all of these hold:", ""]
     out += [f"- `{w.source}`" for w in rule.when]

@@ -21,6 +21,7 @@ from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, evaluate_explain
 from traceinspect.judge.rule import SEVERITY_RANK, Rule, RuleSet
 from traceinspect.tables import text_values
+from traceinspect.units import finite
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -218,8 +219,8 @@ def _eff_reason(ctx: M.MetricContext) -> str:
 def _evaluate_rule(rule: Rule, ctx: M.MetricContext, subjects: _Subjects, phase: str) -> list[Outcome]:
     # steps whose phase no marker states count for decode and prefill alike (as in select_steps); the
     # analysis warns that their phase was not marked
-    if rule.scope != "all" and rule.scope != phase and not (phase == "unknown" and rule.scope in ("decode", "prefill")):
-        return [Outcome(rule.id, "skipped", reasons=[f"rule applies to {rule.scope} steps; the analysis is of "
+    if rule.phase != "all" and rule.phase != phase and not (phase == "unknown" and rule.phase in ("decode", "prefill")):
+        return [Outcome(rule.id, "skipped", reasons=[f"rule applies to {rule.phase} steps; the analysis is of "
                                                       f"{phase} steps"])]
     subs, why_none = subjects.of(rule)
     if not subs:
@@ -288,15 +289,15 @@ def _missing_leaves(names: frozenset[str], rule: Rule, missing: dict[str, str],
     return out
 
 
-def _num(v: Any) -> float | None:
-    """A finite float, or None (booleans are not numbers here)."""
-    return None if isinstance(v, (bool, np.bool_)) else M._f(v)
+def _quantity(v: Any) -> float | None:
+    """A finite float, or None (booleans are not quantities here)."""
+    return None if isinstance(v, (bool, np.bool_)) else finite(v)
 
 
 def _default_impact(sub: M.Subject) -> float | None:
     for key in ("us_per_step", "class_us_per_step"):
         if key in sub.values:
-            return _num(sub.values[key])
+            return _quantity(sub.values[key])
     return None
 
 
@@ -307,7 +308,7 @@ def bound_estimate(rule: Rule, est: float | None, impact: float | None, step_us:
     than the idle inside the step. Returns the estimate and the names of the bounds that cut it."""
     bounds = {"impact": impact, "step time": step_us}
     if rule.removes == "idle":
-        bounds["idle inside the step"] = _num(ctx.run.get("idle_us_per_step"))
+        bounds["idle inside the step"] = _quantity(ctx.run.get("idle_us_per_step"))
     out, cut = units.clamp_estimate(est, *bounds.values())
     names = [n for n, b in bounds.items() if b is not None and b in cut]
     return out, names
@@ -318,19 +319,19 @@ def _finding(rule: Rule, sub: M.Subject, env: dict[str, Any], missing: dict[str,
     evidence: dict[str, Any] = {"subject": sub.label}
     notes: list[str] = []
     # every share is of the step time (the slowest rank's GPU span, median over the analysed steps)
-    step_us = _num(ctx.run.get("step_us"))
+    step_us = _quantity(ctx.run.get("step_us"))
     if rule.impact is not None:
         impact_v, why = evaluate_explain(rule.impact, env)
-        impact = _num(impact_v)
+        impact = _quantity(impact_v)
         if impact is None:
             notes.append("impact unavailable: " + _explain_none(rule.impact, why, missing))
     else:
         impact = _default_impact(sub)
     if impact is not None:  # the time of what it points at fits in the step (and in its idle, for idle)
-        idle = _num(ctx.run.get("idle_us_per_step")) if rule.removes == "idle" else None
+        idle = _quantity(ctx.run.get("idle_us_per_step")) if rule.removes == "idle" else None
         impact, _ = units.clamp_estimate(impact, step_us, idle)
     est_v, why = evaluate_explain(rule.estimate, env)
-    est = _num(est_v)
+    est = _quantity(est_v)
     if est is None:
         notes.append("estimate unavailable: " + _explain_none(rule.estimate, why, missing))
     est, cut = bound_estimate(rule, est, impact, step_us, ctx)
@@ -398,7 +399,7 @@ def _fix_context(rule: Rule, sub: M.Subject, env: dict[str, Any], est: float | N
                 v, _ = evaluate_explain(fe.value, env)
             except ExprError:
                 v = None
-            row.append(_num(v))
+            row.append(_quantity(v))
         values.append(row)
     ctx["values"] = values
     return ctx
@@ -462,7 +463,7 @@ def explain(analysis: Analysis, rule_set: RuleSet) -> list[Outcome]:
 def finding_order(severity: Any, saving: Any, share: Any = None, rule: Any = "") -> tuple[Any, ...]:
     """The one order of findings, in every output: by severity (critical first), then by estimated
     saving per step (largest first; unknown last), then share, then rule id."""
-    sv, sh = _num(saving), _num(share)
+    sv, sh = _quantity(saving), _quantity(share)
     return (SEVERITY_RANK.get(str(severity), 9), sv is None, -(sv or 0.0), -(sh or 0.0), str(rule or ""))
 
 

@@ -13,10 +13,10 @@ from traceinspect.judge.expr import Expr
 ID_RE = re.compile(r"^[a-z][a-z0-9]*(?:-[a-z0-9]+)*$")
 SEVERITIES = ("critical", "warning", "info")
 SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
-PHASE_SCOPES = ("decode", "prefill", "all")
-REQUIRED = ("id", "title", "severity", "scope", "when", "estimate", "message", "why", "remediation", "references")
+RULE_PHASES = ("decode", "prefill", "all")  # the steps a rule judges (``phase:``; ``scope:`` in older files)
+REQUIRED = ("id", "title", "severity", "phase", "when", "estimate", "message", "why", "remediation", "references")
 OPTIONAL = ("select", "let", "impact", "share_of", "removes", "evidence", "params", "tests", "example", "override",
-            "notes", "fixes")
+            "notes", "fixes", "scope")  # scope: the older name of phase
 SHARE_OF = ("step_time",)  # every share is of the step time; the key stays readable for older rule files
 REMOVES = ("time", "idle")  # what fixing the finding removes: kernel time, or GPU idle inside the step
 FIX_KEYS = {"variant", "label", "edits"}
@@ -81,7 +81,7 @@ class Rule:
     id: str
     title: str
     severity: str
-    scope: str  # phase scope: decode | prefill | all
+    phase: str  # the steps it judges: decode | prefill | all
     select: Selector
     when: list[Expr]
     estimate: Expr

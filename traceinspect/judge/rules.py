@@ -26,11 +26,11 @@ from traceinspect.judge.rule import (
     KERNEL_SELECT_KEYS,
     MAX_TEXT,
     OPTIONAL,
-    PHASE_SCOPES,
     PLACEHOLDER,
     RANK_REFS,
     REMOVES,
     REQUIRED,
+    RULE_PHASES,
     SEVERITIES,
     SHARE_OF,
     Fix,
@@ -312,15 +312,21 @@ def parse_rule(ctx: _Ctx, rule: Any, index: int, line: int) -> Rule:
     if unknown:
         k = sorted(unknown)[0]
         raise ctx.err(line_of(rule, k), f"rule {rid!r}: unknown key {k!r}")
+    if "scope" in rule:  # the older name of phase
+        if "phase" in rule:
+            raise ctx.err(line_of(rule, "scope"), f"rule {rid!r}: give 'phase' only ('scope' is its older name)")
+        rule["phase"] = rule["scope"]
+        rule.lines["phase"] = rule.lines.get("scope", rule.line)
     for key in REQUIRED:
         if key not in rule:
             raise ctx.err(line_of(rule), f"rule {rid!r}: missing {key!r}")
     sev = rule["severity"]
     if sev not in SEVERITIES:
         raise ctx.err(line_of(rule, "severity"), f"rule {rid!r}: severity must be one of {', '.join(SEVERITIES)}")
-    scope = rule["scope"]
-    if scope not in PHASE_SCOPES:
-        raise ctx.err(line_of(rule, "scope"), f"rule {rid!r}: scope must be one of {', '.join(PHASE_SCOPES)}")
+    phase = rule["phase"]
+    if phase not in RULE_PHASES:
+        key = "phase" if "scope" not in rule else "scope"
+        raise ctx.err(line_of(rule, key), f"rule {rid!r}: {key} must be one of {', '.join(RULE_PHASES)}")
     params = _params(ctx, rule, rid)
     sel = _selector(ctx, rule, rid, params)
     s = sel.scope
@@ -375,7 +381,7 @@ def parse_rule(ctx: _Ctx, rule: Any, index: int, line: int) -> Rule:
     if not isinstance(override, bool):
         raise ctx.err(line_of(rule, "override"), f"rule {rid!r}: override must be true or false")
     return Rule(
-        id=rid, title=_text(ctx, rule, "title", rid), severity=str(sev), scope=str(scope), select=sel,
+        id=rid, title=_text(ctx, rule, "title", rid), severity=str(sev), phase=str(phase), select=sel,
         when=when, estimate=estimate, impact=impact, message=message, placeholders=placeholders,
         why=_text(ctx, rule, "why", rid), remediation=_text(ctx, rule, "remediation", rid),
         references=[str(x) for x in refs], evidence=evidence, params=params, tests=_tests(ctx, rule, rid),

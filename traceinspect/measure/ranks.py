@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from traceinspect.units import finite
+
 
 @dataclass
 class RankSteps:
@@ -29,17 +31,6 @@ def median(values: Iterable[float | None]) -> float | None:
     """Median of the values that are not None, or None."""
     arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
     return float(np.median(arr)) if len(arr) else None
-
-
-def finite(x: object) -> float | None:
-    """A finite float or None."""
-    if x is None:
-        return None
-    try:
-        v = float(x)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
-    return v if np.isfinite(v) else None
 
 
 def rank_steps(selected: pd.DataFrame, kernels: pd.DataFrame, ranks: list[int], aligned: int) -> list[RankSteps]:

@@ -26,7 +26,6 @@ from traceinspect.judge.metrics.registry import (
     SCOPES,
     Metric,
     Subject,
-    _f,
     class_ids,
     known,
     name_mask,
@@ -34,5 +33,5 @@ from traceinspect.judge.metrics.registry import (
     registry,
 )
 
-__all__ = ["SCOPES", "Metric", "MetricContext", "Subject", "_f", "class_ids", "known", "name_mask", "own_metrics",
+__all__ = ["SCOPES", "Metric", "MetricContext", "Subject", "class_ids", "known", "name_mask", "own_metrics",
            "registry"]

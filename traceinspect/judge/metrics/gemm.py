@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.judge.metrics.registry import Subject, _f, _fmt_num, _weighted_median, declare
+from traceinspect.judge.metrics.registry import Subject, _fmt_num, _weighted_median, declare
 from traceinspect.measure.gemm_shapes import gemm_shapes
+from traceinspect.units import finite
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -91,11 +92,11 @@ class GemmMetrics:
         m = g["m"].astype(float).to_numpy()
         top = g.iloc[int(np.argmax(us))]
         v["m"] = _weighted_median(m, us)
-        v["m_min"] = _f(np.nanmin(m))
-        v["m_max"] = _f(np.nanmax(m))
-        v["n"] = _f(top["n"])
-        v["k"] = _f(top["k"])
-        v["batch"] = _f(top["batch"])
+        v["m_min"] = finite(np.nanmin(m))
+        v["m_max"] = finite(np.nanmax(m))
+        v["n"] = finite(top["n"])
+        v["k"] = finite(top["k"])
+        v["batch"] = finite(top["batch"])
         v["dtype"] = str(top["dtype"]) or None
         v["op_name"] = str(top["op_name"])
         v["shapes"] = len(g)

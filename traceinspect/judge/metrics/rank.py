@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from traceinspect.judge.metrics.registry import Subject, _f, _first, declare
+from traceinspect.judge.metrics.registry import Subject, _first, declare
 from traceinspect.measure.ranks import rank_steps
+from traceinspect.units import finite
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -115,21 +116,21 @@ class RankMetrics:
         else:
             return {}
         out: dict[int, dict[str, Any]] = {}
-        total_wait = sum(_f(_first(r, "wait_us")) or 0.0 for r in rows)
+        total_wait = sum(finite(_first(r, "wait_us")) or 0.0 for r in rows)
         for row in rows:
             if "rank" not in row:
                 continue
             r = int(row["rank"])
             d: dict[str, Any] = {}
-            d["comm_us"] = _f(_first(row, "comm_us_per_step"))
-            d["wait_us"] = _f(_first(row, "wait_us_per_step"))
-            d["transfer_us"] = _f(_first(row, "transfer_us_per_step"))
-            d["wait_share"] = _f(_first(row, "wait_share"))
-            d["late_arrivals"] = _f(_first(row, "late_share"))
-            d["wait_caused_us"] = _f(_first(row, "wait_caused_us_per_step"))
-            caused = _f(_first(row, "wait_caused_us"))
+            d["comm_us"] = finite(_first(row, "comm_us_per_step"))
+            d["wait_us"] = finite(_first(row, "wait_us_per_step"))
+            d["transfer_us"] = finite(_first(row, "transfer_us_per_step"))
+            d["wait_share"] = finite(_first(row, "wait_share"))
+            d["late_arrivals"] = finite(_first(row, "late_share"))
+            d["wait_caused_us"] = finite(_first(row, "wait_caused_us_per_step"))
+            caused = finite(_first(row, "wait_caused_us"))
             d["waited_on_share"] = caused / total_wait if caused is not None and total_wait > 0 else None
-            d["launch_lateness_us"] = _f(_first(row, "launch_lateness_us_median"))
+            d["launch_lateness_us"] = finite(_first(row, "launch_lateness_us_median"))
             out[r] = d
         return out
 

@@ -91,17 +91,6 @@ class Subject:
     classes: tuple[str, ...] = ()  # kernel classes of the subject's kernels (kernels, gemm, class scopes)
 
 
-def _f(x: Any) -> float | None:
-    """A finite float or None."""
-    if x is None:
-        return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if np.isfinite(v) else None
-
-
 def _median(values: Iterable[float]) -> float | None:
     arr = np.asarray([v for v in values if v is not None], dtype=np.float64)
     return float(np.median(arr)) if len(arr) else None

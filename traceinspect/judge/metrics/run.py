@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.judge.metrics.registry import Subject, _f, class_ids, declare
+from traceinspect.judge.metrics.registry import Subject, class_ids, declare
 from traceinspect.measure.idle import (
     GAP_MIN_US,
     TINY_KERNEL_US,
@@ -18,6 +18,7 @@ from traceinspect.measure.idle import (
     tiny_kernels,
 )
 from traceinspect.measure.specs import resolve_gpu
+from traceinspect.units import finite
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -104,13 +105,13 @@ class RunMetrics:
         v["ranks"] = a.n_ranks
         v["tp_size"] = a.run_model.value("tp_size") or a.n_ranks
         samples = a.step_samples()
-        v["step_us"] = _f(np.median(samples["step_us"])) if len(samples) else None
-        v["step_us_p90"] = _f(np.percentile(samples["step_us"], 90)) if len(samples) else None
+        v["step_us"] = finite(np.median(samples["step_us"])) if len(samples) else None
+        v["step_us_p90"] = finite(np.percentile(samples["step_us"], 90)) if len(samples) else None
         per_rank = sel.groupby("rank").agg(span=("span_us", "median"), busy=("busy_us", "median"),
                                            idle=("idle_us", "median"))
-        v["span_us_per_step"] = _f(per_rank["span"].mean()) if len(per_rank) else None
-        v["busy_us_per_step"] = _f(per_rank["busy"].mean()) if len(per_rank) else None
-        v["idle_us_per_step"] = _f(per_rank["idle"].mean()) if len(per_rank) else None
+        v["span_us_per_step"] = finite(per_rank["span"].mean()) if len(per_rank) else None
+        v["busy_us_per_step"] = finite(per_rank["busy"].mean()) if len(per_rank) else None
+        v["idle_us_per_step"] = finite(per_rank["idle"].mean()) if len(per_rank) else None
         v["idle_share"] = (v["idle_us_per_step"] / v["span_us_per_step"]
                            if v["span_us_per_step"] and v["idle_us_per_step"] is not None else None)
         n = self.n_step_rows
@@ -119,7 +120,7 @@ class RunMetrics:
         tiny, n_kern = tiny_kernels(k)
         v["tiny_kernels_per_step"] = float(tiny) / n
         v["tiny_kernel_share"] = (v["tiny_kernels_per_step"] / (n_kern / n)) if n_kern else None
-        v["median_kernel_us"] = _f(np.median(k["dur"])) if len(k) else None
+        v["median_kernel_us"] = finite(np.median(k["dur"])) if len(k) else None
         gaps_n, gaps_us = gpu_gaps(k)
         v["gaps_per_step"] = gaps_n / n
         v["gap_us_per_step"] = gaps_us / n
