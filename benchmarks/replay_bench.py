@@ -31,7 +31,7 @@ CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import traceinspect.measure.replay as R
-from traceinspect.analysis import analyze
+from traceinspect.pipeline import analyze
 spent = {"build_s": 0.0, "replay_s": 0.0, "replays": 0}
 _init, _predict = R.Replayer.__init__, R.Replayer.predict
 def init(self, *a, **k):

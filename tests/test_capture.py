@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -638,31 +637,19 @@ def test_progress_on_a_terminal_hides_secrets() -> None:
     assert quiet.getvalue() == ""
 
 
-def test_analyze_into_writes_json_or_html(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_analyze_into_writes_report_and_json(tmp_path: Path) -> None:
+    import shutil
+
     from traceinspect.capture.report import analyze_into
 
-    seen = {}
-
-    class FakeAnalysis:
-        def to_json(self) -> dict:
-            return {"schema": "fake"}
-
-    def analyze(paths, phase="decode", command=None):  # noqa: ANN001
-        seen.update(paths=paths, phase=phase, command=command)
-        return FakeAnalysis()
-
-    monkeypatch.setitem(sys.modules, "traceinspect.analysis", types.SimpleNamespace(analyze=analyze))
-    monkeypatch.setitem(sys.modules, "traceinspect.render.html", None)  # absent
-    _, written = analyze_into(tmp_path, command="traceinspect capture --api-key <redacted>")
-    assert [p.name for p in written] == ["analysis.json"] and seen["command"].endswith("<redacted>")
-    assert json.loads((tmp_path / "analysis.json").read_text()) == {"schema": "fake"}
-
-    def write_html(analysis, path) -> None:  # noqa: ANN001
-        Path(path).write_text("<html></html>")
-
-    monkeypatch.setitem(sys.modules, "traceinspect.render.html", types.SimpleNamespace(write_html=write_html))
-    _, written = analyze_into(tmp_path)
+    d = tmp_path / "capture"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "kv-full-cast-eager", d)
+    a, written = analyze_into(d, command="traceinspect capture --api-key <redacted>")
     assert [p.name for p in written] == ["report.html", "analysis.json"]
+    doc = json.loads((d / "analysis.json").read_text())
+    assert doc == json.loads(json.dumps(a.to_json(), default=str))
+    assert doc["source"]["command"].endswith("<redacted>")
+    assert (d / "report.html").read_text().startswith("<!DOCTYPE html>")
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="profile_steps needs torch")

@@ -28,7 +28,7 @@ def _need(d: Path) -> Path:
 
 
 def _analyze(path: Path | list[Path]):
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
 
     return analyze([str(p) for p in path] if isinstance(path, list) else str(path))
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from conftest import copy_set, fixture_dir, graph_set_missing_one_launch, manifest
 
-from traceinspect.analysis import Options, analyze
 from traceinspect.errors import ConfigError
 from traceinspect.measure.gemm import ShapeCache, measure_efficiency, short_name
 from traceinspect.measure.specs import load_gpu_specs, match_gpu, resolve_gpu
 from traceinspect.model import DeviceInfo
+from traceinspect.pipeline import Options, analyze
 
 _CACHE: dict[str, object] = {}
 

@@ -49,7 +49,7 @@ def make_variant(src: Path, dst: Path, *, model_info: bool = True, server_info: 
 
 @cache
 def _analysed(name: str, tmp: str, **kw: bool) -> dict:
-    from traceinspect.analysis import Options, analyze
+    from traceinspect.pipeline import Options, analyze
 
     d = make_variant(fixture_dir(name), Path(tmp) / f"{name}-{'-'.join(f'{k}{v}' for k, v in sorted(kw.items()))}",
                      **kw)
@@ -116,7 +116,7 @@ def test_without_server_info_the_pool_comes_from_shapes(name: str, tmp_module: s
 
 def test_graph_cast_is_judged_on_capture_trace_shapes(tmp_module: str) -> None:
     """Replayed casts get the shapes of the op recovered from the capture trace, as eager ones do."""
-    from traceinspect.analysis import Options, analyze
+    from traceinspect.pipeline import Options, analyze
 
     d = _analysed("kv-full-cast-graph", tmp_module, model_info=False)["dir"]
     a = analyze(str(d), Options(command="test"))
@@ -153,7 +153,7 @@ def test_server_info_without_shapes_or_capture_is_undecided_everywhere(tmp_path:
 
 def test_eager_without_recorded_shapes_says_how_to_record_them(tmp_path: Path) -> None:
     d = make_variant(fixture_dir("kv-full-cast-eager"), tmp_path / "set", shapes=False)
-    from traceinspect.analysis import Options, analyze
+    from traceinspect.pipeline import Options, analyze
 
     doc = analyze(str(d), Options(command="test")).to_json()
     assert _kv(doc) == []
@@ -167,7 +167,7 @@ def test_expert_gemm_loop_without_a_moe_op_is_moe_gemm(tmp_path: Path) -> None:
     name = "moe-small-m-eager"
     d = make_variant(fixture_dir(name), tmp_path / "set", model_info=False,
                      rename_op=("tinymoe::fused_experts", "tinymodel::block_ffn"))
-    from traceinspect.analysis import Options, analyze
+    from traceinspect.pipeline import Options, analyze
 
     a = analyze(str(d), Options(command="test"))
     man = manifest(name)

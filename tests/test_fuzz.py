@@ -159,7 +159,7 @@ def bases() -> Any:
             pytest.skip(f"fixture {v} is not present")
     out = {"eager": _eager_base(), "graph": _graph_base()}
     from traceinspect import judge
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
 
     # The shipped rule set is parsed once, not for every input: it is not what is fuzzed here, and
     # parsing its YAML would be a third of each analysis.
@@ -232,7 +232,7 @@ def run_pipeline(d: Path, test: str, *, cache: bool = False, html: bool = False,
     Any other exception propagates: that is a crash. ``d`` is removed afterwards unless ``keep``."""
     from rich.console import Console
 
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
     from traceinspect.render.markdown import render_markdown
     from traceinspect.render.terminal import render
 

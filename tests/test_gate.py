@@ -537,7 +537,7 @@ def _fixture(name: str) -> Path:
 @pytest.fixture(scope="module")
 def fixture_json(tmp_path_factory: pytest.TempPathFactory):
     """Analyse each fixture once (seconds each) and keep its analysis JSON."""
-    from traceinspect.analysis import Options, analyze
+    from traceinspect.pipeline import Options, analyze
 
     out = tmp_path_factory.mktemp("baselines")
     cache: dict[str, Path] = {}

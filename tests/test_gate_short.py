@@ -18,7 +18,7 @@ from traceinspect.gate.stats import EDGE_STEPS, noise_test, samples_needed
 
 @pytest.fixture(scope="module")
 def eager_doc() -> dict:
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
 
     return analyze(str(fixture_dir("kv-full-cast-eager")), jobs=1).to_json()
 

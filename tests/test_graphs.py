@@ -9,12 +9,12 @@ import pandas as pd
 import pytest
 from conftest import copy_set, fixture_dir, graph_set_missing_one_launch, manifest, raw_events
 
-from traceinspect.analysis import Options, analyze
 from traceinspect.classify import CLASSES, classify_kernels, graphs
 from traceinspect.classify.graphs import NO_CAPTURE, CaptureTrace, GraphOps, recover_graph_ops
 from traceinspect.link import link
 from traceinspect.load import load_trace_set
 from traceinspect.model import RankInfo, TraceSet
+from traceinspect.pipeline import Options, analyze
 
 PAIRS = [("kv-full-cast-graph", "kv-full-cast-eager"), ("kv-gather-cast-graph", "kv-gather-cast-eager")]
 GEMMS = ("moe_gemm", "bf16_gemm", "fp8_gemm")

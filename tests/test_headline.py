@@ -44,7 +44,7 @@ _CACHE: dict[str, tuple[object, dict]] = {}
 def _analysis(key: str):
     if key in _CACHE:
         return _CACHE[key]
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
 
     kind, name = key.split("/", 1)
     path = FIXTURES / name if kind == "fixtures" else real_trace(name)

@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from conftest import fixture_dir
 
-from traceinspect.analysis import Options, analyze
+from traceinspect.pipeline import Options, analyze
 
 HTA_COMM = re.compile(r"^nccl.*Kernel")  # hta.utils.utils.NCCL_KERNEL_RE
 HTA_MEMORY = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")  # MEMORY_KERNEL_RE

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from conftest import fixture_dir, run_cli
 
-from traceinspect.analysis import analyze
 from traceinspect.measure.clock import CLOCK_WARN_US
+from traceinspect.pipeline import analyze
 
 EAGER = "kv-full-cast-eager"
 OTHER = "kv-gather-cast-eager"  # another capture of the same setup

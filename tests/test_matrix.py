@@ -36,7 +36,7 @@ def _has_capture(name: str) -> bool:
 
 @cache
 def _doc(name: str) -> dict:
-    from traceinspect.analysis import Options, analyze
+    from traceinspect.pipeline import Options, analyze
 
     # decode workloads; sets whose steps carry no phase marker (ProfilerStep#N) are analysed as decode
     return analyze(str(FIXTURES / name), Options(phase="decode", command="test")).to_json()

@@ -93,8 +93,8 @@ def _analysis_targets() -> list[Path]:
 
 
 def _analysis_doc(target: Path) -> Any:
-    from traceinspect.analysis import Options, analyze
     from traceinspect.errors import TraceInspectError
+    from traceinspect.pipeline import Options, analyze
 
     try:
         doc = analyze([target], Options(phase="all", use_cache=False, jobs=1)).to_json()

@@ -49,7 +49,7 @@ def test_a_real_error_is_raised_as_in_a_serial_run() -> None:
 
 @needs_fork
 def test_analysis_same_with_and_without_the_second_process() -> None:
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
 
     fix = os.path.join(os.path.dirname(__file__), "..", "fixtures", "slow-rank-eager")
     if not os.path.isdir(fix):
@@ -82,7 +82,7 @@ def test_a_daemon_process_runs_it_itself() -> None:
 
 
 def _analyze_in_daemon(q, fix: str) -> None:  # noqa: ANN001 - a multiprocessing queue
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
 
     q.put(len(analyze([fix], use_cache=False).findings))
 

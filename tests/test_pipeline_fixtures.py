@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 from conftest import FIXTURES, copy_set, fixture_dir, manifest, raw_events, rewrite_trace, run_cli
 
-from traceinspect.analysis import SCHEMA, analyze
 from traceinspect.classify import CLASSES
+from traceinspect.document import SCHEMA
 from traceinspect.link import link
 from traceinspect.load import load_trace_set
+from traceinspect.pipeline import analyze
 from traceinspect.steps import build_steps
 
 EAGER = "kv-full-cast-eager"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from conftest import FIXTURES, REAL_TRACES, fixture_dir, real_trace, rewrite_trace, run_cli
 
-from traceinspect.analysis import Analysis, analyze
+from traceinspect.pipeline import Analysis, analyze
 
 SGLANG_PREFILL = "tracelens__inference__sglang_prefilldecode__sglang_Qwen3-8B_prefilldecode.json.gz"
 VLLM_TP4 = "hyukjlee__traceMap__trace_file__examples__1_h100_1000isl_10osl_32con.pt.trace.json.gz"

@@ -12,9 +12,9 @@ import pytest
 import yaml
 from conftest import FIXTURES, ROOT, fixture_dir, real_trace, run_cli
 
-from traceinspect.analysis import Analysis, analyze
 from traceinspect.judge.fixes import fix_edits
 from traceinspect.measure.replay import EditError, Replayer, parse_edit, replayer
+from traceinspect.pipeline import Analysis, analyze
 
 PAIRS = yaml.safe_load((ROOT / "tests" / "data" / "replay_pairs.yaml").read_text())
 SETS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))

@@ -43,7 +43,7 @@ _CACHE: dict[str, object] = {}
 
 
 def _analysis(path: Path):
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
 
     key = str(path)
     if key not in _CACHE:
@@ -272,7 +272,7 @@ def _evil_set(tmp_path: Path) -> tuple[Path, str, str]:
 
 
 def test_injected_names_are_escaped_everywhere(tmp_path: Path) -> None:
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
     from traceinspect.render import launching_ops
     from traceinspect.render.html import render_html
     from traceinspect.render.markdown import render_markdown
@@ -333,7 +333,7 @@ def test_injected_names_are_escaped_everywhere(tmp_path: Path) -> None:
 def test_tp8_report_under_5mb_by_sampling(tmp_path: Path) -> None:
     """Eight ranks (a TP2 fixture's rank files copied to TP-0..TP-7): the report stays under 5 MB by
     merging timeline kernels into blocks, and still shows every finding and every rank."""
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
     from traceinspect.render.html import timeline_svg, write_html
 
     src = _any_fixture()

@@ -108,7 +108,7 @@ def test_report_in_chromium(browser, variant: str, tmp_path: Path) -> None:
 
 
 def test_injected_kernel_name_renders_as_text(browser, tmp_path: Path) -> None:
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
     from traceinspect.render.html import write_html
 
     d, _, _ = _evil_set(tmp_path)

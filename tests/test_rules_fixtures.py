@@ -25,7 +25,7 @@ def _need(name: str) -> Path:
 
 @cache
 def _analysis(name: str):
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
 
     return analyze(str(FIX / name))
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from conftest import fixture_dir
 
-from traceinspect.analysis import analyze
+from traceinspect.pipeline import analyze
 
 FIXTURE = "kv-gather-cast-graph"
 RANKS = 64

@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 from conftest import fixture_dir, rewrite_trace
 
-from traceinspect.analysis import analyze
 from traceinspect.link import link
 from traceinspect.load import load_trace_set
+from traceinspect.pipeline import analyze
 from traceinspect.steps import build_steps, resolve_phase
 
 SRC = "kv-full-cast-eager"

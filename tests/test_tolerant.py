@@ -15,9 +15,9 @@ import pandas as pd
 import pytest
 from conftest import fixture_dir, real_trace
 
-from traceinspect.analysis import analyze
 from traceinspect.errors import TraceInputError
 from traceinspect.load import load_trace_set, parse
+from traceinspect.pipeline import analyze
 
 TABLES = ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations")
 ARG_NUMBERS = ("correlation", "External id", "device", "stream", "bytes")

@@ -1,12 +1,9 @@
-"""The pipeline: load -> link -> steps -> classify -> measure -> judge, and the :class:`Analysis`
-it produces. ``Analysis.to_json()`` is its document, the versioned public contract (``traceinspect.analysis/1``,
-built by :mod:`traceinspect.document.build`)."""
+"""What an analysis was asked to do (:class:`Options`) and everything it measured (:class:`Analysis`, the record
+:mod:`traceinspect.pipeline` fills stage by stage). ``Analysis.to_json()`` is its document, the versioned public
+contract (``traceinspect.analysis/1``, built by :mod:`traceinspect.document.build`)."""
 
 from __future__ import annotations
 
-import gc
-import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,24 +12,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.classify import GraphOps, classify_kernels, recover_graph_ops
+from traceinspect.classify import GraphOps
 from traceinspect.document import SCHEMA
 from traceinspect.document.build import build_document
-from traceinspect.errors import TraceInputError
 from traceinspect.judge.gaps import Gaps
-from traceinspect.link import link, link_parsed
-from traceinspect.load import load_trace_set
-from traceinspect.measure.clock import clock_warnings
-from traceinspect.measure.time import class_step_time, class_totals
 from traceinspect.model import TraceSet
-from traceinspect.model.run import RunModel, user_facts
+from traceinspect.model.run import RunModel
 from traceinspect.steps import (
     RunKind,
-    build_steps,
-    resolve_phase,
-    run_kind,
-    select_steps,
-    step_count_warnings,
 )
 
 if TYPE_CHECKING:
@@ -40,7 +27,7 @@ if TYPE_CHECKING:
     from traceinspect.measure.collectives import Collectives
     from traceinspect.measure.gemm import Efficiency
 
-__all__ = ["SCHEMA", "Analysis", "Options", "analyze"]
+__all__ = ["SCHEMA", "Analysis", "Options"]
 
 
 @dataclass
@@ -150,77 +137,3 @@ class Analysis:
     def to_json(self) -> dict[str, Any]:
         """The analysis as the documented JSON contract."""
         return build_document(self)
-
-
-def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = None, **kw: Any) -> Analysis:
-    """Run the whole pipeline on a trace set (a directory, files or globs)."""
-    opts = options or Options(**kw)
-    if opts.command is None:
-        opts.command = "traceinspect " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    from traceinspect.judge import load_rule_set
-
-    # rules and stated facts first: a bad rule or config file is reported before the traces are read
-    rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
-    user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
-    ts = load_trace_set(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs,
-                        executor=opts.executor, use_cache=opts.use_cache, prepare=link_parsed)
-    # the loaded tables hold ~1e6 long-lived objects: keep the cyclic garbage collector from rescanning
-    # them during the analysis (and from touching their pages in the process forked beside it)
-    gc.freeze()
-    try:
-        return _analyze_loaded(ts, opts, rule_set)
-    finally:
-        gc.unfreeze()
-
-
-def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: Any) -> Analysis:
-    link(ts)
-    steps = build_steps(ts)
-    recovered = recover_graph_ops(ts)
-    opts.phase, notes = resolve_phase(steps, opts.phase)
-    ts.warnings += notes
-    user = user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
-    run_model = classify_kernels(ts, steps, graph_ops=recovered, user=user, phase=opts.phase)
-    selected = select_steps(steps, opts.phase)
-    ts.warnings += step_count_warnings(selected, ts, opts.phase)
-    if not len(selected):
-        found = steps.groupby("phase").size().to_dict()
-        raise TraceInputError(
-            f"no complete {opts.phase} steps found (steps found per phase: {found or 'none'}; "
-            f"first and last steps are excluded as partial)", ts.ranks[0].path.parent)
-    kernels = ts.kernels[ts.kernels["step"].isin(selected.index)]
-    result = Analysis(
-        trace=ts, options=opts, steps=steps, selected=selected, kernels=kernels,
-        class_steps=class_step_time(kernels), class_totals=class_totals(kernels), graph_ops=recovered,
-        run_model=run_model, run_kind=run_kind(ts, steps),
-    )
-    if result.run_kind is not None and result.run_kind.kind == "training":
-        ts.warnings.append(f"a training run ({result.run_kind.evidence}): the rules, written for inference decode "
-                           "steps, are not applied; classes and GEMM efficiency are measured as usual")
-    _measure_and_judge(result, rule_set)
-    return result
-
-
-def _measure_and_judge(result: Analysis, rule_set: Any = None) -> None:
-    from traceinspect.judge import explain, load_rule_set
-    from traceinspect.judge.engine import findings_of
-    from traceinspect.judge.fixes import order_findings, replay_findings
-    from traceinspect.judge.gaps import find_gaps
-    from traceinspect.measure.collectives import analyze_collectives
-    from traceinspect.measure.gemm import measure_efficiency
-    from traceinspect.parallel import Beside
-
-    # independent stages: the collectives analysis runs on a second core while this one measures GEMMs
-    coll = Beside(analyze_collectives, result, jobs=result.options.jobs)
-    result.efficiency = measure_efficiency(result)
-    result.collectives = coll.result()
-    result.trace.warnings += clock_warnings(result)
-    opts = result.options
-    if rule_set is None:
-        rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
-    result.rule_set = rule_set
-    outcomes = explain(result, rule_set)
-    findings = findings_of(result, rule_set, outcomes)
-    result.all_fixed = replay_findings(result, findings, rule_set)
-    result.findings = order_findings(findings)
-    result.gaps = find_gaps(result, rule_set, outcomes)

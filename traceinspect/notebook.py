@@ -142,6 +142,6 @@ class Analysis:
 def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = None, **kw: Any) -> Analysis:
     """Analyse a trace set (a directory, rank files or globs); keyword arguments are
     :class:`traceinspect.analysis.Options` fields (``phase``, ``server_info``, ``jobs``, ...)."""
-    from traceinspect.analysis import analyze as run
+    from traceinspect.pipeline import analyze as run
 
     return Analysis(run(paths, options, **kw))

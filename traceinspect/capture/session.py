@@ -552,6 +552,7 @@ class _Capture:
         return result
 
     def _analyze(self, result: CaptureResult, res: WaitResult) -> None:
+        # imported here for start-up speed: capturing alone needs none of the analyzer's table stack
         from traceinspect.capture.report import analyze_into
 
         assert self.out_dir is not None

@@ -41,7 +41,7 @@ def analysis_options(f: Any) -> Any:
 
 
 def build_options(**kw: Any) -> Any:
-    """Options for :func:`traceinspect.analysis.analyze` from CLI keyword arguments."""
+    """Options for :func:`traceinspect.pipeline.analyze` from CLI keyword arguments."""
     from traceinspect.analysis import Options
 
     return Options(
@@ -78,7 +78,7 @@ def analyze_cmd(paths: tuple[str, ...], json_out: str | None, html_out: str | No
     """Analyse the decode steps of a trace set (a directory, rank files, or globs)."""
     from pathlib import Path
 
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
 
     a = analyze(list(paths), build_options(**kw))
     doc = a.to_json()

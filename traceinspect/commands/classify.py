@@ -27,19 +27,14 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
 
     from rich.table import Table
 
-    from traceinspect.classify import class_table_rows, classify_kernels, load_class_table, recover_graph_ops
-    from traceinspect.link import link, link_parsed
-    from traceinspect.load import load_trace_set
+    from traceinspect import pipeline
+    from traceinspect.classify import class_table_rows, load_class_table
     from traceinspect.render import short_name
     from traceinspect.render.terminal import escape, make_console
-    from traceinspect.steps import build_steps, select_steps
 
-    ts = load_trace_set(list(paths), phase=phase, server_info=server_info, prepare=link_parsed)
-    link(ts)
-    steps = build_steps(ts)
     table = load_class_table(extra=[Path(t) for t in tables]) if tables else None
-    classify_kernels(ts, steps, table, graph_ops=recover_graph_ops(ts, table))
-    k = ts.kernels if all_steps else ts.kernels[ts.kernels["step"].isin(select_steps(steps, phase).index)]
+    ts, stepped, _ = pipeline.classified(paths, phase=phase, server_info=server_info, table=table)
+    k = ts.kernels if all_steps else pipeline.select(ts, stepped, phase).kernels
     rows = class_table_rows(k)
     if unknown:
         rows = rows[rows["cls"] == "other"]

@@ -130,15 +130,14 @@ def _file_errors(paths: Sequence[str], phase: str) -> list[str]:
 def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | None = None,
              use_cache: bool = True) -> tuple[list[Check], bool]:
     """The checklist of a trace set and whether ``analyze`` can use it."""
+    from traceinspect import pipeline
     from traceinspect.errors import TraceInspectError
-    from traceinspect.link import link, link_parsed
-    from traceinspect.load import load_trace_set
-    from traceinspect.steps import SOURCES_TRIED, build_steps, select_steps
+    from traceinspect.steps import SOURCES_TRIED
 
     checks: list[Check] = []
     try:
-        ts = load_trace_set(list(paths), phase=phase, server_info=server_info, require_kernels=False,
-                            use_cache=use_cache, prepare=link_parsed)
+        ts = pipeline.load(list(paths), phase=phase, server_info=server_info, require_kernels=False,
+                           use_cache=use_cache)
     except TraceInspectError as e:
         errors = _file_errors(paths, phase) or [e.one_line()]
         checks.append(Check("files", FAIL, "the trace set cannot be read", errors))
@@ -176,22 +175,19 @@ def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | Non
     else:
         checks.append(Check("kernels", OK, f"GPU kernels: {counts}"))
 
-    link(ts)
+    pipeline.link(ts)
     try:
-        steps = build_steps(ts)
+        stepped = pipeline.steps(ts, phase)
     except TraceInspectError as e:
         checks.append(Check("steps", FAIL, f"no steps found (tried {SOURCES_TRIED})", [e.reason, STEP_HINT]))
         checks.append(_warnings_check(ts.warnings))
         return checks, False
 
-    from traceinspect.classify import classify_kernels, recover_graph_ops
-
-    recovered = recover_graph_ops(ts)
-    run = classify_kernels(ts, steps, graph_ops=recovered, phase=phase)
-    selected = select_steps(steps, phase)
-    from traceinspect.steps import step_count_warnings
-
-    ts.warnings += step_count_warnings(selected, ts, phase)
+    labels = pipeline.classify(ts, stepped, phase=phase)
+    recovered, run = labels.graph_ops, labels.run_model
+    sel = pipeline.select(ts, stepped, phase)
+    selected, steps = sel.steps, stepped.table
+    ts.warnings += sel.warnings
     checks.append(_steps_check(ts, steps, selected, phase, label))
     checks.append(_shapes_check(ts, selected))
     checks.append(_graph_check(ts, selected, recovered, label))
@@ -200,7 +196,7 @@ def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | Non
     checks.append(_run_model_check(run, graph))
     analysable = not empty and len(selected) > 0
     if len(selected):
-        checks.append(_clock_check(ts, steps, selected, phase, label, recovered))
+        checks.append(_clock_check(ts, stepped, sel, phase, label, labels))
         checks.append(_coverage_check(ts, selected))
     checks.append(_warnings_check(ts.warnings))
     return checks, analysable
@@ -334,21 +330,14 @@ def _run_model_check(run: Any, graph: bool) -> Check:
     return Check("run_model", OK, "every fact the rules read is decided", details)
 
 
-def _clock_check(ts: Any, steps: Any, selected: Any, phase: str, label: dict[int, str], recovered: Any) -> Check:
+def _clock_check(ts: Any, stepped: Any, sel: Any, phase: str, label: dict[int, str], labels: Any) -> Check:
     if ts.n_ranks < 2:
         return Check("clocks", INFO, "single rank: no clock offsets to measure")
-    from traceinspect.analysis import Analysis, Options
+    from traceinspect import pipeline
     from traceinspect.measure.clock import CLOCK_WARN_US, clock_warnings
-    from traceinspect.measure.collectives import analyze_collectives
-    from traceinspect.measure.time import class_step_time, class_totals
 
-    kernels = ts.kernels[ts.kernels["step"].isin(selected.index)]
-    kw: dict[str, Any] = {"graph_ops": recovered} if recovered is not None else {}
-    a = Analysis(trace=ts, options=Options(phase=phase, command="traceinspect doctor"), steps=steps,
-                 selected=selected, kernels=kernels, class_steps=class_step_time(kernels),
-                 class_totals=class_totals(kernels), **kw)
-    c = analyze_collectives(a)
-    a.collectives = c
+    a = pipeline.record(ts, pipeline.Options(phase=phase, command="traceinspect doctor"), stepped, labels, sel)
+    c = pipeline.collectives(a)
     if not c.applicable:
         return Check("clocks", INFO, f"clock offsets not measured: {c.reason}")
     details = []
@@ -359,7 +348,7 @@ def _clock_check(ts: Any, steps: Any, selected: Any, phase: str, label: dict[int
         applied = c.offsets_applied.get(r, 0.0)
         details.append(f"{label.get(r, r)} vs {label.get(ref, ref)}: {off:+,.1f} us (spread "
                        f"{c.offset_noise.get(r, float('nan')):,.1f} us; {'corrected' if applied else 'not corrected'})")
-    warn = clock_warnings(a)
+    warn = clock_warnings(c, ts.ranks)
     ts.warnings += warn
     big = max((abs(v) for v in c.offsets.values() if v == v), default=0.0)
     if warn:

@@ -33,7 +33,7 @@ def report_cmd(paths: tuple[str, ...], html_out: str, md_out: str | None, json_o
     finding, run metadata, findings with evidence and fixes, time by class per rank, a step timeline,
     GEMM efficiency, collectives, top kernels, classification coverage and the command that made it.
     The file needs no network to open."""
-    from traceinspect.analysis import analyze
+    from traceinspect.pipeline import analyze
     from traceinspect.render.html import write_html
 
     a = analyze(list(paths), build_options(**kw))

@@ -123,8 +123,8 @@ def explain_cmd(paths: tuple[str, ...], rules: tuple[str, ...], only: tuple[str,
     """Analyse a trace set and say, for every rule, whether it fired and why (or why not)."""
     from rich.markup import escape
 
-    from traceinspect.analysis import Options, analyze
     from traceinspect.judge import explain
+    from traceinspect.pipeline import Options, analyze
 
     rs = _load(rules, only)
     a = analyze(list(paths), Options(phase=phase, rules=rules, only=only, gpu=gpu))
@@ -201,9 +201,9 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
     (evidence missing there), and run without error everywhere else. Exit 1 if any check fails."""
     from rich.markup import escape
 
-    from traceinspect.analysis import Options, analyze
     from traceinspect.errors import TraceInputError
     from traceinspect.judge import explain
+    from traceinspect.pipeline import Options, analyze
 
     rs = _load(rules, only, shipped=not no_shipped)
     con = _console()

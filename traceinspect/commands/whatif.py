@@ -59,8 +59,8 @@ def _ms(v: float | None) -> str:
 def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str, ...], json_out: str | None,
                **kw: Any) -> None:
     """Predict the step time after a fix by replaying the trace with edits (none: replay as measured)."""
-    from traceinspect.analysis import analyze
     from traceinspect.measure.replay import EditError, parse_edit, replayer
+    from traceinspect.pipeline import analyze
 
     try:
         parsed = [parse_edit(e) for e in edits]  # bad edits are reported before the traces are read

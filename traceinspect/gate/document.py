@@ -30,7 +30,7 @@ def load_document(path: str | Path | list[str | Path], options: Options | None =
             return doc
         if not p.exists() and not any(ch in str(p) for ch in "*?["):
             raise TraceInputError("no such file or directory", p)
-    from traceinspect.analysis import Options, analyze
+    from traceinspect.pipeline import Options, analyze
 
     doc = analyze([str(x) for x in paths], options or Options()).to_json()
     doc = validate_document(doc, ", ".join(str(x) for x in paths))

@@ -7,17 +7,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.measure.collectives import Collectives
+    from traceinspect.model import RankInfo
 
 CLOCK_WARN_US = 1000.0  # a clock offset between ranks above this is reported
 
 
-def clock_warnings(a: Analysis) -> list[str]:
-    """Warnings for clock offsets between ranks above CLOCK_WARN_US, with the offset used."""
-    c = a.collectives
+def clock_warnings(c: Collectives | None, ranks: list[RankInfo]) -> list[str]:
+    """Warnings for clock offsets between ranks above CLOCK_WARN_US (from the collectives analysis ``c``),
+    with the offset used."""
     if c is None or not c.applicable:
         return []
-    label = {i.rank: i.label for i in a.trace.ranks}
+    label = {i.rank: i.label for i in ranks}
     inst = c.instances
     out = []
     for r, off in sorted(c.offsets.items()):
