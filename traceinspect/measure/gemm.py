@@ -273,8 +273,7 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         reason[has] = u_reason[codes]
     cls = col["cls"]
     gemm_cls = np.isin(cls, list(GEMM_CLASSES))
-    path_moe = {p: bool(MOE_PATH.search(p)) for p in set(col["op_path"])}
-    moe = np.fromiter((path_moe[p] for p in col["op_path"]), dtype=bool, count=n) | (cls == "moe_gemm")
+    moe = per_distinct(col["op_path"], MOE_PATH.search) | (cls == "moe_gemm")
     parts = []
 
     # ops with one model for the whole call: time of all their kernels, the longest one stands for it
