@@ -77,7 +77,8 @@ def step_rules() -> StepRules:
 
     from traceinspect.resources import tables_dir
 
-    doc = yaml.safe_load((tables_dir() / "steps.yaml").read_text(encoding="utf-8"))
+    doc = yaml.load((tables_dir() / "steps.yaml").read_text(encoding="utf-8"),
+                    Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     it, gaps = doc["iteration"], doc["gaps"]
     return StepRules(
         forward=[re.compile(m["pattern"]) for m in doc["forward_markers"]],

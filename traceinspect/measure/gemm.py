@@ -16,9 +16,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from traceinspect.measure.shapes import short_name  # noqa: F401 - importable from here
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
 from traceinspect.model.classes import GEMM_CLASSES
-from traceinspect.model.shapes import Shape, ShapeCache, op_handler
+from traceinspect.model.shapes import (  # noqa: F401 - importable from here
+    _RANK,
+    Shape,
+    ShapeCache,
+    dtype_of,
+    op_handler,
+)
 from traceinspect.tables import combine_codes, factorize_text, per_distinct, text_values
 
 if TYPE_CHECKING:
@@ -27,7 +34,6 @@ if TYPE_CHECKING:
 # an fp32 GEMM on tensor cores computes in tf32: measured against the tf32 peak, not the fp32 (SIMT) one
 _TF32_KERNEL = re.compile(r"tf32|s1688gemm(?!_(bf16|f16|h))", re.IGNORECASE)
 MOE_PATH = re.compile(r"moe|expert", re.IGNORECASE)
-
 _PEAK_KEY = {"fp4": "fp4", "fp8": "fp8", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "tf32": "tf32"}
 _HOST_LINK = re.compile(r"HtoD|DtoH|HtoH|PtoP|Pinned|Pageable", re.IGNORECASE)
 
@@ -37,36 +43,6 @@ CALL_COLUMNS = [
     "peak_tflops",
 ]
 
-
-# ----------------------------------------------------------------------------- names
-
-_SHORT_INNER = re.compile(r"\b([A-Za-z_]\w*_kernel_cuda|[A-Za-z_]\w*Functor\w*|LoadWithCast)\b")
-
-
-def short_name(name: str) -> str:
-    """A kernel family name: the function name without namespaces, templates and arguments, plus the
-    functor that identifies PyTorch's generic elementwise kernels (``direct_copy_kernel_cuda``, ...)."""
-    s = name[5:] if name.startswith("void ") else name
-    s = s.replace("(anonymous namespace)::", "")
-    cut = len(s)
-    for ch in "<(":
-        i = s.find(ch)
-        if 0 <= i < cut:
-            cut = i
-    head = s[:cut].strip()
-    head = head.rsplit("::", 1)[-1] if "::" in head else head
-    head = head or s[:60]
-    inner = []
-    for m in _SHORT_INNER.finditer(s[cut:]):
-        w = m.group(1)
-        if w not in inner:
-            inner.append(w)
-        if len(inner) == 2:
-            break
-    return f"{head}<{','.join(inner)}>" if inner else head
-
-
-# ----------------------------------------------------------------------------- result
 
 def _r(x: Any, nd: int = 3) -> Any:
     if x is None:
@@ -258,19 +234,24 @@ def _replay_sources(a: Analysis, kk: pd.DataFrame, replay: np.ndarray, inst: np.
         conc[p] = cap.conc[c]
 
 
+_HKINDS = ("", "gemm", "memory", "moe")  # the handler kinds of an op, as integer codes
+
+
 def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
     """One row per GEMM / memory op instance (its kernels' time summed), one per GEMM kernel of a fused
     MoE op, and one per GEMM-class kernel whose shapes are unknown."""
-    # numpy arrays throughout: pandas string columns are slow to take/gather at 1e5 rows
+    # numpy arrays throughout: pandas string columns are slow to take/gather at 1e5 rows; what depends
+    # on an op's shapes is decided once per distinct (op, shapes) key and spread with integer codes
     n = len(col["inst"])
     if not n:
         return pd.DataFrame(columns=CALL_COLUMNS)
     inst, dur, ts = col["inst"], col["dur"], col["ts"]
     src = col
     has = inst >= 0
-    hkind = np.full(n, "", dtype=object)
-    shapes = np.full(n, None, dtype=object)
-    reason = np.full(n, "", dtype=object)
+    row_key = np.full(n, -1, dtype=np.int64)  # the row's distinct key, -1: no op instance
+    k_hk = np.zeros(0, dtype=np.int8)
+    k_shapes: list[tuple[Shape, ...]] = []
+    k_reason = np.zeros(0, dtype=object)
     if has.any():
         codes, uniq = pd.factorize(inst[has])
         _, first = np.unique(codes, return_index=True)
@@ -282,25 +263,23 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         _, at = np.unique(key_codes, return_index=True)  # the first call of each distinct key
         keys = [tuple(u[c[i]] for c, u in parts) for i in at.tolist()]
         cache = ShapeCache()
-        k_kind = np.full(len(keys), "", dtype=object)
-        k_shapes = np.full(len(keys), None, dtype=object)
+        k_hk = np.zeros(len(keys), dtype=np.int8)
         k_reason = np.full(len(keys), "", dtype=object)
         for j, (nm, dims, types, conc) in enumerate(keys):
             h = op_handler(nm)
-            k_kind[j] = h[0] if h is not None else ""
-            k_shapes[j], k_reason[j] = cache.get(nm, dims, types, conc)  # says why when there is no model
-        u_kind, u_shapes, u_reason = k_kind[key_codes], k_shapes[key_codes], k_reason[key_codes]
-        hkind[has] = u_kind[codes]
-        shapes[has] = u_shapes[codes]
-        reason[has] = u_reason[codes]
+            k_hk[j] = _HKINDS.index(h[0]) if h is not None else 0
+            shp, k_reason[j] = cache.get(nm, dims, types, conc)  # says why when there is no model
+            k_shapes.append(shp)
+        row_key[has] = key_codes[codes]
+    hk = np.where(row_key >= 0, np.append(k_hk, 0)[row_key], 0)
+    reason = np.append(k_reason, "")[row_key]  # row_key -1 -> the last slot, ""
     cls = col["cls"]
-    gemm_cls = np.isin(cls, list(GEMM_CLASSES))
-    path_moe = {p: bool(MOE_PATH.search(p)) for p in set(col["op_path"])}
-    moe = np.fromiter((path_moe[p] for p in col["op_path"]), dtype=bool, count=n) | (cls == "moe_gemm")
+    gemm_cls = per_distinct(cls, GEMM_CLASSES.__contains__)
+    moe = per_distinct(col["op_path"], MOE_PATH.search) | (cls == "moe_gemm")
     parts = []
 
     # ops with one model for the whole call: time of all their kernels, the longest one stands for it
-    sel = np.isin(hkind, ["gemm", "memory"]) & ((hkind == "memory") | ~np.isin(cls, ["memcpy", "comm"]))
+    sel = ((hk == 1) & ~per_distinct(cls, ("memcpy", "comm").__contains__)) | (hk == 2)
     if sel.any():
         pi = np.nonzero(sel)[0]
         f = pd.DataFrame({"inst": inst[pi], "dur": dur[pi], "pos": pi, "g": gemm_cls[pi], "moe": moe[pi]})
@@ -308,34 +287,37 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         g = f.groupby("inst", sort=False)
         agg = g.agg(pos=("pos", "first"), us=("dur", "sum"), any_gemm=("g", "any"), moe=("moe", "any"))
         pos = agg["pos"].to_numpy()
-        keep = (hkind[pos] == "memory") | np.array([bool(x) for x in shapes[pos]], dtype=bool) \
-            | agg["any_gemm"].to_numpy()
+        k_known = np.array([bool(s) for s in k_shapes] + [False], dtype=bool)
+        keep = (hk[pos] == 2) | k_known[row_key[pos]] | agg["any_gemm"].to_numpy()
         pos = pos[keep]
-        parts.append(_rows(src, col, pos, [sh[0] if sh else None for sh in shapes[pos]], reason[pos],
-                           agg["us"].to_numpy()[keep], agg["moe"].to_numpy()[keep]))
+        # the call's shape: the first of its op's shapes (one distinct Shape per key)
+        first_shape = [s[0] if s else None for s in k_shapes] + [None]
+        parts.append(_rows(src, col, pos, first_shape, np.where(row_key[pos] >= 0, row_key[pos], len(k_shapes)),
+                           reason[pos], agg["us"].to_numpy()[keep], agg["moe"].to_numpy()[keep]))
 
     # fused MoE ops: their GEMM kernels in launch order <-> the op's GEMM shapes in order
-    sel = (hkind == "moe") & gemm_cls
+    sel = (hk == 3) & gemm_cls
     if sel.any():
         pi = np.nonzero(sel)[0]
         pi = pi[np.lexsort((ts[pi], inst[pi]))]
         f = pd.DataFrame({"inst": inst[pi]})
         order = f.groupby("inst", sort=False).cumcount().to_numpy()
         cnt = f.groupby("inst", sort=False)["inst"].transform("size").to_numpy()
-        shp, rs = shapes[pi], reason[pi].copy()
+        shp = [k_shapes[k] for k in row_key[pi].tolist()]
+        rs = reason[pi].copy()
         ok = np.array([bool(sh) and len(sh) == c for sh, c in zip(shp, cnt, strict=True)], dtype=bool)
         for j in np.nonzero(~ok & (rs == ""))[0]:
             rs[j] = (f"{col['op_name'][pi[j]]} launched {cnt[j]} GEMM kernels, its shapes describe "
                      f"{len(shp[j]) if shp[j] else 0}: cannot tell which is which")
-        parts.append(_rows(src, col, pi, [sh[o] if k else None for sh, o, k in zip(shp, order, ok, strict=True)],
-                           rs, dur[pi], np.ones(len(pi), dtype=bool)))
+        distinct, codes = _distinct([sh[o] if k else None for sh, o, k in zip(shp, order, ok, strict=True)])
+        parts.append(_rows(src, col, pi, distinct, codes, rs, dur[pi], np.ones(len(pi), dtype=bool)))
 
     # GEMM-class kernels no model covers: listed as unknown, with the reason
-    sel = gemm_cls & ~np.isin(hkind, ["gemm", "memory", "moe"])
+    sel = gemm_cls & (hk == 0)
     if sel.any():
         pi = np.nonzero(sel)[0]
         rs = np.where(col["why"][pi] != "", col["why"][pi], reason[pi])
-        parts.append(_rows(src, col, pi, [None] * len(pi), rs, dur[pi], moe[pi]))
+        parts.append(_rows(src, col, pi, [None], np.zeros(len(pi), dtype=np.int64), rs, dur[pi], moe[pi]))
     parts = [p for p in parts if len(p)]
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=CALL_COLUMNS)
 
@@ -346,11 +328,8 @@ def _obj(values: Any) -> pd.Series:
     return pd.Series(np.asarray(values, dtype=object), dtype=object, copy=False)
 
 
-def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarray, shape: list[Shape | None],
-          reason: np.ndarray, us: np.ndarray, moe: np.ndarray) -> pd.DataFrame:
-    """Calls rows for the kernels at positions ``pos`` of ``src``, one Shape (or None) each."""
-    # calls share few distinct Shape objects (one per op and shapes): read each attribute once per
-    # distinct object and spread it with integer codes
+def _distinct(shape: list[Shape | None]) -> tuple[list[Shape | None], np.ndarray]:
+    """The distinct Shape objects of a list (by identity) and each element's index among them."""
     slot: dict[int, int] = {}
     distinct: list[Shape | None] = []
     codes = np.empty(len(shape), dtype=np.int64)
@@ -360,18 +339,26 @@ def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarra
             j = slot[id(s)] = len(distinct)
             distinct.append(s)
         codes[i] = j
+    return distinct, codes
 
-    def attr(a: str) -> np.ndarray:
+
+def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarray, distinct: list[Shape | None],
+          codes: np.ndarray, reason: np.ndarray, us: np.ndarray, moe: np.ndarray) -> pd.DataFrame:
+    """Calls rows for the kernels at positions ``pos`` of ``src``, the Shape of each (or None) being
+    ``distinct[codes[i]]``: each attribute is read once per distinct Shape and spread with the codes."""
+    codes = np.asarray(codes, dtype=np.int64)
+
+    def attr(a: str, missing: Any = None) -> np.ndarray:
         vals = np.empty(len(distinct), dtype=object)
         for j, s in enumerate(distinct):
-            vals[j] = getattr(s, a) if s is not None else None
+            vals[j] = getattr(s, a) if s is not None else missing
         return vals[codes]
 
     cls = col["cls"][pos]
-    known = np.array([s is not None for s in shape], dtype=bool)
-    kind = [s.kind if s is not None else ("gemm" if c in GEMM_CLASSES else "memory")
-            for s, c in zip(shape, cls, strict=True)]
-    rs = [r or (s.note if s is not None else "") for r, s in zip(reason, shape, strict=True)]
+    known = np.array([s is not None for s in distinct], dtype=bool)[codes]
+    kind = np.where(known, attr("kind"), np.where(per_distinct(cls, GEMM_CLASSES.__contains__), "gemm", "memory"))
+    rs = np.asarray(reason, dtype=object)
+    rs = np.where(rs.astype(bool), rs, attr("note", ""))
     out = pd.DataFrame({
         "rank": src["rank"][pos], "step": src["step"][pos], "kernel": src["kernel"][pos],
         "name": _obj(col["name"][pos]), "cls": _obj(cls),
