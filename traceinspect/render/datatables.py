@@ -12,6 +12,7 @@ from traceinspect.render import kernel_labels, short_name
 from traceinspect.render.palette import class_color
 from traceinspect.render.svg import isnum
 from traceinspect.render.tables import report_tables, to_csv
+from traceinspect.render.timeline import NO_SECTION
 from traceinspect.units import fmt_count, fmt_pct, fmt_us
 
 TABLE_ROWS = 400  # rows of a table the page shows (its CSV download has all)
@@ -28,6 +29,8 @@ def _cell_num(v: Any, text: str, cls: str = "n") -> dict[str, Any]:
 def data_tables(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """The kernels, GEMM-shape and CPU-op tables as template rows, each with its CSV as a data URL."""
     tables = report_tables(doc)
+    # the kernel and op tables come from the document's report section, which older documents lack
+    empty = "no kernels in the analysed steps" if isinstance(doc.get("report"), dict) else f"not available: {NO_SECTION}"
     out = []
     kt = tables["kernels"]
     head = kt.head(TABLE_ROWS)
@@ -42,7 +45,7 @@ def data_tables(doc: dict[str, Any]) -> list[dict[str, Any]]:
                      _cell_num(r.total_us, fmt_us(r.total_us)), _cell_num(r.mean_us, fmt_us(r.mean_us)),
                      _cell_num(r.us_per_step, fmt_us(r.us_per_step)), _cell_num(r.share_of_step, fmt_pct(r.share_of_step))])
     out.append({"id": "kernel-table", "title": "Kernels", "file": "kernels.csv", "csv": _csv_uri(kt),
-                "total": len(kt), "shown": len(head), "rows": rows, "empty": "no kernels in the analysed steps",
+                "total": len(kt), "shown": len(head), "rows": rows, "empty": empty,
                 "cols": [{"h": "#", "num": True}, {"h": "kernel"}, {"h": "launched by"}, {"h": "class"},
                          {"h": "calls", "num": True}, {"h": "calls/step", "num": True}, {"h": "total", "num": True},
                          {"h": "mean", "num": True}, {"h": "per step", "num": True},
@@ -78,7 +81,7 @@ def data_tables(doc: dict[str, Any]) -> list[dict[str, Any]]:
                      {"t": r.classes, "cls": "note", "v": None}])
     out.append({"id": "op-table", "title": "CPU ops", "file": "ops.csv", "csv": _csv_uri(ot),
                 "total": len(ot), "shown": min(len(ot), TABLE_ROWS), "rows": rows,
-                "empty": "no kernels in the analysed steps",
+                "empty": empty,
                 "cols": [{"h": "op"}, {"h": "kernel names", "num": True}, {"h": "calls", "num": True},
                          {"h": "calls/step", "num": True}, {"h": "total", "num": True}, {"h": "per step", "num": True},
                          {"h": "share of step", "num": True}, {"h": "classes (most time first)"}]})
