@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from traceinspect.capture.layout import atomic_write_json
+from traceinspect.document import write_document
 from traceinspect.pipeline import analyze
 from traceinspect.render.html import write_html
 
@@ -24,8 +24,6 @@ def analyze_into(out_dir: Path, phase: str = "decode", command: str | None = Non
     analysis = analyze(Path(out_dir), phase=phase, command=command)
     data = analysis.to_json()
     json.dumps(data, default=str)  # fail here, not half-way through a file
-    written = [write_html(analysis, Path(out_dir) / REPORT_HTML, data)]
-    path = Path(out_dir) / ANALYSIS_JSON
-    atomic_write_json(path, data)
-    written.append(path)
+    written = [write_html(data, Path(out_dir) / REPORT_HTML)]
+    written.append(write_document(Path(out_dir) / ANALYSIS_JSON, data))
     return analysis, written

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.document import SCHEMA
+from traceinspect.document import REPORT, SCHEMA
+from traceinspect.document.report import report_section
 from traceinspect.measure.time import percentile, top_kernels
 from traceinspect.model.classes import CLASSES
 from traceinspect.version import __version__
@@ -198,6 +199,7 @@ def build_document(a: Analysis) -> dict[str, Any]:
     if a.collectives is not None:
         doc.update(a.collectives.to_json())
     doc["replay"] = replay_json(a)
+    doc[REPORT] = report_section(a)  # last: written on one line (traceinspect.document.dumps)
     return doc
 
 
