@@ -50,6 +50,7 @@ class Settings:
     graph_gaps: tuple[tuple[re.Pattern[str], float, str], ...] = ()
     # least replayed saving (share of the replayed step) a severity needs, most severe first
     severity_floors: tuple[tuple[str, float], ...] = ()
+    host_stall_min_us: float = 200.0
 
 
 @lru_cache(maxsize=4)
@@ -68,7 +69,7 @@ def load_settings(path: str | None = None) -> Settings:
         return Settings(blocking=re.compile(str(doc["blocking_calls"])),
                         block_tol_us=float(doc["block_tolerance_us"]), max_steps=max(1, int(doc["max_steps"])),
                         launch_floor_pct=float(doc["launch_floor_percentile"]), graph_gaps=gaps,
-                        severity_floors=floors)
+                        severity_floors=floors, host_stall_min_us=float(doc.get("host_stall_min_us", 200.0)))
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, re.error) as e:
         raise RuleError(f"unusable replay settings: {type(e).__name__}: {e}", file) from None
 
