@@ -402,8 +402,8 @@ def _remove_stalls(a: Analysis, m: Model, p: Params, e: Edit, cache: dict[str, A
     p.gap[idx] = np.maximum(p.gap[idx] - cut, 0.0)
     steps = max(len(m.pos) * (len(e.select.ranks) or len(m.ranks)), 1)
     n = int(np.count_nonzero(cut > 0))
-    out.notes.append(f"{e.describe()}: {cut.sum() / steps:,.0f} us per step of host stalls (stretches of at least "
-                     f"{v:g} us outside every CPU op and runtime call; {n / steps:.1f} per step) removed"
+    out.notes.append(f"{e.describe()}: {cut.sum() / steps:,.0f} us per rank per step of host stalls (stretches of at least "
+                     f"{v:g} us outside every CPU op and runtime call; {n / steps:.1f} per rank per step) removed"
                      if n else f"{e.describe()}: no host stall of at least {v:g} us in the replayed steps")
 
 
