@@ -1,10 +1,10 @@
 """The pipeline: load -> link -> steps -> classify -> measure -> judge, and the :class:`Analysis`
-it produces. ``Analysis.to_json()`` is the versioned public contract (``traceinspect.analysis/1``)."""
+it produces. ``Analysis.to_json()`` is its document, the versioned public contract (``traceinspect.analysis/1``,
+built by :mod:`traceinspect.document.build`)."""
 
 from __future__ import annotations
 
 import gc
-import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -15,15 +15,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect import __version__
-from traceinspect.classify import CLASSES, classify_kernels
+from traceinspect.classify import classify_kernels
 from traceinspect.consistency import clock_warnings, step_count_warnings
+from traceinspect.document import SCHEMA
+from traceinspect.document.build import build_document
 from traceinspect.errors import TraceInputError
 from traceinspect.graphs import GraphOps, recover_graph_ops
 from traceinspect.judge.gaps import Gaps
 from traceinspect.link import link
 from traceinspect.load import load_trace_set
-from traceinspect.measure.time import class_step_time, class_totals, percentile, top_kernels
+from traceinspect.measure.time import class_step_time, class_totals
 from traceinspect.model import TraceSet
 from traceinspect.runmodel import RunModel, user_facts
 from traceinspect.steps import RunKind, build_steps, resolve_phase, run_kind, select_steps
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from traceinspect.measure.collectives import Collectives
     from traceinspect.measure.gemm import Efficiency
 
-SCHEMA = "traceinspect.analysis/1"
+__all__ = ["SCHEMA", "Analysis", "Options", "analyze"]
 
 
 @dataclass
@@ -142,7 +143,7 @@ class Analysis:
 
     def to_json(self) -> dict[str, Any]:
         """The analysis as the documented JSON contract."""
-        return to_json(self)
+        return build_document(self)
 
 
 def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = None, **kw: Any) -> Analysis:
@@ -217,199 +218,3 @@ def _measure_and_judge(result: Analysis, rule_set: Any = None) -> None:
     result.all_fixed = replay_findings(result, findings, rule_set)
     result.findings = order_findings(findings)
     result.gaps = find_gaps(result, rule_set, outcomes)
-
-
-def _num(x: Any, nd: int = 3) -> Any:
-    """JSON-safe number: NaN -> None, numpy scalars -> Python, rounded to ``nd`` decimals."""
-    if isinstance(x, (np.floating, float)):
-        return None if not np.isfinite(x) else round(float(x), nd)
-    if isinstance(x, np.integer):
-        return int(x)
-    return x
-
-
-def _coverage(a: Analysis) -> dict[str, Any]:
-    k = a.kernels
-    total = float(k["dur"].sum()) or 1.0
-    unknown = k[k["cls"] == "other"]
-    top_unknown = (unknown.groupby("name")["dur"].agg(us="sum", calls="count")
-                   .sort_values("us", ascending=False).head(10).reset_index())
-    all_k = a.trace.kernels
-    return {
-        "unknown_share": _num(unknown["dur"].sum() / total, 6),
-        "top_unknown": [{"name": r.name, "us": _num(r.us), "calls": int(r.calls)}
-                        for r in top_unknown.itertuples()],
-        "graph_replay_share": _num(k.loc[k["graph_replay"], "dur"].sum() / total),
-        "cpu_op_linked_share": _num(k.loc[k["op_idx"] >= 0, "dur"].sum() / total),
-        "runtime_linked_share": _num(k.loc[k["rt_idx"] >= 0, "dur"].sum() / total),
-        "kernels_outside_steps": int((all_k["step"] < 0).sum()),
-        "kernels_analysed": len(k),
-        "step_source": sorted(a.steps["source"].unique().tolist()),
-        # per rank: were the CPU ops of graph-replayed kernels recovered from a capture trace, and why not
-        "graph_capture": a.graph_ops.to_json()["graph_ops"] if a.graph_ops is not None else [],
-    }
-
-
-def _run_meta(a: Analysis) -> dict[str, Any]:
-    si = a.server_info
-    info = a.trace.ranks[0]
-    dev = info.device
-    rm = a.run_model
-    return {
-        "model": si.get("served_model_name") or si.get("model_path"),
-        "tp_size": rm.value("tp_size") or a.n_ranks,
-        "ranks": a.n_ranks,
-        "device": dev.name if dev else None,
-        "compute_capability": dev.compute_capability if dev else None,
-        "kv_cache_dtype": rm.value("kv_cache_dtype"),
-        "kv_pool_tokens": rm.value("kv_pool_tokens"),
-        "attention_backend": si.get("attention_backend"),
-        "batch_median": _num(rm.value("batch")),
-        "cuda_graph": bool(a.kernels["graph_replay"].mean() > 0.5) if len(a.kernels) else False,
-        "cuda_runtime_version": info.cuda_runtime_version,
-        "cuda_driver_version": info.cuda_driver_version,
-        **(a.run_kind.to_json() if a.run_kind is not None else {"kind": None, "kind_evidence": "not decided"}),
-        "facts": rm.to_json(),
-    }
-
-
-# server_info keys that describe the moment, not the configuration (left out of server_config)
-_VOLATILE = re.compile(r"throughput|utilization|timestamp|_time$|^time|uptime|num_running|num_queue|"
-                       r"queue_|memory_usage|^status$|^load", re.I)
-
-
-def server_config(si: dict[str, Any] | None) -> dict[str, Any]:
-    """The server's resolved configuration: the scalar keys of server_info (nested ``internal_states``
-    of newer SGLang flattened in from its first entry), without the keys that change from one moment to
-    the next (throughput, queue lengths, times). ``diff`` and ``gate`` list the keys that differ."""
-    si = si or {}
-    out: dict[str, Any] = {}
-    states = si.get("internal_states")
-    if isinstance(states, list) and states and isinstance(states[0], dict):
-        out.update({k: v for k, v in states[0].items() if isinstance(v, (str, int, float, bool)) or v is None})
-    for k, v in si.items():
-        if isinstance(v, (str, int, float, bool)) or v is None:
-            out[k] = v
-    return {k: out[k] for k in sorted(out) if not _VOLATILE.search(k)}
-
-
-def _rank_samples(a: Analysis) -> list[dict[str, Any]]:
-    """One entry per analysed step of each rank: the rank's GPU span and its time per class. The gate
-    pools these across ranks for classes whose time on one rank does not depend on the others."""
-    sel = a.selected
-    cs = a.class_steps
-    wide = (cs.pivot_table(index="step", columns="cls", values="us", aggfunc="sum", fill_value=0.0, observed=True)
-            if len(cs) else pd.DataFrame())
-    out = []
-    for step_id, rank, span in zip(sel.index.tolist(), sel["rank"].tolist(), sel["span_us"].tolist(), strict=True):
-        row = wide.loc[step_id] if step_id in wide.index else {}
-        out.append({"rank": int(rank), "step_us": _num(span),
-                    "classes": {str(c): _num(v) for c, v in dict(row).items() if v}})
-    return out
-
-
-def _timeline_step(a: Analysis) -> dict[str, Any]:
-    """The step the report's timeline draws: each rank's GPU window, busy and idle time in it."""
-    pos, rows = a.representative_step()
-    labels = {r.rank: r.label for r in a.trace.ranks}
-    out = []
-    for rank, i in sorted(rows.items()):
-        s = a.steps.loc[i]
-        out.append({"rank": rank, "label": labels.get(rank, str(rank)), "gpu_start_us": _num(s["gpu_start"]),
-                    "span_us": _num(s["span_us"]), "busy_us": _num(s["busy_us"]), "idle_us": _num(s["idle_us"])})
-    return {"step_index": pos, "ranks": out}
-
-
-def to_json(a: Analysis) -> dict[str, Any]:
-    """Build the ``traceinspect.analysis/1`` document."""
-    ts = a.trace
-    samples = a.step_samples()
-    n_steps = a.steps_per_rank()
-    ranks = []
-    for info in ts.ranks:
-        sel = a.selected[a.selected["rank"] == info.rank]
-        ct = a.class_totals[a.class_totals["rank"] == info.rank]
-        rk = ts.kernels[(ts.kernels["rank"] == info.rank) & (ts.kernels["kind"] == "kernel")]
-        rsteps = a.steps[a.steps["rank"] == info.rank]
-        ns = max(len(sel), 1)
-        ranks.append({
-            "rank": info.rank,
-            "label": info.label,
-            "device": info.device.name if info.device else None,
-            "steps": len(sel),
-            "steps_found": {str(k): int(v) for k, v in rsteps.groupby("phase").size().items()},
-            "steps_excluded_edge": int(rsteps["edge"].sum()),
-            "step_us": {"median": _num(percentile(sel["span_us"], 50)), "p90": _num(percentile(sel["span_us"], 90))},
-            "gpu_busy_us": _num(percentile(sel["busy_us"], 50)),
-            "idle_us": _num(percentile(sel["idle_us"], 50)),
-            "kernel_us": _num(float(sel["kernel_us"].sum())),
-            "kernel_us_total": _num(float(rk["dur"].sum())),
-            "classes": {r.cls: {"us": _num(r.us), "us_per_step": _num(r.us / ns), "share": _num(r.share, 6),
-                                "calls": int(r.calls)} for r in ct.itertuples()},
-        })
-    total = float(a.kernels["dur"].sum()) or 1.0
-    per_cls = a.kernels.groupby("cls", observed=True)["dur"].agg(["sum", "count"])
-    denom = max(n_steps, 1) * a.n_ranks
-    classes = {
-        c: {"us_per_step": _num(per_cls.loc[c, "sum"] / denom), "share": _num(per_cls.loc[c, "sum"] / total, 6),
-            "calls_per_step": _num(per_cls.loc[c, "count"] / denom)}
-        for c in CLASSES if c in per_cls.index
-    }
-    step_sources = sorted(a.steps["source"].unique().tolist())
-    doc: dict[str, Any] = {
-        "schema": SCHEMA,
-        "tool": {"name": "traceinspect", "version": __version__},
-        "source": {
-            "paths": ts.sources,
-            "files": [{"path": str(r.path), "rank": r.rank, "label": r.label, "sha256": r.sha256,
-                       "size_bytes": r.size_bytes, "rank_source": r.rank_source} for r in ts.ranks],
-            "server_info": str(ts.server_info_path) if ts.server_info_path else None,
-            "capture_traces": {str(k): str(v) for k, v in sorted(ts.capture_traces.items())},
-            "command": a.options.command,
-        },
-        "run": _run_meta(a),
-        "ranks": ranks,
-        "steps": {
-            "phase": a.phase,
-            "count": n_steps,
-            "median_us": _num(percentile(samples["step_us"], 50)),
-            "p90_us": _num(percentile(samples["step_us"], 90)),
-            "source": step_sources[0] if len(step_sources) == 1 else step_sources,
-            "found": {str(k): int(v) for k, v in a.steps.groupby("phase").size().items()},
-            "analysed": {str(k): int(v) for k, v in a.selected.groupby("phase").size().items()},
-            "excluded_edge": int(a.steps["edge"].sum()),
-            "samples": [{"step_us": _num(r["step_us"]),
-                         "classes": {c[6:]: _num(v) for c, v in r.items() if c.startswith("class.")}}
-                        for _, r in samples.iterrows()],
-            "rank_samples": _rank_samples(a),
-        },
-        "server_config": server_config(a.server_info),
-        "classes": classes,
-        "top_kernels": [{"name": r.name, "cls": r.cls, "calls": int(r.calls), "us": _num(r.us),
-                         "mean_us": _num(r.mean_us), "share": _num(r.share, 6)}
-                        for r in top_kernels(a.kernels).itertuples()],
-        "findings": [f.to_json() for f in a.findings],
-        **a.gaps.to_json(),
-        "timeline": _timeline_step(a),
-        "coverage": _coverage(a),
-        "warnings": list(ts.warnings),
-    }
-    if a.efficiency is not None:
-        doc.update(a.efficiency.to_json())
-    if a.collectives is not None:
-        doc.update(a.collectives.to_json())
-    doc["replay"] = replay_json(a)
-    return doc
-
-
-def replay_json(a: Analysis) -> dict[str, Any]:
-    """``replay``: the replay model's size and fidelity, and the step with every finding fixed."""
-    out: dict[str, Any] = {"all_fixed": a.all_fixed.to_json() if a.all_fixed is not None else None}
-    rp = a.replay
-    if rp is not None:
-        base = rp.as_measured()
-        out["model"] = rp.describe()
-        out["measured_step_us"] = _num(base.measured_step_us, 1)
-        out["replayed_step_us"] = _num(base.replayed_step_us, 1)
-        out["ranks"] = base.rank_rows()
-    return out
