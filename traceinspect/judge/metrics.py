@@ -112,7 +112,7 @@ _m("run", "sync_idle_us_per_step", "us", "GPU bubble caused by those calls: for 
    "GPU work was still running (so it waited for the GPU to drain), the time from the end of that work to the "
    "start of the next GPU activity; per rank per step.")
 _m("run", "host_stall_us_per_step", "us", "Host stalls per rank per step: time the launching thread spends inside the "
-   "step's CPU window outside every CPU op and runtime call, in stretches of at least host_stall_min_us "
+   "step's CPU window and GPU span outside every CPU op and runtime call, in stretches of at least host_stall_min_us "
    "(Python work between ops, busy waits, GC pauses).")
 _m("run", "host_stalls_per_step", "count", "Those stretches per rank per step.")
 _m("run", "host_stall_max_us", "us", "The longest of those stretches.")

@@ -1,6 +1,7 @@
-"""Host stalls: time a launching thread spends inside a step outside every CPU op and runtime call, in
-stretches of at least a threshold (Python work between ops, a busy wait, logging, a GC pause). The
-rule ``host-stall`` counts them; the ``host-stalls`` edit removes them from the replayed host chain."""
+"""Host stalls: time a launching thread spends inside a step (its CPU window and GPU span) outside every
+CPU op and runtime call, in stretches of at least a threshold (Python work between ops, a busy wait,
+logging, a GC pause). The rule ``host-stall`` counts them; the ``host-stalls`` edit removes them from
+the replayed host chain."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ COLUMNS = ["rank", "tid", "step", "start", "end"]
 
 
 def stall_stretches(a: Analysis, min_us: float) -> pd.DataFrame:
-    """Stretches of at least ``min_us`` inside the analysed steps' CPU windows, on every thread that
-    issues runtime calls, covered by no CPU op and no runtime call of that thread (trace clock):
+    """Stretches of at least ``min_us`` inside the analysed steps' CPU windows and GPU spans (first kernel
+    start to last kernel end), on every thread that issues runtime calls, covered by no CPU op and no
+    runtime call of that thread (trace clock):
     ``rank, tid, step`` (row label of the steps table), ``start, end``."""
     ts, sel = a.trace, a.selected
     rt, ops = ts.runtime, ts.cpu_ops
@@ -25,9 +27,10 @@ def stall_stretches(a: Analysis, min_us: float) -> pd.DataFrame:
     if sel is None or not len(sel) or rt is None or not len(rt):
         return pd.DataFrame(columns=COLUMNS)
     for r, g in sel.groupby("rank"):
-        lo = g["cpu_start"].to_numpy(dtype=np.float64)
-        hi = g["cpu_end"].to_numpy(dtype=np.float64)
-        ok = np.isfinite(lo) & np.isfinite(hi)
+        # only a stall while the step's GPU work is under way can lengthen it
+        lo = np.fmax(g["cpu_start"].to_numpy(dtype=np.float64), g["gpu_start"].to_numpy(dtype=np.float64))
+        hi = np.fmin(g["cpu_end"].to_numpy(dtype=np.float64), g["gpu_end"].to_numpy(dtype=np.float64))
+        ok = np.isfinite(lo) & np.isfinite(hi) & (hi > lo)
         if not ok.any():
             continue
         o = np.argsort(lo[ok])
