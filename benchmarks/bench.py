@@ -299,6 +299,16 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _bytecode() -> str | None:
+    """Byte-compile the traceinspect that ``python -m traceinspect`` imports, as ``pip install`` does:
+    an editable checkout run under ``PYTHONDONTWRITEBYTECODE=1`` would otherwise compile every module
+    of the package again at every start. Returns the package directory compiled (None on failure)."""
+    code = ("import compileall, pathlib, sys, traceinspect; d = pathlib.Path(traceinspect.__file__).parent; "
+            "print(d); sys.exit(0 if compileall.compile_dir(d, quiet=1) else 1)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_ENV)
+    return p.stdout.strip() or None if p.returncode == 0 else None
+
+
 def _machine() -> dict[str, Any]:
     import platform
 
@@ -402,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--write-readme"]
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "args": "".join(f" {a}" for a in shown), "machine": _machine(),
-                           "repeat": args.repeat, "targets": TARGETS, "load_average_start": _load(),
+                           "repeat": args.repeat, "targets": TARGETS, "bytecode_compiled": _bytecode(),
+                           "load_average_start": _load(),
                            "cases": {}}
     failures: list[str] = []
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -65,6 +65,7 @@ UNMATCHED = "no rule matched"
 MACRO = re.compile(r"\$\{(\w+)\}")
 ATTENTION_OP = re.compile(r"attention|attn|mla|flash|sdpa|scaled_dot_product", re.IGNORECASE)
 _CACHE_MAX = 500_000
+_NAME_HITS_MAX = 100_000  # distinct names whose pattern results are kept
 MAX_MATCH_CHARS = 4096  # real kernel names stay under ~1.5 kB; CPU op paths under a few kB
 
 
@@ -96,17 +97,22 @@ class Rule:
     kind: re.Pattern[str] | None = None
     verify: str | None = None
 
-    def match(self, name: str, op_path: str, kind: str) -> str | None:
-        """The evidence string if this rule matches, else None."""
+    def match(self, name: str, op_path: str, kind: str,
+              hit: Callable[[re.Pattern[str]], bool] | None = None) -> str | None:
+        """The evidence string if this rule matches, else None. ``hit(pattern)``, when given, says
+        whether a name pattern matches ``name`` (a memo shared by the rules)."""
         if self.kind is not None and not self.kind.search(kind):
             return None
         if self.has_op is not None and self.has_op != bool(op_path):
             return None
+        if hit is None:
+            def hit(p: re.Pattern[str]) -> bool:
+                return p.search(name) is not None
         for p in self.name:
-            if not p.search(name):
+            if not hit(p):
                 return None
         for p in self.not_name:
-            if p.search(name):
+            if hit(p):
                 return None
         if self.not_op is not None and self.not_op.search(op_path):
             return None
@@ -144,6 +150,7 @@ class ClassTable:
     extra: tuple[Path, ...] = ()
     promote: dict[str, Promotion] = field(default_factory=dict)
     _cache: dict[tuple[str, str, str], Label] = field(default_factory=dict, repr=False)
+    _name_hits: dict[str, dict[re.Pattern[str], bool]] = field(default_factory=dict, repr=False)
 
     def classify(self, name: str, op_path: str = "", kind: str = "kernel") -> Label:
         """Label of one (name, op_path, kind) triple; memoised."""
@@ -153,9 +160,21 @@ class ClassTable:
             return hit
         # the patterns see a bounded head of each string: a hostile 100 kB name costs what a real one does
         name, op_path = name[:MAX_MATCH_CHARS], op_path[-MAX_MATCH_CHARS:]
+        # a name pattern is searched once per distinct name (several rules share patterns, and one name
+        # comes with many op paths and kinds)
+        hits = self._name_hits.get(name)
+        if hits is None:
+            hits = {} if len(self._name_hits) >= _NAME_HITS_MAX else self._name_hits.setdefault(name, {})
+
+        def hit(p: re.Pattern[str]) -> bool:
+            v = hits.get(p)
+            if v is None:
+                v = hits[p] = p.search(name) is not None
+            return v
+
         label = Label("other", "", UNMATCHED)
         for rule in self.rules:
-            ev = rule.match(name, op_path, kind)
+            ev = rule.match(name, op_path, kind, hit)
             if ev is not None:
                 label = Label(rule.cls, rule.cls2, ev)
                 break

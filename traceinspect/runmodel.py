@@ -21,6 +21,7 @@ Confidence is ``high`` (stated by the user or the server, or two independent met
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ import pandas as pd
 
 from traceinspect.errors import ConfigError
 from traceinspect.fileio import read_toml
-from traceinspect.tables import text_values
+from traceinspect.tables import combine_codes, factorize_text, text_values
 
 if TYPE_CHECKING:
     from traceinspect.graphs import GraphOps
@@ -373,13 +374,18 @@ def _kv_row(ts: TraceSet, graph_ops: GraphOps | None, pool: int | None,
         dims_col = ops["input_dims"].to_numpy(dtype=object)
         types_col = ops["input_types"].to_numpy(dtype=object) if "input_types" in ops else np.full(len(ops), None)
         # a byte-level prefilter on the distinct dims texts: the pool's row count must appear in it
-        hits = {b for b in set(dims_col.tolist())
-                if isinstance(b, (bytes, bytearray)) and any(n in b for n in needles)}
+        d_codes, d_uniq = factorize_text(dims_col)
+        hits = [j for j, b in enumerate(d_uniq.tolist())
+                if isinstance(b, (bytes, bytearray)) and any(n in b for n in needles)]
         if not hits:
             continue
         best: tuple[int, str | None, str, str] | None = None
-        rows = [i for i, b in enumerate(dims_col.tolist()) if b in hits]
-        for dims_raw, types_raw in dict.fromkeys((dims_col[i], types_col[i]) for i in rows):
+        rows = np.flatnonzero(np.isin(d_codes, hits))
+        t_codes, _ = factorize_text(types_col[rows])
+        # the distinct (dims, types) pairs of those rows, in order of first appearance
+        _, first = np.unique(combine_codes(d_codes[rows], t_codes), return_index=True)
+        pairs = rows[np.sort(first)]
+        for dims_raw, types_raw in zip(dims_col[pairs].tolist(), types_col[pairs].tolist(), strict=True):
             ds, types = dims(dims_raw) or [], dims(types_raw) or []
             for j, d in enumerate(ds):
                 if not (isinstance(d, list) and len(d) >= 2 and all(isinstance(x, int) for x in d)):
@@ -506,15 +512,16 @@ def _routing(ts: TraceSet, steps: pd.DataFrame | None, graph_ops: GraphOps | Non
         if not len(topk):
             continue
         groups: dict[tuple[int, int], int] = {}
-        for raw, conc in zip(topk["input_dims"].tolist(), topk["concrete"].tolist() if "concrete" in topk
-                             else [None] * len(topk), strict=True):
+        # each distinct (dims, concrete) text decoded once, counted as often as it occurs
+        for (raw, conc), n in Counter(zip(topk["input_dims"].tolist(), topk["concrete"].tolist()
+                                          if "concrete" in topk else [None] * len(topk), strict=True)).items():
             d = dims(raw)
             k = _concrete_int(conc, 1)
             if not d or not isinstance(d[0], list) or len(d[0]) != 2 or k is None:
                 continue
             e = d[0][-1]
             if isinstance(e, int) and 1 < k < e:
-                groups[(e, k)] = groups.get((e, k), 0) + 1
+                groups[(e, k)] = groups.get((e, k), 0) + n
         best = None
         for (e, k), c in sorted(groups.items(), key=lambda kv: -kv[1]):
             per = c / forwards
@@ -540,14 +547,14 @@ def _router_hidden(frame: pd.DataFrame, experts: int) -> tuple[int, str] | None:
     counts: dict[int, int] = {}
     for name, (b_arg, n_axis) in ROUTER_GEMMS.items():
         sub = frame.loc[frame["name"] == name, "input_dims"]
-        for raw in sub.tolist():
+        for raw, c in Counter(sub.tolist()).items():  # each distinct text decoded once
             d = dims(raw)
             if not d or len(d) <= b_arg or not isinstance(d[b_arg], list) or len(d[b_arg]) != 2:
                 continue
             b = d[b_arg]
             n, k = (b[0], b[1]) if n_axis == 0 else (b[1], b[0])
             if n == experts and isinstance(k, int) and k > 0:
-                counts[k] = counts.get(k, 0) + 1
+                counts[k] = counts.get(k, 0) + c
     if not counts:
         return None
     k = max(counts, key=counts.__getitem__)

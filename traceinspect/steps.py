@@ -77,7 +77,7 @@ def step_rules() -> StepRules:
 
     from traceinspect.resources import rules_dir
 
-    doc = yaml.safe_load((rules_dir() / "steps.yaml").read_text(encoding="utf-8"))
+    doc = yaml.load((rules_dir() / "steps.yaml").read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     it, gaps = doc["iteration"], doc["gaps"]
     return StepRules(
         forward=[re.compile(m["pattern"]) for m in doc["forward_markers"]],

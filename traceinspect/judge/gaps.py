@@ -47,7 +47,7 @@ class EvidenceTable:
 def evidence_table() -> EvidenceTable:
     path = rules_dir() / EVIDENCE_FILE
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        doc = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except (OSError, yaml.YAMLError) as e:
         raise RuleError(f"cannot read the evidence table: {e}", path) from None
     if not isinstance(doc, dict):

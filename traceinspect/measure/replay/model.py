@@ -61,7 +61,7 @@ def load_settings(path: str | None = None) -> Settings:
 
     file = Path(path) if path else rules_dir() / SETTINGS_FILE
     try:
-        doc = yaml.safe_load(file.read_text(encoding="utf-8"))["replay"]
+        doc = yaml.load(file.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))["replay"]
         gaps = tuple((re.compile(str(g["match"]), re.IGNORECASE), float(g["us"]), str(g.get("source", "")))
                      for g in doc.get("graph_kernel_gap_us") or [])
         floors = tuple(sorted(((str(k), float(v)) for k, v in (doc.get("severity_min_saving_share") or {}).items()),

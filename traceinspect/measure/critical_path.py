@@ -1,0 +1,333 @@
+"""The critical path of a step across ranks: a dependency graph of GPU activities, launches and
+matched collectives per aligned step, and its longest path (docs/collectives.md)."""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from traceinspect.measure.comm_settings import IDLE_MIN_US, ORDER_TOL_US, _num, load_settings
+from traceinspect.tables import text_values
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+    from traceinspect.measure.collectives import Collectives
+
+
+def _host_part(gap: float, launch: float, launch_end: float, ref_end: float) -> float:
+    """The part of an idle gap on a rank's GPU that was spent waiting for the host to launch the next
+    activity: all of it when the launch call began after the GPU went idle, else the part of the gap
+    that the launch call itself still covered."""
+    if gap <= 0 or not np.isfinite(launch):
+        return 0.0
+    if launch >= ref_end:
+        return gap
+    if np.isfinite(launch_end):
+        return float(min(max(launch_end - ref_end, 0.0), gap))
+    return 0.0
+
+
+class Cycle(Exception):
+    """The step's dependency graph has a cycle (collectives matched in inconsistent orders)."""
+
+
+class _Graph:
+    """Node-weighted DAG of one step: a path's length is the sum of the weights of its nodes but the
+    last (the sink, weight 0)."""
+
+    def __init__(self) -> None:
+        self.weight: list[float] = []
+        self.cls: list[str] = []
+        self.rank: list[int | None] = []
+        self.label: list[str] = []
+        self.edges: list[tuple[int, int]] = []
+
+    def node(self, weight: float, cls: str, rank: int | None, label: str) -> int:
+        self.weight.append(float(max(weight, 0.0)))
+        self.cls.append(cls)
+        self.rank.append(rank)
+        self.label.append(label)
+        return len(self.weight) - 1
+
+    def edge(self, u: int, v: int) -> None:
+        if u != v:
+            self.edges.append((u, v))
+
+    def longest_path(self, src: int, sink: int) -> list[int]:
+        """The longest path; nodes without successors lead to the sink, nodes without predecessors come
+        from the source. Raises :class:`Cycle`.
+
+        The result is the path networkx's ``dag_longest_path`` returns for the same graph (edges weighted
+        with their source node's weight), ties included: topological order by generations, the first
+        best predecessor in edge order, the first farthest node in topological order. A step graph has
+        ~10k nodes and ~15k edges; networkx's generic graph classes made this most of the cost of an
+        analysis.
+        """
+        n = len(self.weight)
+        succ: list[list[int]] = [[] for _ in range(n)]
+        pred: list[list[int]] = [[] for _ in range(n)]
+        for u, v in dict.fromkeys(self.edges):  # a repeated edge counts once, in its first position
+            succ[u].append(v)
+            pred[v].append(u)
+        tail = [u for u in range(n) if not succ[u] and u != sink]
+        head = [v for v in range(n) if not pred[v] and v != src]
+        for u, v in dict.fromkeys([(u, sink) for u in tail] + [(src, v) for v in head]):
+            succ[u].append(v)
+            pred[v].append(u)
+        indeg = [len(p) for p in pred]
+        gen = [v for v in range(n) if not indeg[v]]
+        order: list[int] = []
+        while gen:
+            order += gen
+            nxt: list[int] = []
+            for u in gen:
+                for v in succ[u]:
+                    indeg[v] -= 1
+                    if not indeg[v]:
+                        nxt.append(v)
+            gen = nxt
+        if len(order) != n:
+            raise Cycle
+        w = self.weight
+        dist = [0.0] * n
+        back = list(range(n))
+        for v in order:
+            best, arg = -1.0, v
+            for u in pred[v]:
+                d = dist[u] + w[u]
+                if d > best:
+                    best, arg = d, u
+            if best >= 0:
+                dist[v], back[v] = best, arg
+        far = max(dist)
+        v = next(x for x in order if dist[x] == far)
+        path = [v]
+        while back[v] != v:
+            v = back[v]
+            path.append(v)
+        path.reverse()
+        return path
+
+
+def _activities(a: Analysis, sel: pd.DataFrame, res: Collectives) -> pd.DataFrame:
+    """GPU activities of the aligned steps with corrected times, launch times and instance ids."""
+    k = a.kernels
+    pos_of_step = pd.Series(sel["pos"].to_numpy(), index=sel.index)
+    act = k[k["step"].isin(sel.index)][["rank", "kind", "name", "ts", "dur", "end", "stream", "rt_idx", "step"]
+                                       + (["cls"] if "cls" in k.columns else [])].copy()
+    if "cls" not in act.columns:
+        act["cls"] = "unknown"
+    act["cls"] = pd.Series(text_values(act["cls"]), index=act.index, dtype=object)
+    act["pos"] = pos_of_step.reindex(act["step"]).to_numpy().astype(np.int64)
+    off = act["rank"].map(res.offsets_applied).fillna(0.0).to_numpy()
+    act["ts"] = act["ts"].to_numpy() - off
+    act["end"] = act["end"].to_numpy() - off
+    rt = a.trace.runtime
+    rt_idx = act["rt_idx"].to_numpy()
+    act["launch"] = np.where(rt_idx >= 0, rt["ts"].reindex(rt_idx).to_numpy(), np.nan) - off
+    act["launch_end"] = np.where(rt_idx >= 0, rt["end"].reindex(rt_idx).to_numpy(), np.nan) - off
+    act["instance"] = -1
+    act["transfer_us"] = np.nan
+    act["residual_wait"] = 0.0
+    inst = res.instances
+    if len(inst):
+        ii = inst.set_index("kidx")
+        ii = ii[ii.index.isin(act.index)]
+        act.loc[ii.index, "instance"] = ii["instance"].to_numpy()
+        act.loc[ii.index, "transfer_us"] = ii["transfer_us"].to_numpy()
+        last = ii[ii["last_arrival"]]
+        act.loc[last.index, "residual_wait"] = last["wait_us"].to_numpy()
+    return act
+
+
+def _step_graph(act: pd.DataFrame) -> tuple[_Graph, int, int, float, float]:
+    """The dependency graph of one aligned step across ranks; returns (graph, source, sink, t0, t1)."""
+    G = _Graph()
+    t0 = float(act["ts"].min())
+    t1 = float(act["end"].max())
+    src = G.node(0.0, "start", None, "step start")
+    xnode: dict[int, int] = {}
+    act = act.sort_values(["rank", "ts", "end"], kind="stable")
+    bounds = np.flatnonzero(np.r_[True, np.diff(act["rank"].to_numpy()) != 0, True])
+    # Python lists: the loops below read every element, and a numpy scalar read costs ~10x more
+    col = {c: act[c].to_numpy(dtype=object if c in ("cls", "name") else None).tolist()
+           for c in ("rank", "ts", "end", "dur", "stream", "cls", "name", "launch", "launch_end", "instance",
+                     "transfer_us", "residual_wait")}
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        r = int(col["rank"][lo])
+        ts, end, dur, stream = col["ts"][lo:hi], col["end"][lo:hi], col["dur"][lo:hi], col["stream"][lo:hi]
+        cls, name = col["cls"][lo:hi], col["name"][lo:hi]
+        launch, launch_end = col["launch"][lo:hi], col["launch_end"][lo:hi]
+        inst, transfer, resid = col["instance"][lo:hi], col["transfer_us"][lo:hi], col["residual_wait"][lo:hi]
+        n = hi - lo
+        n_in = [0] * n
+        n_out = [0] * n
+        for j in range(n):
+            if inst[j] >= 0:
+                a_node = G.node(resid[j], "comm_wait", r, str(name[j]))
+                x = xnode.get(int(inst[j]))
+                if x is None:
+                    x = xnode[int(inst[j])] = G.node(transfer[j], "comm", None, str(name[j]))
+                G.edge(a_node, x)
+                n_in[j], n_out[j] = a_node, x
+            else:
+                n_in[j] = n_out[j] = G.node(dur[j], str(cls[j]), r, str(name[j]))
+        # stream order
+        last_on: dict[int, int] = {}
+        for j in range(n):
+            p = last_on.get(stream[j])
+            if p is not None:
+                G.edge(n_out[p], n_in[j])
+            last_on[stream[j]] = j
+        # the rank's GPU timeline: the latest activity that ended before j starts precedes j; an
+        # idle GPU before j whose launch came late is host time on this rank
+        pending: list[tuple[float, int]] = []
+        best, best_end = -1, -math.inf
+        run_end = -math.inf
+        for j in range(n):
+            while pending and pending[0][0] <= ts[j] + ORDER_TOL_US:
+                e, i = heapq.heappop(pending)
+                if e > best_end:
+                    best, best_end = i, e
+            pred = src if best < 0 else n_out[best]
+            idle_from = max(run_end, t0)
+            gap = ts[j] - idle_from
+            host = _host_part(gap, launch[j], launch_end[j], idle_from) if gap > 0 else 0.0
+            idle = gap - host if gap > IDLE_MIN_US else 0.0
+            for w, c in ((idle, "idle"), (host, "host")):
+                if w > 0:
+                    h = G.node(w, c, r, f"{c} before {name[j]}")
+                    G.edge(pred, h)
+                    pred = h
+            G.edge(pred, n_in[j])
+            heapq.heappush(pending, (end[j], j))
+            run_end = max(run_end, end[j])
+    sink = G.node(0.0, "end", None, "step end")
+    return G, src, sink, t0, t1
+
+
+def _path_summary(G: _Graph, path: list[int], t0: float, t1: float) -> dict[str, Any]:
+    comp: dict[str, float] = defaultdict(float)
+    by_rank: dict[int, float] = defaultdict(float)
+    host_by_rank: dict[int, float] = defaultdict(float)
+    cls_by_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    segs: list[dict[str, Any]] = []
+    for u in path[:-1]:
+        w = G.weight[u]
+        if w <= 0:
+            continue
+        c, r = G.cls[u], G.rank[u]
+        comp[c] += w
+        if r is not None:
+            by_rank[r] += w
+            cls_by_rank[r][c] += w
+            if c == "host":
+                host_by_rank[r] += w
+        if segs and segs[-1]["rank"] == r and segs[-1]["cls"] == c:
+            segs[-1]["us"] += w
+            segs[-1]["nodes"] += 1
+        else:
+            segs.append({"rank": r, "cls": c, "us": w, "nodes": 1, "first": G.label[u]})
+    total = float(sum(comp.values()))
+    bounding = max(by_rank, key=by_rank.get) if by_rank else None
+    ends_on = next((G.rank[u] for u in reversed(path) if G.rank[u] is not None), None)
+    return {
+        "total_us": total, "span_us": t1 - t0, "slack_us": max((t1 - t0) - total, 0.0),
+        "composition": dict(comp), "by_rank": dict(by_rank), "host_by_rank": dict(host_by_rank),
+        "cls_by_rank": {r: dict(v) for r, v in cls_by_rank.items()},
+        "bounding_rank": bounding, "ends_on_rank": ends_on, "nodes": len(path) - 2, "segments": segs,
+    }
+
+
+def _jsonify_path(s: dict[str, Any], top: int = 12) -> dict[str, Any]:
+    total = s["total_us"] or 1.0
+    segs = sorted(s["segments"], key=lambda x: -x["us"])[:top]
+    return {
+        "pos": s["pos"], "total_us": _num(s["total_us"]), "span_us": _num(s["span_us"]),
+        "slack_us": _num(s["slack_us"]), "nodes": s["nodes"],
+        "composition": {c: {"us": _num(v), "share": _num(v / total)}
+                        for c, v in sorted(s["composition"].items(), key=lambda kv: -kv[1])},
+        "by_rank": {str(r): {"us": _num(v), "share": _num(v / total),
+                             "classes": {c: _num(x) for c, x in sorted(s["cls_by_rank"][r].items(),
+                                                                        key=lambda kv: -kv[1])}}
+                    for r, v in sorted(s["by_rank"].items())},
+        "host_by_rank": {str(r): _num(v) for r, v in sorted(s["host_by_rank"].items())},
+        "bounding_rank": s["bounding_rank"], "ends_on_rank": s["ends_on_rank"],
+        "top_segments": [{"rank": x["rank"], "cls": x["cls"], "us": _num(x["us"]), "kernels": x["nodes"],
+                          "first": x["first"]} for x in segs],
+    }
+
+
+def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str, Any]:
+    """Longest path through each aligned step's cross-rank dependency graph; the median
+    step in detail and the composition averaged over the steps (all of them, or an even sample of
+    ``critical_path.max_steps`` of rules/collectives.yaml; see docs/collectives.md)."""
+    if not len(sel):
+        return {"applicable": False, "reason": "no analysed steps common to all ranks"}
+    act = _activities(a, sel, res)
+    if not len(act):
+        return {"applicable": False, "reason": "no GPU activity in the analysed steps"}
+    summaries = []
+    failed = 0
+    positions = sorted(act["pos"].unique())
+    # the longest path is computed on at most max_steps evenly spaced steps
+    max_steps = load_settings().critical_path_max_steps
+    if len(positions) > max_steps:
+        keep = np.unique(np.linspace(0, len(positions) - 1, max_steps).round().astype(int))
+        positions = [positions[i] for i in keep]
+    act = act[act["pos"].isin(positions)]
+    for pos, pa in act.groupby("pos", sort=True):
+        G, src, sink, t0, t1 = _step_graph(pa)
+        try:
+            path = G.longest_path(src, sink)
+        except Cycle:
+            failed += 1  # collectives matched in inconsistent orders would form a cycle
+            continue
+        if not path or path[0] != src:
+            path = [src, *path]
+        s = _path_summary(G, path, t0, t1)
+        s["pos"] = int(pos)
+        summaries.append(s)
+    if not summaries:
+        return {"applicable": False, "reason": "the dependency graph of every step has a cycle "
+                "(collectives matched in inconsistent orders)"}
+    n = len(summaries)
+    totals = np.array([s["total_us"] for s in summaries])
+    med_i = int(np.argsort(totals, kind="stable")[(n - 1) // 2])
+    comp: dict[str, float] = defaultdict(float)
+    by_rank: dict[int, float] = defaultdict(float)
+    host_by_rank: dict[int, float] = defaultdict(float)
+    bounds: dict[int, int] = defaultdict(int)
+    for s in summaries:
+        for c, v in s["composition"].items():
+            comp[c] += v
+        for r, v in s["by_rank"].items():
+            by_rank[r] += v
+        for r, v in s["host_by_rank"].items():
+            host_by_rank[r] += v
+        if s["bounding_rank"] is not None:
+            bounds[s["bounding_rank"]] += 1
+    grand = float(sum(comp.values())) or 1.0
+    host_total = sum(host_by_rank.values())
+    out: dict[str, Any] = {
+        "applicable": True, "reason": None,
+        "steps": n, "steps_failed": failed, "steps_available": int(sel["pos"].nunique()),
+        "clock_corrected": any(v != 0.0 for v in res.offsets_applied.values()),
+        "total_us_median": _num(float(np.median(totals))),
+        "composition": {c: {"us_per_step": _num(v / n), "share": _num(v / grand)}
+                        for c, v in sorted(comp.items(), key=lambda kv: -kv[1])},
+        "by_rank": {str(r): {"us_per_step": _num(v / n), "share": _num(v / grand)}
+                    for r, v in sorted(by_rank.items())},
+        "host_by_rank": {str(r): {"us_per_step": _num(v / n), "share_of_host": _num(v / host_total if host_total
+                                                                                        else float("nan"))}
+                         for r, v in sorted(host_by_rank.items())},
+        "bounding_rank": max(bounds, key=bounds.get) if bounds else None,
+        "bounding_rank_steps": {str(r): c for r, c in sorted(bounds.items())},
+        "median_step": _jsonify_path(summaries[med_i]),
+    }
+    return out
