@@ -241,13 +241,13 @@ def run_pipeline(d: Path, test: str, *, cache: bool = False, html: bool = False,
         a = analyze(str(d), jobs=1, use_cache=cache, command="traceinspect analyze fuzz")
         doc = a.to_json()
         json.dumps(doc, allow_nan=False)  # what --json writes
-        render_markdown(a, doc)
-        render(a, doc, console=Console(file=io.StringIO(), width=120))
+        render_markdown(doc)
+        render(doc, console=Console(file=io.StringIO(), width=120))
         if html:  # the report command's outputs
             from traceinspect.render.html import render_html
             from traceinspect.render.perfetto import write_perfetto
 
-            render_html(a, doc)
+            render_html(doc)
             write_perfetto(a, d / "merged.json", doc)
         outcome = "result"
     except TraceInspectError as e:

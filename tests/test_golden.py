@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
-from golden import OUTPUTS, fixture_sets, render, set_name, stored  # noqa: E402
+from golden import OUTPUTS, fixture_sets, render, report_from_json, set_name, stored  # noqa: E402
 
 
 @pytest.mark.parametrize("fixture", fixture_sets(), ids=set_name)
@@ -22,6 +22,9 @@ def test_outputs_equal_golden(fixture: Path, tmp_path: Path) -> None:
                                                      "golden/" + name, "now/" + name, n=1))[:60])
             pytest.fail(f"{set_name(fixture)}/{name} differs from the golden copy "
                         f"(python tests/golden/update.py {set_name(fixture)} after a change meant to alter it):\n{diff}")
+    # the report made from the stored analysis JSON is the report made from the traces
+    for name, text in report_from_json(tmp_path / set_name(fixture)).items():
+        assert text == got[name], f"{set_name(fixture)}: `report analysis.json` gives another {name} than the traces"
 
 
 def test_every_fixture_set_has_a_golden_copy() -> None:

@@ -66,7 +66,7 @@ def _terminal(a, doc) -> str:
     from traceinspect.render.terminal import render
 
     buf = io.StringIO()
-    render(a, doc, Console(file=buf, width=220, highlight=False, soft_wrap=True, color_system=None))
+    render(doc, Console(file=buf, width=220, highlight=False, soft_wrap=True, color_system=None))
     return buf.getvalue()
 
 
@@ -88,8 +88,8 @@ def test_every_output_leads_with_the_same_finding(key: str) -> None:
     a, doc = _analysis(key)
     st = story(doc)
     term = _terminal(a, doc)
-    page = render_html(a, doc)
-    md = render_markdown(a, doc)
+    page = render_html(doc)
+    md = render_markdown(doc)
     banner = _between(page, '<section class="headline"', "</section>")
     banner_text = _text(banner)
     md_lead = "\n".join(md.splitlines()[:3])
@@ -147,7 +147,7 @@ def test_the_story_is_one_order_and_places_what_no_finding_explains() -> None:
     doc = dict(doc, unexplained=[{"cls": "dtype_cast", "share": 0.69, "explain_with": "shapes of the casts"}],
                undecided=[{"rule": "kv-full-pool-cast", "share": 0.4, "missing": ["kv_pool_tokens"],
                            "how_to_supply": ["save server_info.json beside the traces"]}])
-    term, page, md = _terminal(a, doc), render_html(a, doc), render_markdown(a, doc)
+    term, page, md = _terminal(a, doc), render_html(doc), render_markdown(doc)
     banner = _text(_between(page, '<section class="headline"', "</section>"))
     head = term.split("Ranks (per step")[0]
     md_head = md.split("| | |")[0]

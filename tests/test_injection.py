@@ -175,7 +175,7 @@ def test_terminal_summary_does_not_interpret_markup(outputs: dict[str, Path]) ->
 
     doc = json.loads((outputs["evil"] / "a.json").read_text())
     buf = io.StringIO()
-    render(None, doc, console=Console(file=buf, width=200, color_system=None))  # type: ignore[arg-type]
+    render(doc, console=Console(file=buf, width=200, color_system=None))  # type: ignore[arg-type]
     out = buf.getvalue()
     assert "[bold red]R[/]" in out  # rich markup in a kernel name is printed, not applied
     assert "\x1b" not in out and "\x00" not in out  # no terminal escape sequences from trace data

@@ -133,7 +133,7 @@ def test_html_report(variant: str, tmp_path: Path) -> None:
 
     a = _analysis(_present(variant))
     doc = a.to_json()
-    out = write_html(a, tmp_path / "report.html", doc)
+    out = write_html(doc, tmp_path / "report.html")
     html = out.read_text(encoding="utf-8")
     assert html.startswith("<!DOCTYPE html>")
     assert out.stat().st_size < MAX_BYTES
@@ -178,7 +178,7 @@ def test_markdown_summary(variant: str, tmp_path: Path) -> None:
 
     a = _analysis(_present(variant))
     doc = a.to_json()
-    text = write_markdown(a, tmp_path / "summary.md", doc).read_text(encoding="utf-8")
+    text = write_markdown(doc, tmp_path / "summary.md").read_text(encoding="utf-8")
     assert text.startswith("### traceinspect: ")
     assert len(text) < 16_000  # short: a fraction of GitHub's 65,536-character comment limit
     if doc["findings"]:
@@ -273,7 +273,7 @@ def _evil_set(tmp_path: Path) -> tuple[Path, str, str]:
 
 def test_injected_names_are_escaped_everywhere(tmp_path: Path) -> None:
     from traceinspect.analysis import analyze
-    from traceinspect.render import launching_ops
+    from traceinspect.document.report import launching_ops
     from traceinspect.render.html import render_html
     from traceinspect.render.markdown import render_markdown
     from traceinspect.render.perfetto import build_trace, encode
@@ -283,7 +283,7 @@ def test_injected_names_are_escaped_everywhere(tmp_path: Path) -> None:
     assert EVIL_KERNEL in set(a.kernels["name"])
     assert EVIL_MD in set(a.kernels["name"])
     doc = a.to_json()
-    html = render_html(a, doc)
+    html = render_html(doc)
     # no live markup from the trace: only escaped forms
     assert "<script>alert(1)</script>" not in html
     assert "<b>x</b>" not in html and "<i>y</i>" not in html
@@ -307,7 +307,7 @@ def test_injected_names_are_escaped_everywhere(tmp_path: Path) -> None:
     # the CSV downloads carry the names percent-encoded
     assert all("<" not in u and '"' not in u for u in re.findall(r'href="(data:[^"]*)"', html))
 
-    text = render_markdown(a, doc)
+    text = render_markdown(doc)
     assert "<script>" not in text and "<b>" not in text and "<i>" not in text
     assert "**bold**" not in text and "`tick`" not in text and "[link](" not in text and "[c](" not in text
     assert md(EVIL_KERNEL) in text or md(EVIL_KERNEL)[:40] in text
@@ -334,6 +334,7 @@ def test_tp8_report_under_5mb_by_sampling(tmp_path: Path) -> None:
     """Eight ranks (a TP2 fixture's rank files copied to TP-0..TP-7): the report stays under 5 MB by
     merging timeline kernels into blocks, and still shows every finding and every rank."""
     from traceinspect.analysis import analyze
+    from traceinspect.document.report import report_section
     from traceinspect.render.html import timeline_svg, write_html
 
     src = _any_fixture()
@@ -350,7 +351,7 @@ def test_tp8_report_under_5mb_by_sampling(tmp_path: Path) -> None:
     a = analyze(str(dst))
     assert a.n_ranks == 8
     doc = a.to_json()
-    path = write_html(a, tmp_path / "tp8.html", doc)
+    path = write_html(doc, tmp_path / "tp8.html")
     size = path.stat().st_size
     assert size < MAX_BYTES, size
     html = path.read_text(encoding="utf-8")
@@ -358,10 +359,72 @@ def test_tp8_report_under_5mb_by_sampling(tmp_path: Path) -> None:
         assert f'id="f-{i}"' in html and htmllib.escape(f["title"], quote=False) in html
     for r in range(8):
         assert f"TP{r}" in _text(html)
-    tl = timeline_svg(a)
+    tl = timeline_svg(doc)
     lanes = a.kernels[a.kernels["step"].isin(list(a.representative_step()[1].values()))].groupby(
         ["rank", "stream"]).ngroups
     assert tl.lanes == lanes and tl.data["kernels"] == tl.kernels
     # a tighter budget keeps the longest kernels, and says so
-    small = timeline_svg(a, budget=10)
+    small = timeline_svg({**doc, "report": report_section(a, budget=10)})
     assert small.data["kernels"] == 10 < small.kernels and "longest kernels" in small.caption
+
+
+# ----------------------------------------------------------------------------- report from a stored JSON
+
+_GENERATED = re.compile(r"generated \d{4}-\d\d-\d\d \d\d:\d\d UTC")
+
+
+@pytest.mark.parametrize("source", ["fixture:tp1-l6-gather-eager", "real:tracelens__b200__eager_trace.json.gz",
+                                    "real:tracelens__inference__sglang_decode__sglang_Qwen3-8B_decode.json.gz"])
+def test_report_from_stored_json_is_the_report_from_traces(source: str, tmp_path: Path) -> None:
+    """``report analysis.json`` writes the HTML and Markdown that ``report <traces>`` wrote, byte for byte
+    (but the generation time), and the JSON it writes again is the one it read."""
+    from conftest import real_trace
+
+    kind, name = source.split(":", 1)
+    src = FIXTURES / name if kind == "fixture" else real_trace(name)
+    if not src.exists():
+        pytest.skip(f"{src} is not present")
+    r = run_cli("report", str(src), "--phase", "all", "--no-cache", "-o", str(tmp_path / "t.html"),
+                "--markdown", str(tmp_path / "t.md"), "--json", str(tmp_path / "t.json"))
+    assert r.returncode == 0, r.stderr
+    r = run_cli("report", str(tmp_path / "t.json"), "-o", str(tmp_path / "j.html"),
+                "--markdown", str(tmp_path / "j.md"), "--json", str(tmp_path / "j.json"))
+    assert r.returncode == 0, r.stderr
+    for a, b in (("t.html", "j.html"), ("t.md", "j.md"), ("t.json", "j.json")):
+        ta, tb = (_GENERATED.sub("", (tmp_path / x).read_text(encoding="utf-8")) for x in (a, b))
+        assert ta == tb, f"{a} != {b}"
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert set(doc["report"]) == {"kernels", "ops", "timeline", "after_timeline", "rules"}
+    assert "lanes" in doc["report"]["timeline"] or doc["report"]["timeline"].get("reason")
+    # the page embeds the document without the section it draws itself
+    blob = re.search(r'<script type="application/json" id="traceinspect-analysis">(.*?)</script>',
+                     (tmp_path / "t.html").read_text(encoding="utf-8"), re.S)
+    assert set(json.loads(blob.group(1))) == set(doc) - {"report"}
+
+
+def test_report_from_bad_json_is_one_line_exit_2_nothing_written(tmp_path: Path) -> None:
+    good = FIXTURES / "tp1-l6-gather-graph"
+    r = run_cli("analyze", str(good), "--no-cache", "-q", "--json", str(tmp_path / "a.json"))
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "a.json").read_text()
+    doc = json.loads(text)
+    bad = {
+        "notjson.json": "this is not JSON\n",
+        "truncated.json": text[: len(text) // 2],
+        "schema.json": json.dumps({**doc, "schema": "traceinspect.analysis/9"}),
+        "other.json": json.dumps({**doc, "schema": "someone.else/1"}),
+        "nosteps.json": json.dumps({**doc, "steps": {"count": 0}}),
+    }
+    for name, body in bad.items():
+        (tmp_path / name).write_text(body)
+        out = tmp_path / f"{name}.html"
+        r = run_cli("report", str(tmp_path / name), "-o", str(out), "--markdown", str(tmp_path / f"{name}.md"))
+        assert r.returncode == 2, (name, r.stdout, r.stderr)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and name in lines[0], (name, r.stderr)
+        assert not out.exists() and not (tmp_path / f"{name}.md").exists()
+    # a stored analysis holds no raw events: --perfetto needs the traces, and nothing is written
+    r = run_cli("report", str(tmp_path / "a.json"), "-o", str(tmp_path / "p.html"), "--perfetto",
+                str(tmp_path / "p.json"))
+    assert r.returncode == 2 and "--perfetto needs the traces" in r.stderr and "a.json" in r.stderr
+    assert not (tmp_path / "p.html").exists() and not (tmp_path / "p.json").exists()

@@ -74,7 +74,7 @@ def test_report_in_chromium(browser, variant: str, tmp_path: Path) -> None:
 
     a = _analysis(_present(variant))
     doc = a.to_json()
-    path = write_html(a, tmp_path / f"{variant}.html", doc)
+    path = write_html(doc, tmp_path / f"{variant}.html")
     page, seen = open_report(browser, path, shot=f"report-{variant}.png")
     try:
         assert seen["network"] == [], seen["network"]
@@ -113,7 +113,7 @@ def test_injected_kernel_name_renders_as_text(browser, tmp_path: Path) -> None:
 
     d, _, _ = _evil_set(tmp_path)
     a = analyze(str(d))
-    path = write_html(a, tmp_path / "evil.html")
+    path = write_html(a.to_json(), tmp_path / "evil.html")
     page, seen = open_report(browser, path, shot="report-injection.png")
     try:
         assert seen["dialog"] == [], "a script from the trace ran"
@@ -192,7 +192,7 @@ def eager_report(tmp_path_factory):
 
     a = _analysis(_present("kv-full-cast-eager"))
     doc = a.to_json()
-    path = write_html(a, tmp_path_factory.mktemp("tl") / "eager.html", doc)
+    path = write_html(doc, tmp_path_factory.mktemp("tl") / "eager.html")
     return a, doc, path
 
 
@@ -281,7 +281,7 @@ def test_timeline_zoom_hover_table_sort_filter_and_csv_download(browser, eager_r
         with page.expect_download() as dl:
             page.locator("a.csv[download='kernels.csv']").click()
         got = Path(dl.value.path()).read_text()
-        assert got == to_csv(report_tables(a, doc)["kernels"])
+        assert got == to_csv(report_tables(doc)["kernels"])
         assert got.splitlines()[0].startswith("name,cls,launched_by,calls")
         assert seen["network"] == [] and seen["console"] == [] and seen["pageerror"] == [], seen
     finally:
@@ -295,7 +295,7 @@ def test_after_fix_timeline_beside_the_measured_one(browser, tmp_path: Path) -> 
 
     a = _analysis(_present("kv-full-cast-graph"))
     doc = a.to_json()
-    path = write_html(a, tmp_path / "after.html", doc)
+    path = write_html(doc, tmp_path / "after.html")
     page, seen = open_report(browser, path, shot="report-after-fix.png")
     try:
         assert seen["console"] == [] and seen["pageerror"] == [] and seen["network"] == [], seen

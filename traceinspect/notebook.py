@@ -54,7 +54,7 @@ class Analysis:
     def _tables(self) -> dict[str, pd.DataFrame]:
         from traceinspect.render.tables import report_tables
 
-        return report_tables(self.result, self.to_json())
+        return report_tables(self.to_json())
 
     @cached_property
     def kernels(self) -> pd.DataFrame:
@@ -124,13 +124,13 @@ class Analysis:
         """Write the HTML report."""
         from traceinspect.render.html import write_html
 
-        return write_html(self.result, path, self.to_json())
+        return write_html(self.to_json(), path)
 
     def markdown(self) -> str:
         """The Markdown summary."""
         from traceinspect.render.markdown import render_markdown
 
-        return render_markdown(self.result, self.to_json())
+        return render_markdown(self.to_json())
 
     def csv(self, out_dir: str | Path) -> list[Path]:
         """Write kernels.csv, gemm.csv and ops.csv (as ``analyze --csv DIR``)."""

@@ -89,3 +89,12 @@ def clamp_estimate(est: float | None, *bounds: float | None) -> tuple[float | No
             out = max(float(b), 0.0)
             cut.append(float(b))
     return out, cut
+
+
+def short_name(name: str, width: int = 80) -> str:
+    """A name (kernel, op, shapes) cut to ``width`` characters, keeping its head (the family) and its tail."""
+    name = " ".join(str(name).split())
+    if len(name) <= width:
+        return name
+    head = width * 2 // 3
+    return name[:head] + "…" + name[-(width - head - 1):]

@@ -49,6 +49,19 @@ def render(fixture: Path, out: Path) -> dict[str, str]:
     return texts
 
 
+def report_from_json(out: Path) -> dict[str, str]:
+    """``traceinspect report OUT/analysis.json``'s HTML and Markdown (written by :func:`render` before),
+    normalised as :func:`render` normalises them."""
+    cmd = [sys.executable, "-m", "traceinspect", "report", str(out / "analysis.json"),
+           "-o", str(out / "from-json.html"), "--markdown", str(out / "from-json.md")]
+    env = {**os.environ, "COLUMNS": "120", "TRACEINSPECT_CACHE": "off"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"report {out / 'analysis.json'}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+    return {name: _GENERATED.sub("generated TIME", (out / src).read_text().replace(str(out), "OUT"))
+            for name, src in (("report.html", "from-json.html"), ("summary.md", "from-json.md"))}
+
+
 def stored(fixture: Path) -> dict[str, str]:
     d = GOLDEN / set_name(fixture)
     return {name: gzip.decompress((d / f"{name}.gz").read_bytes()).decode() for name in OUTPUTS}

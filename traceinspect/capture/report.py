@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from traceinspect.capture.layout import atomic_write_json
+from traceinspect.document import write_document
 
 ANALYSIS_JSON = "analysis.json"
 REPORT_HTML = "report.html"
@@ -28,6 +28,8 @@ def analyze_into(out_dir: Path, phase: str = "decode", command: str | None = Non
     if command is not None and (params is None or "command" in params or "kw" in params):
         kw["command"] = command  # otherwise the analysis records sys.argv, which may hold --api-key
     analysis = analyze(Path(out_dir), **kw)
+    data = analysis.to_json()
+    json.dumps(data, default=str)  # fail here, not half-way through a file
     written: list[Path] = []
     try:
         html = importlib.import_module("traceinspect.render.html")
@@ -39,13 +41,11 @@ def analyze_into(out_dir: Path, phase: str = "decode", command: str | None = Non
     if callable(write_html):
         path = Path(out_dir) / REPORT_HTML
         tmp = Path(out_dir) / f".{REPORT_HTML}.tmp"
-        write_html(analysis, tmp)
+        write_html(data, tmp)
         tmp.replace(path)
         written.append(path)
-    data = analysis.to_json()
-    json.dumps(data, default=str)  # fail here, not half-way through the file
     path = Path(out_dir) / ANALYSIS_JSON
-    atomic_write_json(path, data)
+    write_document(path, data)
     written.append(path)
     return analysis, written
 

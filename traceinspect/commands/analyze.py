@@ -9,8 +9,6 @@ from typing import Any
 
 import click
 
-from traceinspect.fileio import write_json_atomic
-
 PHASES = click.Choice(["auto", "decode", "prefill", "all"])
 
 
@@ -76,7 +74,6 @@ def _config_path(kw: dict[str, Any]) -> str | None:
 def analyze_cmd(paths: tuple[str, ...], json_out: str | None, html_out: str | None, md_out: str | None,
                 csv_dir: str | None, quiet: bool, **kw: Any) -> None:
     """Analyse the decode steps of a trace set (a directory, rank files, or globs)."""
-    from pathlib import Path
 
     from traceinspect.analysis import analyze
 
@@ -84,23 +81,24 @@ def analyze_cmd(paths: tuple[str, ...], json_out: str | None, html_out: str | No
     doc = a.to_json()
     written: list[tuple[str, Path]] = []
     if json_out:
-        write_json_atomic(json_out, doc)
-        written.append(("analysis JSON", Path(json_out)))
+        from traceinspect.document import write_document
+
+        written.append(("analysis JSON", write_document(json_out, doc)))
     if html_out:
         from traceinspect.render.html import write_html
 
-        written.append(("HTML report", write_html(a, html_out, doc)))
+        written.append(("HTML report", write_html(doc, html_out)))
     if md_out:
         from traceinspect.render.markdown import write_markdown
 
-        written.append(("Markdown summary", write_markdown(a, md_out, doc)))
+        written.append(("Markdown summary", write_markdown(doc, md_out)))
     if csv_dir:
         from traceinspect.render.tables import report_tables, write_csv
 
-        written += [("CSV table", p) for p in write_csv(report_tables(a, doc), csv_dir)]
+        written += [("CSV table", p) for p in write_csv(report_tables(doc), csv_dir)]
     if not quiet:
         from traceinspect.render.terminal import render
 
-        render(a, doc)
+        render(doc)
     for what, p in written:  # on stderr: stdout stays the summary
         click.echo(f"wrote {what}: {p}", err=True)

@@ -20,11 +20,27 @@ THRESHOLD_HELP = (
 )
 
 
-def _load_pair(base: str, cand: str, kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    from traceinspect.gate.document import load_document
+def input_document(path: str, options: Any) -> dict[str, Any]:
+    """The analysis document of one input: a stored analysis JSON is read as it is; a trace set (directory,
+    rank file or glob) is analysed with ``options``. Unusable input raises TraceInputError."""
+    from pathlib import Path
 
+    from traceinspect.errors import TraceInputError
+    from traceinspect.gate.document import is_analysis_file, labelled, load_document, validate_document
+
+    p = Path(path)
+    if p.is_file() and is_analysis_file(p):
+        return load_document(p)
+    if not p.exists() and not any(ch in str(p) for ch in "*?["):
+        raise TraceInputError("no such file or directory", p)
+    from traceinspect.analysis import analyze
+
+    return labelled(validate_document(analyze([str(path)], options).to_json(), str(path)), str(path))
+
+
+def _load_pair(base: str, cand: str, kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     options = build_options(**kw)
-    return load_document(base, options), load_document(cand, options)
+    return input_document(base, options), input_document(cand, options)
 
 
 def _write_outputs(result: Any, junit: str | None, github: bool, markdown: str | None, json_out: str | None) -> None:

@@ -1,5 +1,5 @@
 """``traceinspect report``: the self-contained HTML report, plus optional Markdown, JSON and a merged
-Chrome trace for Perfetto."""
+Chrome trace for Perfetto, from a trace set or from a stored analysis JSON."""
 
 from __future__ import annotations
 
@@ -16,6 +16,15 @@ def _size(path: str | Path) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB"
 
 
+def _stored_document(paths: tuple[str, ...]) -> dict[str, Any] | None:
+    """The document of a stored analysis JSON given as the only input, else None (a trace set)."""
+    from traceinspect.document.read import is_analysis_file, load_json_document
+
+    if len(paths) != 1 or not Path(paths[0]).is_file() or not is_analysis_file(Path(paths[0])):
+        return None
+    return load_json_document(paths[0])
+
+
 @click.command("report")
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--output", "-o", "html_out", type=click.Path(dir_okay=False), default="report.html",
@@ -25,30 +34,37 @@ def _size(path: str | Path) -> str:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the analysis JSON.")
 @click.option("--perfetto", "perfetto_out", type=click.Path(dir_okay=False),
               help="Also write all ranks merged into one Chrome trace (gzipped if the name ends in .gz), "
-                   "kernels labelled with their class and findings marked, for Perfetto or chrome://tracing.")
+                   "kernels labelled with their class and findings marked, for Perfetto or chrome://tracing "
+                   "(needs the traces, not a stored analysis JSON).")
 @analysis_options
 def report_cmd(paths: tuple[str, ...], html_out: str, md_out: str | None, json_out: str | None,
                perfetto_out: str | None, **kw: Any) -> None:
-    """Analyse a trace set (a directory, rank files, or globs) and write the HTML report: the top
-    finding, run metadata, findings with evidence and fixes, time by class per rank, a step timeline,
-    GEMM efficiency, collectives, top kernels, classification coverage and the command that made it.
-    The file needs no network to open."""
-    from traceinspect.analysis import analyze
+    """Write the HTML report of a trace set (a directory, rank files, or globs) or of a stored analysis
+    JSON (``analyze --json``; the same page as from its traces): the top finding, run metadata, findings
+    with evidence and fixes, time by class per rank, a step timeline, GEMM efficiency, collectives, top
+    kernels, classification coverage and the command that made it. The file needs no network to open."""
+    from traceinspect.errors import TraceInputError
     from traceinspect.render.html import write_html
 
-    a = analyze(list(paths), build_options(**kw))
-    doc = a.to_json()
-    written = [write_html(a, html_out, doc)]
+    doc = _stored_document(paths)
+    a = None
+    if doc is None:
+        from traceinspect.analysis import analyze
+
+        a = analyze(list(paths), build_options(**kw))
+        doc = a.to_json()
+    elif perfetto_out:
+        raise TraceInputError("--perfetto needs the traces: an analysis JSON holds no raw trace events", paths[0])
+    written = [write_html(doc, html_out)]
     if md_out:
         from traceinspect.render.markdown import write_markdown
 
-        written.append(write_markdown(a, md_out, doc))
+        written.append(write_markdown(doc, md_out))
     if json_out:
-        from traceinspect.fileio import write_json_atomic
+        from traceinspect.document import write_document
 
-        write_json_atomic(json_out, doc)
-        written.append(Path(json_out))
-    if perfetto_out:
+        written.append(write_document(json_out, doc))
+    if perfetto_out and a is not None:
         from traceinspect.render.perfetto import write_perfetto
 
         written.append(write_perfetto(a, perfetto_out, doc))

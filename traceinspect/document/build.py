@@ -11,7 +11,8 @@ import pandas as pd
 
 from traceinspect import __version__
 from traceinspect.classify import CLASSES
-from traceinspect.document import SCHEMA
+from traceinspect.document import REPORT, SCHEMA
+from traceinspect.document.report import report_section
 from traceinspect.measure.time import percentile, top_kernels
 
 if TYPE_CHECKING:
@@ -198,6 +199,7 @@ def build_document(a: Analysis) -> dict[str, Any]:
     if a.collectives is not None:
         doc.update(a.collectives.to_json())
     doc["replay"] = replay_json(a)
+    doc[REPORT] = report_section(a)  # last: written on one line (traceinspect.document.dumps)
     return doc
 
 

@@ -2,8 +2,8 @@
 
 Public API::
 
-    base = load_document("baseline.json")              # stored analysis JSON, or a trace set
-    cand = load_document("traces/", Options(...))
+    base = load_document("baseline.json")              # a stored analysis JSON
+    cand = traceinspect.analyze("traces/").to_json()   # or the document of a trace set
     d = diff_documents(base, cand)                     # what changed
     r = Gate(["step:5%", "class.kv_cast:10%"]).run(base, cand)
     r.exit_code, r.reasons()                           # 0 pass, 1 regression/finding, 2 unusable

@@ -1,40 +1,33 @@
-"""Inputs of diff and gate: an analysis JSON document (``traceinspect.analysis/1``), loaded from a
-stored JSON file or computed from a trace set, and the few accessors the comparisons need."""
+"""Inputs of diff and gate: analysis documents (``traceinspect.analysis/1``), loaded from stored JSON files,
+and the few accessors the comparisons need. The gate reads documents only; analysing a trace set into one
+is the caller's (``traceinspect.commands.gate`` for the CLI)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from traceinspect.document.read import is_analysis_file, load_json_document, validate_document
 from traceinspect.errors import TraceInputError
 
-__all__ = ["load_document", "load_json_document", "validate_document"]
-
-if TYPE_CHECKING:
-    from traceinspect.analysis import Options
+__all__ = ["is_analysis_file", "labelled", "load_document", "load_json_document", "validate_document"]
 
 
-def load_document(path: str | Path | list[str | Path], options: Options | None = None) -> dict[str, Any]:
-    """The analysis document of an input: a stored analysis JSON file is read as it is; a trace set
-    (directory, rank files or globs) is analysed with ``options``. Unusable input raises
-    TraceInputError."""
-    paths = [path] if isinstance(path, (str, Path)) else list(path)
-    if not paths:
-        raise TraceInputError("no input given")
-    if len(paths) == 1:
-        p = Path(paths[0])
-        if p.is_file() and is_analysis_file(p):
-            doc = load_json_document(p)
-            doc.setdefault("_source_label", str(p))
-            return doc
-        if not p.exists() and not any(ch in str(p) for ch in "*?["):
-            raise TraceInputError("no such file or directory", p)
-    from traceinspect.analysis import Options, analyze
+def load_document(path: str | Path) -> dict[str, Any]:
+    """A stored analysis document (the JSON of ``traceinspect analyze --json``, plain or gzipped), checked
+    against the schema; unusable input raises TraceInputError. A trace set is analysed by the caller
+    (``traceinspect.analyze(paths).to_json()``; the ``diff`` and ``gate`` commands do it for a path that
+    is not an analysis JSON)."""
+    p = Path(path)
+    if p.is_file() and not is_analysis_file(p):
+        raise TraceInputError("a trace, not an analysis JSON (write one with `traceinspect analyze TRACES --json "
+                              "FILE`)", p)
+    return labelled(load_json_document(p), str(p))
 
-    doc = analyze([str(x) for x in paths], options or Options()).to_json()
-    doc = validate_document(doc, ", ".join(str(x) for x in paths))
-    doc["_source_label"] = ", ".join(str(x) for x in paths)
+
+def labelled(doc: dict[str, Any], source: str) -> dict[str, Any]:
+    """``doc``, named after where it came from (unless it names itself): :func:`label` reads it."""
+    doc.setdefault("_source_label", source)
     return doc
 
 

@@ -1,50 +1,14 @@
-"""Stage 7, render: an :class:`~traceinspect.analysis.Analysis` as terminal text, HTML, Markdown, JSON or a
-merged Chrome trace. Each format lives in its own module and is imported only when used."""
+"""Stage 8, render: the analysis document (``traceinspect.document``) as terminal text, HTML or Markdown,
+read from the document alone; and, from the traces themselves, a merged Chrome trace (``perfetto``, which
+needs the raw events). Each format lives in its own module and is imported only when used."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
 
-import numpy as np
+from traceinspect.units import fmt_bytes, fmt_count, fmt_pct, fmt_us, short_name
 
-from traceinspect.tables import combine_codes, factorize_text, text_values
-from traceinspect.units import fmt_bytes, fmt_count, fmt_pct, fmt_us
-
-__all__ = ["fmt_bytes", "fmt_count", "fmt_pct", "fmt_us", "kernel_label", "kernel_labels", "launching_ops",
-           "short_name"]
-
-
-def short_name(name: str, width: int = 80) -> str:
-    """A kernel name cut to ``width`` characters, keeping its head (the family) and its tail."""
-    name = " ".join(str(name).split())
-    if len(name) <= width:
-        return name
-    head = width * 2 // 3
-    return name[:head] + "…" + name[-(width - head - 1):]
-
-
-def launching_ops(kernels: Any) -> dict[str, str]:
-    """For each kernel name, the CPU op that launches it most often ('' when none is linked, as for
-    CUDA-graph replays). ``kernels`` is the analysis' kernels table."""
-    if kernels is None or not len(kernels) or "op_name" not in kernels.columns:
-        return {}
-    ops = kernels["op_name"]
-    linked = text_values(ops) != ""
-    if not linked.any():
-        return {}
-    # counted on integer codes of the two text columns; ties go to the op name that sorts first
-    nc, nu = factorize_text(kernels["name"].to_numpy(dtype=object)[linked])
-    oc, ou = factorize_text(ops[linked])
-    pair = combine_codes(nc, oc)
-    _, first, n = np.unique(pair, return_index=True, return_counts=True)
-    best: dict[str, tuple[int, str]] = {}
-    for i, c in zip(first.tolist(), n.tolist(), strict=True):
-        name, op = str(nu[nc[i]]), str(ou[oc[i]])
-        b = best.get(name)
-        if b is None or c > b[0] or (c == b[0] and op < b[1]):
-            best[name] = (c, op)
-    return {name: best[name][1] for name in sorted(best)}
+__all__ = ["fmt_bytes", "fmt_count", "fmt_pct", "fmt_us", "kernel_label", "kernel_labels", "short_name"]
 
 
 _NAMESPACE = re.compile(r"\(anonymous namespace\)::|\b[A-Za-z_]\w*::(?!\w*\()(?=[A-Za-z_~])")

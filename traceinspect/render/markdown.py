@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from traceinspect import __version__
 from traceinspect.fileio import write_text_atomic
-from traceinspect.render import fmt_pct, fmt_us, kernel_labels, launching_ops, short_name
+from traceinspect.render import fmt_pct, fmt_us, kernel_labels, short_name
 from traceinspect.render.story import saving_text, step_share, story
 from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
-
-if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
 
 # CommonMark lets any ASCII punctuation be backslash-escaped; these are the ones that start or end
 # inline markup: emphasis, code, links and images (no '[' means no link), headings, list items, table
@@ -63,12 +60,8 @@ def _num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
-def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None) -> str:
-    """The Markdown summary of an analysis (or of its JSON document)."""
-    if doc is None:
-        if a is None:
-            raise ValueError("render_markdown needs an Analysis or its JSON document")
-        doc = a.to_json()
+def render_markdown(doc: dict[str, Any]) -> str:
+    """The Markdown summary of an analysis document."""
     run, steps = doc.get("run") or {}, doc.get("steps") or {}
     step_us = steps.get("median_us")
     st = story(doc)
@@ -161,7 +154,7 @@ def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None
 
     kernels = doc.get("top_kernels") or []
     if kernels:
-        ops = launching_ops(a.kernels) if a is not None else {}
+        ops = launched_by(doc)
         per = max(int(steps.get("count") or 1), 1) * max(int(run.get("ranks") or 1), 1)
         out += ["#### Top kernels", "", "| kernel | launched by | class | share of the step |", "|---|---|---|---:|"]
         labels = kernel_labels([str(k.get("name", "")) for k in kernels[:TOP_KERNELS]], 80)
@@ -186,7 +179,15 @@ def render_markdown(a: Analysis | None = None, doc: dict[str, Any] | None = None
     return "\n".join(out).rstrip() + "\n"
 
 
-def write_markdown(a: Analysis, path: str | Path, doc: dict[str, Any] | None = None) -> Path:
+def launched_by(doc: dict[str, Any]) -> dict[str, str]:
+    """For each kernel name, the CPU op that launches it most often (the document's kernel table)."""
+    kt = (doc.get("report") or {}).get("kernels") if isinstance(doc.get("report"), dict) else None
+    if not isinstance(kt, dict):
+        return {}
+    return {str(n): str(o) for n, o in zip(kt.get("name") or [], kt.get("launched_by") or [], strict=False) if o}
+
+
+def write_markdown(doc: dict[str, Any], path: str | Path) -> Path:
     """Write the Markdown summary atomically."""
-    write_text_atomic(path, render_markdown(a, doc))
+    write_text_atomic(path, render_markdown(doc))
     return Path(path)

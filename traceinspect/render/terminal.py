@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape as _markup_escape
@@ -14,9 +14,6 @@ from traceinspect.render import fmt_pct as _pct
 from traceinspect.render import fmt_us as _us
 from traceinspect.render.story import saving_text, step_share, story
 from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
-
-if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but tab and newline
@@ -39,9 +36,9 @@ def make_console() -> Console:
     return Console(highlight=False, soft_wrap=False, width=None if Console().is_terminal else 140)
 
 
-def render(a: Analysis, doc: dict[str, Any] | None = None, console: Console | None = None) -> None:
-    """Print the summary: run, steps, time per class, top kernels, findings, warnings."""
-    doc = doc if doc is not None else a.to_json()
+def render(doc: dict[str, Any], console: Console | None = None) -> None:
+    """Print the summary of an analysis document: run, steps, time per class, top kernels, findings,
+    warnings."""
     con = console or make_console()
     run, steps = doc["run"], doc["steps"]
     con.print(f"[bold]traceinspect[/bold] {escape(', '.join(doc['source']['paths']))}")
