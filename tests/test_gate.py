@@ -560,7 +560,13 @@ def test_fixture_gather_to_full_fails(variant: str, form: str, fixture_json, cap
     code, out, err = run_cli(["gate", *args, "--no-config"], capsys)
     assert code == 1, out + err
     verdict = out.rstrip().splitlines()[-1]
-    assert verdict.startswith("FAIL") and "kv_cast" in verdict and "kv-full-pool-cast" in verdict, verdict
+    assert verdict.startswith("FAIL") and "kv_cast" in verdict, verdict
+    # the new finding fails the gate where its replayed fix saves much (graph); on the host-bound eager step
+    # it is an info finding, listed below --fail-on
+    if variant == "graph":
+        assert "kv-full-pool-cast" in verdict, verdict
+    else:
+        assert "new info finding kv-full-pool-cast" in out and "below --fail-on warning" in out, out
 
 
 @pytest.mark.parametrize("form", ["traces", "json"])

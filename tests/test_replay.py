@@ -77,6 +77,11 @@ def test_model_dependencies_on_fixtures() -> None:
 
 def _pair_prediction(pair: dict) -> tuple[float, float, float]:
     before, after = _fixture(pair["before"]), _fixture(pair["after"])
+    measured_after = replayer(after).as_measured().measured_step_us
+    if "edits" in pair:
+        ratio = after.run_model.value("batch") / before.run_model.value("batch")
+        p = replayer(before).predict([parse_edit(e.format(batch_ratio=f"{ratio:g}")) for e in pair["edits"]])
+        return p.measured_step_us, measured_after, float(p.predicted_step_us)
     rule_id, _, variant = pair["fix"].partition(":")
     rule = before.rule_set.get(rule_id)
     finding = next((f for f in before.findings if f.rule == rule_id), None)
@@ -89,12 +94,11 @@ def _pair_prediction(pair: dict) -> tuple[float, float, float]:
         finding.fix_context = _fix_context(rule, Subject(rule.select.scope, "", {}), {}, None)
     i = [f.variant for f in rule.fixes].index(variant)
     p = replayer(before).predict(fix_edits(replayer(before), before, finding, rule, i))
-    measured_after = replayer(after).as_measured().measured_step_us
     return p.measured_step_us, measured_after, float(p.predicted_step_us)
 
 
 @pytest.mark.parametrize("pair", [
-    pytest.param(p, id=f"{p['before']}->{p['after']}",
+    pytest.param(p, id=f"{p['before']}->{p['after']}:{p.get('fix', 'edits')}",
                  marks=[pytest.mark.xfail(reason=p["known_miss"], strict=True)] if p.get("known_miss") else [])
     for p in PAIRS["pairs"]])
 def test_fix_predicts_after_fixture(pair: dict) -> None:
@@ -250,3 +254,46 @@ def test_gemm_m_batch_change_says_how_sure() -> None:
     finally:
         g.efficiency = saved
     assert q.predicted_step_us is None and q.undecided
+
+
+def test_all_fixed_in_every_output_and_savings_never_added(tmp_path: Path) -> None:
+    """The all-fixed step is one replay, shown in the terminal, JSON, Markdown and HTML; no output shows a
+    sum of findings' savings."""
+    import itertools
+
+    from traceinspect.units import fmt_us
+
+    j, md, html = tmp_path / "a.json", tmp_path / "a.md", tmp_path / "a.html"
+    r = run_cli("analyze", str(fixture_dir("slow-rank-eager")), "--json", str(j), "--markdown", str(md),
+                "--html", str(html), "--no-cache")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(j.read_text())
+    allf = doc["replay"]["all_fixed"]
+    assert allf["predicted_step_us"] is not None and len(allf["fixes"]) >= 3
+    line = f"→ {fmt_us(allf['predicted_step_us'])}"
+    texts = {"terminal": " ".join(r.stdout.split()), "markdown": md.read_text(), "html": html.read_text()}
+    for where, text in texts.items():
+        assert "All findings fixed together" in text and line in text, where
+    savings = [f["est_saving_us_per_step"] for f in doc["findings"] if f["est_saving_us_per_step"]]
+    assert len(savings) >= 3
+    sums = {fmt_us(sum(c)) for n in range(2, len(savings) + 1) for c in itertools.combinations(savings, n)}
+    sums -= {fmt_us(s) for s in savings} | {fmt_us(allf["saving_us_per_step"]), fmt_us(allf["predicted_step_us"])}
+    for where, text in texts.items():
+        assert not [s for s in sums if s in text], where
+
+
+def test_host_stall_matches_the_injected_delay() -> None:
+    """The host-stall finding measures the planted busy wait (manifest: per layer) and its fix's replay
+    removes about that much from the host-bound step."""
+    name = "tp1-l6-gather-eager-hostdelay"
+    man = json.loads((fixture_dir(name) / "manifest.json").read_text())
+    planted = man["host_delay_us_per_layer"] * man["layers"]
+    a = _fixture(name)
+    f = next(f for f in a.findings if f.rule == "host-stall")
+    ev = f.evidence
+    assert ev["host_stalls_per_step"] == man["layers"]
+    assert abs(ev["host_stall_us_per_step"] - planted) <= 0.05 * planted
+    assert abs(f.est_saving_us_per_step - planted) <= 0.1 * planted
+    assert not [g for g in _fixture("tp1-l6-gather-eager").findings if g.rule == "host-stall"]
+    p = replayer(_fixture("tp1-l6-gather-eager")).predict([parse_edit("host-stalls 200")])
+    assert p.predicted_step_us == pytest.approx(p.replayed_step_us) and "no host stall" in p.notes[0]

@@ -24,7 +24,7 @@ from traceinspect.saferegex import RegexError, compile_safe
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_IDS = {"kv-full-pool-cast", "small-m-gemm", "comm-wait", "comm-bound", "launch-bound", "host-sync",
-               "moe-dispatch-overhead", "rank-straggler"}
+               "moe-dispatch-overhead", "rank-straggler", "host-stall"}
 FINDING_KEYS = {"rule", "severity", "title", "message", "share", "est_saving_us_per_step", "ranks", "evidence",
                 "remediation", "estimate_source", "fixes", "group"}
 

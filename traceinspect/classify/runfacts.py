@@ -180,7 +180,7 @@ def _kv_row(ts: TraceSet, graph_ops: GraphOps | None, pool: int | None,
     frames: list[tuple[str, pd.DataFrame]] = [("shapes", getattr(ts, "cpu_ops", None))]
     if graph_ops is not None:
         frames += [("capture_trace", c.ops) for _, c in sorted(graph_ops.captures.items()) if c.ops is not None]
-    needle = f"[{pool}".encode()
+    needles = [f"[{n}".encode() for n in range(pool, pool + 2 * max(page, 1) + 1)]
     for source, ops in frames:
         if ops is None or not len(ops) or "input_dims" not in ops:
             continue
@@ -188,7 +188,8 @@ def _kv_row(ts: TraceSet, graph_ops: GraphOps | None, pool: int | None,
         types_col = ops["input_types"].to_numpy(dtype=object) if "input_types" in ops else np.full(len(ops), None)
         # a byte-level prefilter on the distinct dims texts: the pool's row count must appear in it
         d_codes, d_uniq = factorize_text(dims_col)
-        hits = [j for j, b in enumerate(d_uniq.tolist()) if isinstance(b, (bytes, bytearray)) and needle in b]
+        hits = [j for j, b in enumerate(d_uniq.tolist())
+                if isinstance(b, (bytes, bytearray)) and any(n in b for n in needles)]
         if not hits:
             continue
         best: tuple[int, str | None, str, str] | None = None

@@ -154,6 +154,7 @@ def replay_findings(a: Analysis, findings: list[Finding], rule_set: RuleSet) -> 
         f.evidence["saving_share"] = f.share
         f.evidence["replayed_step_us"] = _r(p.replayed_step_us)
         f.evidence["predicted_step_us"] = _r(p.predicted_step_us)
+        _cap_severity(f, saving, p.replayed_step_us)
         chosen[n] = (f, edits, p)
     _group(rp, chosen)
     # all fixed: one replay of every chosen fix (host timelines first, so later edits act on them)
@@ -163,7 +164,41 @@ def replay_findings(a: Analysis, findings: list[Finding], rule_set: RuleSet) -> 
     all_edits = [e for n in order for e in chosen[n][1] if e.kind == "host-from"]
     all_edits += [e for n in order for e in chosen[n][1] if e.kind != "host-from"]
     p = rp.predict(all_edits, label="all findings fixed")
+    if p.predicted_step_us is not None and len(order) > 1:
+        for n in order:  # a lowered finding: what its fix saves once the others are fixed
+            f = chosen[n][0]
+            if "rule_severity" not in f.evidence:
+                continue
+            mine = {id(e) for e in chosen[n][1]}
+            rest = rp.predict([e for e in all_edits if id(e) not in mine])
+            if rest.predicted_step_us is None:
+                continue
+            gain = max(float(rest.predicted_step_us - p.predicted_step_us), 0.0)
+            f.evidence["saving_with_others_fixed_us_per_step"] = _r(gain)
+            f.message = (f"{f.message} With the other findings fixed too, it saves {gain:,.0f} µs more per step "
+                         f"({rest.predicted_step_us:,.0f} -> {p.predicted_step_us:,.0f} µs).")
     return AllFixed(p, fixes=[_variant_of(chosen[n][0]) for n in order], undecided=list(p.undecided))
+
+
+def _cap_severity(f: Finding, saving_us: float, step_us: float) -> None:
+    """A finding is at most as severe as its replayed saving supports (``severity_min_saving_share`` in
+    ``rules/tables/replay.yaml``); a lowered severity says why in the message."""
+    from traceinspect.judge.rules import SEVERITY_RANK
+    from traceinspect.measure.replay.model import load_settings
+
+    floors = load_settings().severity_floors
+    if not floors or not step_us or f.severity not in SEVERITY_RANK:
+        return
+    share = saving_us / step_us
+    earned = next((sev for sev, floor in floors if share >= floor), "info")
+    if SEVERITY_RANK.get(earned, 9) <= SEVERITY_RANK[f.severity]:
+        return
+    need = dict(floors).get(f.severity)
+    f.evidence["rule_severity"] = f.severity
+    f.message = (f"{f.message} Severity {earned}, not the rule's {f.severity}: the replayed fix saves "
+                 f"{saving_us:,.0f} µs per step ({share:.1%} of the step)"
+                 + (f", under the {need:.0%} a {f.severity} finding needs" if need is not None else "") + ".")
+    f.severity = earned
 
 
 def _variant_of(f: Finding) -> str:

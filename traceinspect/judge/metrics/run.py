@@ -17,6 +17,8 @@ from traceinspect.measure.idle import (
     host_syncs,
     tiny_kernels,
 )
+from traceinspect.measure.replay.model import load_settings
+from traceinspect.measure.replay.stalls import stall_stretches
 from traceinspect.measure.specs import resolve_gpu
 from traceinspect.units import finite
 
@@ -54,6 +56,13 @@ declare("run", "sync_us_per_step", "us", "Host time spent inside those blocking 
 declare("run", "sync_idle_us_per_step", "us", "GPU bubble caused by those calls: for each call that was made while "
    "GPU work was still running (so it waited for the GPU to drain), the time from the end of that work to the "
    "start of the next GPU activity; per rank per step.")
+declare("run", "host_stall_us_per_step", "us", "Host stalls per rank per step: time the launching thread spends inside "
+        "the step's CPU window and GPU span outside every CPU op and runtime call, in stretches of at least "
+        "host_stall_min_us (Python work between ops, busy waits, GC pauses).")
+declare("run", "host_stalls_per_step", "count", "Those stretches per rank per step.")
+declare("run", "host_stall_max_us", "us", "The longest of those stretches.")
+declare("run", "host_stall_min_us", "us", "The least stretch that counts as a host stall (host_stall_min_us in "
+        "rules/tables/replay.yaml).")
 declare("run", "batch", "count", "Median batch size from the step annotations (step[DECODE bs=N]); None if not annotated.")
 declare("run", "layers", "count", "Model layers per pipeline stage, from the run model (run.facts.layers): --layers "
    "or traceinspect.toml, else num_hidden_layers of the model config in server_info.json, else the period "
@@ -95,6 +104,14 @@ class RunMetrics:
     total_us: float
     run_missing: dict[str, str]
 
+    def _host_stalls(self) -> dict[str, Any]:
+        lo = load_settings().host_stall_min_us
+        st = stall_stretches(self.a, lo)
+        n = self.n_step_rows
+        d = (st["end"] - st["start"]).to_numpy(dtype=np.float64) if len(st) else np.zeros(0)
+        return {"host_stall_us_per_step": float(d.sum()) / n, "host_stalls_per_step": len(d) / n,
+                "host_stall_max_us": finite(d.max()) if len(d) else None, "host_stall_min_us": lo}
+
     def _miss(self, name: str, reason: str) -> None:
         self.run_missing[name] = reason
 
@@ -134,6 +151,7 @@ class RunMetrics:
         v["sync_calls_per_step"] = calls / n
         v["sync_us_per_step"] = call_us / n
         v["sync_idle_us_per_step"] = bubble / n
+        v.update(self._host_stalls())
         rm = a.run_model
         for name in ("batch", "layers", "kv_pool_tokens", "kv_cache_dtype", "kv_row_bytes"):
             v[name] = rm.value(name)

@@ -8,6 +8,7 @@ Text form (``traceinspect whatif --edit``) and mapping form (a rule's ``fixes:``
 | ``remove`` | ``remove SEL`` | selected operations go, with their launch call and their op's host time before it |
 | ``transfer`` | ``transfer [SEL] F`` | collective transfer (after the last arrival) scaled by F |
 | ``host-gaps`` | ``host-gaps US [rank=R]`` | host gaps between runtime calls of a step capped at US (a CUDA graph) |
+| ``host-stalls`` | ``host-stalls US [rank=R]`` | host stalls (stretches of at least US outside every CPU op and runtime call) removed |
 | ``launch-cost`` | ``launch-cost US [rank=R]`` | launch calls capped at US each |
 | ``host-from`` | ``host-from DST SRC`` | rank DST gets rank SRC's host timeline (gaps and call times) |
 | ``async`` | ``async [SEL]`` | blocking calls (by name: ``name~=Synchronize``) no longer wait for the GPU |
@@ -38,8 +39,8 @@ if TYPE_CHECKING:
     from traceinspect.measure.replay.model import Model
     from traceinspect.measure.replay.sim import Params
 
-KINDS = ("scale", "remove", "transfer", "host-gaps", "launch-cost", "host-from", "async", "kv-rows", "trim",
-         "gemm-m", "graph-gaps")
+KINDS = ("scale", "remove", "transfer", "host-gaps", "host-stalls", "launch-cost", "host-from", "async", "kv-rows",
+         "trim", "gemm-m", "graph-gaps")
 SELECT_KEYS = ("class", "name", "not_name", "op", "not_op", "kind", "rank")
 
 
@@ -194,7 +195,7 @@ def parse_edit(text: str) -> Edit:
                 raise EditError("transfer takes [selector] factor: 'transfer 0.5'")
             e.select = parse_select(args[0]) if len(args) == 2 else make_select({"class": "comm"})
             e.value = _float(args[-1], "the factor")
-        elif kind in ("host-gaps", "launch-cost"):
+        elif kind in ("host-gaps", "host-stalls", "launch-cost"):
             if len(args) not in (1, 2):
                 raise EditError(f"{kind} takes microseconds and an optional rank=N: '{kind} 0'")
             e.value = _float(args[0], "US")
@@ -350,6 +351,8 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
             else:
                 hm &= m.h_launches & ~p.block
                 p.hdur[hm] = np.minimum(p.hdur[hm], v)
+        elif e.kind == "host-stalls":
+            _remove_stalls(a, m, p, e, cache, out)
         elif e.kind == "graph-gaps":
             gap, why = graph_gap(a)
             if gap is None:
@@ -373,6 +376,35 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
             p.block[hm] = False
             p.hdur[hm] = p.r[hm]
     return out
+
+
+def _remove_stalls(a: Analysis, m: Model, p: Params, e: Edit, cache: dict[str, Any] | None, out: Applied) -> None:
+    """Host stalls of at least ``e.value`` us leave the host gaps they lie in (:mod:`.stalls`)."""
+    from traceinspect.measure.replay.stalls import overlap_us, stall_stretches
+
+    v = float(e.value or 0.0)
+    key = f"stalls:{v:g}"
+    st = cache.get(key) if cache is not None else None
+    if st is None:
+        st = stall_stretches(a, v)
+        if cache is not None:
+            cache[key] = st
+    hm = m.h_prev >= 0
+    if e.select.ranks:
+        hm &= np.isin(m.h_rank, list(e.select.ranks))
+    idx = np.nonzero(hm)[0]
+    coll = a.collectives
+    offsets = dict(coll.offsets_applied) if coll is not None else {}
+    off = np.array([offsets.get(int(r), 0.0) for r in m.h_rank[idx]], dtype=np.float64)
+    lo = m.h_end[m.h_prev[idx]] + off
+    hi = m.h_t[idx] + off
+    cut = overlap_us(st, m.h_rank[idx], m.h_tid[idx], lo, hi)
+    p.gap[idx] = np.maximum(p.gap[idx] - cut, 0.0)
+    steps = max(len(m.pos) * (len(e.select.ranks) or len(m.ranks)), 1)
+    n = int(np.count_nonzero(cut > 0))
+    out.notes.append(f"{e.describe()}: {cut.sum() / steps:,.0f} us per rank per step of host stalls (stretches of at least "
+                     f"{v:g} us outside every CPU op and runtime call; {n / steps:.1f} per rank per step) removed"
+                     if n else f"{e.describe()}: no host stall of at least {v:g} us in the replayed steps")
 
 
 def graph_gap(a: Analysis) -> tuple[float | None, str]:

@@ -27,7 +27,8 @@ def scale_m(a: Analysis, m: Model, mask: np.ndarray, factor: float,
     M, N, K = _num(c["m"]), _num(c["n"]), _num(c["k"])
     fl, by, us = _num(c["flops"]), _num(c["bytes"]), c["us"].to_numpy(dtype=np.float64)
     ok = (M > 0) & (N > 0) & (K > 0) & (fl > 0) & (us > 0)
-    c = c[ok].assign(m_=M[ok], n_=N[ok], k_=K[ok], fl_=fl[ok], by_=by[ok], us_=us[ok])
+    peak = _num(c["peak_tflops"]) * 1e6 if "peak_tflops" in c else np.full(len(c), np.nan)  # FLOP per us
+    c = c[ok].assign(m_=M[ok], n_=N[ok], k_=K[ok], fl_=fl[ok], by_=by[ok], us_=us[ok], peak_=peak[ok])
     c = c.assign(tf=c["fl_"] / c["us_"], fam=list(zip(c["cls"], c["dtype"].astype(str), c["n_"], c["k_"],
                                                       strict=True)))
     row = pd.Series(np.arange(len(c)), index=c["kernel"].to_numpy())
@@ -58,12 +59,14 @@ def scale_m(a: Analysis, m: Model, mask: np.ndarray, factor: float,
             key = "measured curve" if inside else "measured curve, held at its nearest end beyond it"
             dur[op] = fl1 / tf1
         else:
-            # one measured M: scale with the bytes moved (weights dominate at small M), no faster than the
-            # best throughput measured for this dtype
+            # one measured M: scale with the elements moved (weights dominate at small M), no faster than the
+            # GPU's dense peak for the dtype (rules/gpus.yaml), else the best throughput measured for it
             b0 = r.m_ * r.k_ + r.k_ * r.n_ + r.m_ * r.n_
             b1 = m1 * r.k_ + r.k_ * r.n_ + m1 * r.n_
-            dur[op] = max(r.us_ * b1 / b0, fl1 / best.get(str(r.dtype), r.tf))
-            key = "one measured M (low confidence): bandwidth-bound scaling capped at the dtype's best throughput"
+            cap = r.peak_ if np.isfinite(r.peak_) and r.peak_ > 0 else best.get(str(r.dtype), r.tf)
+            dur[op] = max(r.us_ * b1 / b0, fl1 / cap)
+            key = ("one measured M (low confidence): time scaled with the elements moved, no faster than the "
+                   + ("dtype's dense peak" if np.isfinite(r.peak_) and r.peak_ > 0 else "dtype's best measured throughput"))
         how[key] = how.get(key, 0) + 1
     notes.append(f"GEMM M x {factor:g}: " + "; ".join(f"{n} call(s) from the {k}" for k, n in how.items()))
     return notes, undecided

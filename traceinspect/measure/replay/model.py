@@ -48,6 +48,9 @@ class Settings:
     max_steps: int
     launch_floor_pct: float
     graph_gaps: tuple[tuple[re.Pattern[str], float, str], ...] = ()
+    # least replayed saving (share of the replayed step) a severity needs, most severe first
+    severity_floors: tuple[tuple[str, float], ...] = ()
+    host_stall_min_us: float = 200.0
 
 
 @lru_cache(maxsize=4)
@@ -61,9 +64,12 @@ def load_settings(path: str | None = None) -> Settings:
         doc = yaml.load(file.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))["replay"]
         gaps = tuple((re.compile(str(g["match"]), re.IGNORECASE), float(g["us"]), str(g.get("source", "")))
                      for g in doc.get("graph_kernel_gap_us") or [])
+        floors = tuple(sorted(((str(k), float(v)) for k, v in (doc.get("severity_min_saving_share") or {}).items()),
+                              key=lambda kv: -kv[1]))
         return Settings(blocking=re.compile(str(doc["blocking_calls"])),
                         block_tol_us=float(doc["block_tolerance_us"]), max_steps=max(1, int(doc["max_steps"])),
-                        launch_floor_pct=float(doc["launch_floor_percentile"]), graph_gaps=gaps)
+                        launch_floor_pct=float(doc["launch_floor_percentile"]), graph_gaps=gaps,
+                        severity_floors=floors, host_stall_min_us=float(doc.get("host_stall_min_us", 200.0)))
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, re.error) as e:
         raise RuleError(f"unusable replay settings: {type(e).__name__}: {e}", file) from None
 

@@ -1,0 +1,86 @@
+"""Host stalls: time a launching thread spends inside a step (its CPU window and GPU span) outside every
+CPU op and runtime call, in stretches of at least a threshold (Python work between ops, a busy wait,
+logging, a GC pause). The rule ``host-stall`` counts them; the ``host-stalls`` edit removes them from
+the replayed host chain."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+if TYPE_CHECKING:
+    from traceinspect.analysis import Analysis
+
+COLUMNS = ["rank", "tid", "step", "start", "end"]
+
+
+def stall_stretches(a: Analysis, min_us: float) -> pd.DataFrame:
+    """Stretches of at least ``min_us`` inside the analysed steps' CPU windows and GPU spans (first kernel
+    start to last kernel end), on every thread that issues runtime calls, covered by no CPU op and no
+    runtime call of that thread (trace clock):
+    ``rank, tid, step`` (row label of the steps table), ``start, end``."""
+    ts, sel = a.trace, a.selected
+    rt, ops = ts.runtime, ts.cpu_ops
+    out: list[pd.DataFrame] = []
+    if sel is None or not len(sel) or rt is None or not len(rt):
+        return pd.DataFrame(columns=COLUMNS)
+    for r, g in sel.groupby("rank"):
+        # only a stall while the step's GPU work is under way can lengthen it
+        lo = np.fmax(g["cpu_start"].to_numpy(dtype=np.float64), g["gpu_start"].to_numpy(dtype=np.float64))
+        hi = np.fmin(g["cpu_end"].to_numpy(dtype=np.float64), g["gpu_end"].to_numpy(dtype=np.float64))
+        ok = np.isfinite(lo) & np.isfinite(hi) & (hi > lo)
+        if not ok.any():
+            continue
+        o = np.argsort(lo[ok])
+        lo, hi, labels = lo[ok][o], hi[ok][o], g.index.to_numpy()[ok][o]
+        rr = rt[rt["rank"].to_numpy() == r]
+        oo = ops[ops["rank"].to_numpy() == r] if ops is not None and len(ops) else None
+        for tid in np.unique(rr["tid"].to_numpy()):
+            parts = [rr[rr["tid"].to_numpy() == tid]]
+            if oo is not None:
+                parts.append(oo[oo["tid"].to_numpy() == tid])
+            s = np.concatenate([p["ts"].to_numpy(dtype=np.float64) for p in parts])
+            e = np.concatenate([p["ts"].to_numpy(dtype=np.float64) + p["dur"].to_numpy(dtype=np.float64)
+                                for p in parts])
+            order = np.argsort(s, kind="stable")
+            s, e = s[order], np.maximum.accumulate(e[order])
+            gs, ge = e[:-1], s[1:]  # uncovered between the covered run so far and the next interval
+            keep = ge - gs >= min_us
+            gs, ge = gs[keep], ge[keep]
+            w = np.searchsorted(lo, gs, side="right") - 1  # the step window the stretch starts in
+            inside = (w >= 0) & (gs < hi[np.maximum(w, 0)])
+            if not inside.any():
+                continue
+            w, gs, ge = w[inside], gs[inside], np.minimum(ge[inside], hi[w[inside]])
+            keep = ge - gs >= min_us
+            out.append(pd.DataFrame({"rank": r, "tid": tid, "step": labels[w[keep]], "start": gs[keep],
+                                     "end": ge[keep]}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=COLUMNS)
+
+
+def overlap_us(stretches: pd.DataFrame, rank: np.ndarray, tid: np.ndarray, lo: np.ndarray,
+               hi: np.ndarray) -> np.ndarray:
+    """Per window ``(lo, hi)`` of thread ``(rank, tid)``: the stall time inside it."""
+    out = np.zeros(len(lo))
+    if not len(stretches) or not len(lo):
+        return out
+    for (r, t), g in stretches.groupby(["rank", "tid"]):
+        m = np.nonzero((rank == r) & (tid == t))[0]
+        if not len(m):
+            continue
+        s = g["start"].to_numpy(dtype=np.float64)
+        e = g["end"].to_numpy(dtype=np.float64)
+        o = np.argsort(s)
+        s, e = s[o], e[o]
+        before = np.r_[0.0, np.cumsum(e - s)]  # stall time of the stretches before each one
+
+        def upto(x: np.ndarray, s: np.ndarray = s, e: np.ndarray = e, before: np.ndarray = before) -> np.ndarray:
+            j = np.searchsorted(s, x, side="right") - 1
+            part = np.where(j >= 0, np.clip(x - s[np.maximum(j, 0)], 0.0, None), 0.0)
+            part = np.minimum(part, np.where(j >= 0, (e - s)[np.maximum(j, 0)], 0.0))
+            return before[np.maximum(j, 0)] * (j >= 0) + part
+
+        out[m] = np.clip(upto(hi[m]) - upto(lo[m]), 0.0, None)
+    return out
