@@ -16,7 +16,7 @@ from traceinspect.measure.replay.edits import Edit, edit_from_mapping
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
     from traceinspect.judge.engine import Finding
-    from traceinspect.judge.rules import Rule, RuleSet
+    from traceinspect.judge.rule import Rule, RuleSet
 
 # two findings share a cause when fixing both saves less than the sum of their savings by at least this
 # share of the smaller saving (their savings overlap)
@@ -183,7 +183,7 @@ def replay_findings(a: Analysis, findings: list[Finding], rule_set: RuleSet) -> 
 def _cap_severity(f: Finding, saving_us: float, step_us: float) -> None:
     """A finding is at most as severe as its replayed saving supports (``severity_min_saving_share`` in
     ``rules/tables/replay.yaml``); a lowered severity says why in the message."""
-    from traceinspect.judge.rules import SEVERITY_RANK
+    from traceinspect.judge.rule import SEVERITY_RANK
     from traceinspect.measure.replay.model import load_settings
 
     floors = load_settings().severity_floors

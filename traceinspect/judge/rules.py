@@ -32,6 +32,7 @@ from traceinspect.judge.rule import (
     REQUIRED,
     RULE_PHASES,
     SEVERITIES,
+    SEVERITY_RANK,  # noqa: F401 - the rule types are importable from here too
     SHARE_OF,
     Fix,
     FixEdit,
