@@ -57,6 +57,20 @@ def text_values(col: pd.Series) -> np.ndarray:
     return np.asarray(col.astype(str).to_numpy(dtype=object), dtype=object)
 
 
+def sorted_text_codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """Integer codes of a text column numbered in the sort order of its texts, and those sorted distinct
+    texts: grouping by the codes orders groups as grouping the ``.astype(str)`` column does, without
+    building a string per row."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        raw = np.array([str(c) for c in col.cat.categories] + ["nan"], dtype=object)
+        codes = col.cat.codes.to_numpy().astype(np.int64)
+        codes[codes < 0] = len(raw) - 1  # missing: "nan", as .astype(str) writes it
+    else:
+        codes, raw = factorize_text(text_values(col))
+    labels, inverse = np.unique(raw, return_inverse=True)  # equal texts share one code
+    return inverse.reshape(-1)[codes], labels
+
+
 def unique_text(values: Any) -> list[Any]:
     """Distinct values of a column of hashable Python objects, in order of first appearance (what
     :func:`pandas.unique` gives, without converting the strings first)."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.tables import combine_codes, factorize_text, text_values
+from traceinspect.tables import combine_codes, factorize_text, sorted_text_codes, text_values
 from traceinspect.units import short_name
 
 if TYPE_CHECKING:
@@ -80,15 +80,23 @@ def op_rows(a: Analysis) -> dict[str, list[Any]]:
     cols = ["op", "kernels", "calls", "total_us", "classes"]
     if not len(k):
         return {c: [] for c in cols}
-    op = k["op_name"].astype(str).where(k["op_idx"].to_numpy() >= 0, "")
-    op = op.where(op != "", np.where(k["graph_replay"].to_numpy(), "(CUDA graph replay: no CPU op)",
-                                     "(no CPU op linked)"))
-    d = pd.DataFrame({"op": op.to_numpy(), "name": k["name"].astype(str).to_numpy(),
-                      "cls": k["cls"].astype(str).to_numpy(), "dur": k["dur"].to_numpy()})
+    # grouped on integer codes numbered in the texts' sort order: the groups and their order are those of
+    # grouping the text columns, without a string per kernel
+    oc, olabels = sorted_text_codes(k["op_name"])
+    linked = (k["op_idx"].to_numpy() >= 0) & (olabels[oc] != "")
+    unlinked = np.where(k["graph_replay"].to_numpy(), len(olabels), len(olabels) + 1)
+    labels, inverse = np.unique(np.concatenate(
+        [olabels, np.array(["(CUDA graph replay: no CPU op)", "(no CPU op linked)"], dtype=object)]),
+        return_inverse=True)
+    op = inverse.reshape(-1)[np.where(linked, oc, unlinked)]
+    name, _ = sorted_text_codes(k["name"])
+    cls, cls_labels = sorted_text_codes(k["cls"])
+    d = pd.DataFrame({"op": op, "name": name, "cls": cls, "dur": k["dur"].to_numpy()})
     g = d.groupby("op").agg(kernels=("name", "nunique"), calls=("dur", "size"), total_us=("dur", "sum")).reset_index()
-    cls = (d.groupby(["op", "cls"])["dur"].sum().reset_index().sort_values(["op", "dur"], ascending=[True, False])
-           .groupby("op")["cls"].agg(lambda s: ", ".join(s)))
-    g["classes"] = g["op"].map(cls).fillna("")
+    by_cls = (d.groupby(["op", "cls"])["dur"].sum().reset_index().sort_values(["op", "dur"], ascending=[True, False])
+              .groupby("op")["cls"].agg(lambda s: ", ".join(cls_labels[s.to_numpy()].tolist())))
+    g["classes"] = g["op"].map(by_cls).fillna("")
+    g["op"] = labels[g["op"].to_numpy()]
     return _columns(g.sort_values("total_us", ascending=False), cols)
 
 
