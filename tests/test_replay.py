@@ -14,7 +14,8 @@ from conftest import FIXTURES, fixture_dir, real_trace, run_cli
 from traceinspect.measure.replay import EditError, Replayer, parse_edit, replayer
 from traceinspect.pipeline import Analysis, analyze
 
-SETS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json"))
+SETS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json")) + sorted(
+    str(p.parent.relative_to(FIXTURES)) for p in FIXTURES.glob("drift/*/manifest.json"))
 TOL = 0.03
 
 
