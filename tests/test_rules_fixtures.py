@@ -100,7 +100,7 @@ def test_small_m_gemm_reports_planted_m() -> None:
     ev = experts[0]["evidence"]
     assert ev["per_expert_m"] == man["per_expert_m"] == 8
     assert f"M = {man['per_expert_m']} rows per expert" in experts[0]["message"]
-    assert ev["pct_peak"] < 0.05
+    assert ev["pct_peak"] < 5
     assert ev["rule_estimate_us_per_step"] > 0
     # a host-bound eager step: faster GEMMs save at most a little of the step (the replay says how much)
     assert 0 <= experts[0]["est_saving_us_per_step"] <= ev["rule_estimate_us_per_step"]
