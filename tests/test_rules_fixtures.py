@@ -149,7 +149,7 @@ def test_findings_sorted_and_json_shape_on_fixture() -> None:
     for f in fs:
         assert set(f) == keys
     # most severe first, then by estimated saving
-    from traceinspect.judge.rule import SEVERITY_RANK
+    from traceinspect.model.findings import SEVERITY_RANK
 
     keys_ = [(SEVERITY_RANK[f["severity"]], -(f["est_saving_us_per_step"] or 0)) for f in fs]
     assert keys_ == sorted(keys_)
