@@ -11,13 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from traceinspect.model.findings import finding_order, group_children
-from traceinspect.units import SHARE_BASIS, fmt_pct, fmt_us
+from traceinspect.units import SHARE_BASIS, fmt_pct, fmt_us, is_number
 
 
 def _num(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        return None
-    return float(v)
+    return float(v) if is_number(v) else None
 
 
 def ordered_findings(findings: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
