@@ -12,7 +12,7 @@ import pytest
 from conftest import copy_set, fixture_dir, graph_set_missing_one_launch, manifest
 
 from traceinspect.errors import ConfigError
-from traceinspect.measure.gemm import ShapeCache, measure_efficiency, short_name
+from traceinspect.measure.gemm import ShapeCache, measure_efficiency
 from traceinspect.measure.specs import load_gpu_specs, match_gpu, resolve_gpu
 from traceinspect.model import DeviceInfo
 from traceinspect.pipeline import Options, analyze
@@ -159,18 +159,6 @@ def test_grouped_and_fused_moe_models() -> None:
     shapes, why = _shape("tinymoe::fused_experts", [[128, 2048], [16, 2048, 1024], [16, 512, 2048], []],
                          [bf] * 3 + ["Scalar"])
     assert shapes == () and "layout" in why
-
-
-def test_short_name() -> None:
-    assert short_name("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda("
-                      "at::TensorIteratorBase&)::{lambda()#3}, at::native::memory::LoadWithCast<1> >(int)") == \
-        "unrolled_elementwise_kernel<direct_copy_kernel_cuda,LoadWithCast>"
-    assert short_name("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long>(int)") == \
-        "indexSelectLargeIndex"
-    assert short_name("Memcpy DtoH (Device -> Pinned)") == "Memcpy DtoH"
-
-
-# ----------------------------------------------------------------------------- fixtures
 
 
 @pytest.mark.parametrize("variant", ["moe-small-m-eager", "kv-full-cast-eager"])

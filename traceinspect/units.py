@@ -14,9 +14,31 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 SIZE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")  # decimal: a message's MB is the evidence table's MB
 SIZE_BASE = 1000
 SHARE_BASIS = "step time"  # what every share in the outputs is a fraction of
+
+
+def json_num(x: Any, nd: int = 3) -> Any:
+    """A JSON-safe scalar: NaN and inf -> None, numpy scalars -> Python, floats rounded to ``nd`` decimals;
+    anything else as it is."""
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (np.integer, int)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        return round(float(x), nd) if math.isfinite(x) else None
+    return x
+
+
+def is_number(v: Any) -> bool:
+    """A finite real number (numpy scalars included; not a bool)."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) \
+        and math.isfinite(v)
 
 
 def finite(x: Any) -> float | None:

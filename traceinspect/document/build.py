@@ -6,26 +6,17 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pandas as pd
 
 from traceinspect.document import REPORT, SCHEMA
 from traceinspect.document.report import report_section
 from traceinspect.measure.time import percentile, top_kernels
 from traceinspect.model.classes import CLASSES
+from traceinspect.units import json_num
 from traceinspect.version import __version__
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
-
-
-def _num(x: Any, nd: int = 3) -> Any:
-    """JSON-safe number: NaN -> None, numpy scalars -> Python, rounded to ``nd`` decimals."""
-    if isinstance(x, (np.floating, float)):
-        return None if not np.isfinite(x) else round(float(x), nd)
-    if isinstance(x, np.integer):
-        return int(x)
-    return x
 
 
 def _coverage(a: Analysis) -> dict[str, Any]:
@@ -36,12 +27,12 @@ def _coverage(a: Analysis) -> dict[str, Any]:
                    .sort_values("us", ascending=False).head(10).reset_index())
     all_k = a.trace.kernels
     return {
-        "unknown_share": _num(unknown["dur"].sum() / total, 6),
-        "top_unknown": [{"name": r.name, "us": _num(r.us), "calls": int(r.calls)}
+        "unknown_share": json_num(unknown["dur"].sum() / total, 6),
+        "top_unknown": [{"name": r.name, "us": json_num(r.us), "calls": int(r.calls)}
                         for r in top_unknown.itertuples()],
-        "graph_replay_share": _num(k.loc[k["graph_replay"], "dur"].sum() / total),
-        "cpu_op_linked_share": _num(k.loc[k["op_idx"] >= 0, "dur"].sum() / total),
-        "runtime_linked_share": _num(k.loc[k["rt_idx"] >= 0, "dur"].sum() / total),
+        "graph_replay_share": json_num(k.loc[k["graph_replay"], "dur"].sum() / total),
+        "cpu_op_linked_share": json_num(k.loc[k["op_idx"] >= 0, "dur"].sum() / total),
+        "runtime_linked_share": json_num(k.loc[k["rt_idx"] >= 0, "dur"].sum() / total),
         "kernels_outside_steps": int((all_k["step"] < 0).sum()),
         "kernels_analysed": len(k),
         "step_source": sorted(a.steps["source"].unique().tolist()),
@@ -64,7 +55,7 @@ def _run_meta(a: Analysis) -> dict[str, Any]:
         "kv_cache_dtype": rm.value("kv_cache_dtype"),
         "kv_pool_tokens": rm.value("kv_pool_tokens"),
         "attention_backend": si.get("attention_backend"),
-        "batch_median": _num(rm.value("batch")),
+        "batch_median": json_num(rm.value("batch")),
         "cuda_graph": bool(a.kernels["graph_replay"].mean() > 0.5) if len(a.kernels) else False,
         "cuda_runtime_version": info.cuda_runtime_version,
         "cuda_driver_version": info.cuda_driver_version,
@@ -103,8 +94,8 @@ def _rank_samples(a: Analysis) -> list[dict[str, Any]]:
     out = []
     for step_id, rank, span in zip(sel.index.tolist(), sel["rank"].tolist(), sel["span_us"].tolist(), strict=True):
         row = wide.loc[step_id] if step_id in wide.index else {}
-        out.append({"rank": int(rank), "step_us": _num(span),
-                    "classes": {str(c): _num(v) for c, v in dict(row).items() if v}})
+        out.append({"rank": int(rank), "step_us": json_num(span),
+                    "classes": {str(c): json_num(v) for c, v in dict(row).items() if v}})
     return out
 
 
@@ -115,8 +106,8 @@ def _timeline_step(a: Analysis) -> dict[str, Any]:
     out = []
     for rank, i in sorted(rows.items()):
         s = a.steps.loc[i]
-        out.append({"rank": rank, "label": labels.get(rank, str(rank)), "gpu_start_us": _num(s["gpu_start"]),
-                    "span_us": _num(s["span_us"]), "busy_us": _num(s["busy_us"]), "idle_us": _num(s["idle_us"])})
+        out.append({"rank": rank, "label": labels.get(rank, str(rank)), "gpu_start_us": json_num(s["gpu_start"]),
+                    "span_us": json_num(s["span_us"]), "busy_us": json_num(s["busy_us"]), "idle_us": json_num(s["idle_us"])})
     return {"step_index": pos, "ranks": out}
 
 
@@ -139,20 +130,20 @@ def build_document(a: Analysis) -> dict[str, Any]:
             "steps": len(sel),
             "steps_found": {str(k): int(v) for k, v in rsteps.groupby("phase").size().items()},
             "steps_excluded_edge": int(rsteps["edge"].sum()),
-            "step_us": {"median": _num(percentile(sel["span_us"], 50)), "p90": _num(percentile(sel["span_us"], 90))},
-            "gpu_busy_us": _num(percentile(sel["busy_us"], 50)),
-            "idle_us": _num(percentile(sel["idle_us"], 50)),
-            "kernel_us": _num(float(sel["kernel_us"].sum())),
-            "kernel_us_total": _num(float(rk["dur"].sum())),
-            "classes": {r.cls: {"us": _num(r.us), "us_per_step": _num(r.us / ns), "share": _num(r.share, 6),
+            "step_us": {"median": json_num(percentile(sel["span_us"], 50)), "p90": json_num(percentile(sel["span_us"], 90))},
+            "gpu_busy_us": json_num(percentile(sel["busy_us"], 50)),
+            "idle_us": json_num(percentile(sel["idle_us"], 50)),
+            "kernel_us": json_num(float(sel["kernel_us"].sum())),
+            "kernel_us_total": json_num(float(rk["dur"].sum())),
+            "classes": {r.cls: {"us": json_num(r.us), "us_per_step": json_num(r.us / ns), "share": json_num(r.share, 6),
                                 "calls": int(r.calls)} for r in ct.itertuples()},
         })
     total = float(a.kernels["dur"].sum()) or 1.0
     per_cls = a.kernels.groupby("cls", observed=True)["dur"].agg(["sum", "count"])
     denom = max(n_steps, 1) * a.n_ranks
     classes = {
-        c: {"us_per_step": _num(per_cls.loc[c, "sum"] / denom), "share": _num(per_cls.loc[c, "sum"] / total, 6),
-            "calls_per_step": _num(per_cls.loc[c, "count"] / denom)}
+        c: {"us_per_step": json_num(per_cls.loc[c, "sum"] / denom), "share": json_num(per_cls.loc[c, "sum"] / total, 6),
+            "calls_per_step": json_num(per_cls.loc[c, "count"] / denom)}
         for c in CLASSES if c in per_cls.index
     }
     step_sources = sorted(a.steps["source"].unique().tolist())
@@ -172,21 +163,21 @@ def build_document(a: Analysis) -> dict[str, Any]:
         "steps": {
             "phase": a.phase,
             "count": n_steps,
-            "median_us": _num(percentile(samples["step_us"], 50)),
-            "p90_us": _num(percentile(samples["step_us"], 90)),
+            "median_us": json_num(percentile(samples["step_us"], 50)),
+            "p90_us": json_num(percentile(samples["step_us"], 90)),
             "source": step_sources[0] if len(step_sources) == 1 else step_sources,
             "found": {str(k): int(v) for k, v in a.steps.groupby("phase").size().items()},
             "analysed": {str(k): int(v) for k, v in a.selected.groupby("phase").size().items()},
             "excluded_edge": int(a.steps["edge"].sum()),
-            "samples": [{"step_us": _num(r["step_us"]),
-                         "classes": {c[6:]: _num(v) for c, v in r.items() if c.startswith("class.")}}
+            "samples": [{"step_us": json_num(r["step_us"]),
+                         "classes": {c[6:]: json_num(v) for c, v in r.items() if c.startswith("class.")}}
                         for _, r in samples.iterrows()],
             "rank_samples": _rank_samples(a),
         },
         "server_config": server_config(a.server_info),
         "classes": classes,
-        "top_kernels": [{"name": r.name, "cls": r.cls, "calls": int(r.calls), "us": _num(r.us),
-                         "mean_us": _num(r.mean_us), "share": _num(r.share, 6)}
+        "top_kernels": [{"name": r.name, "cls": r.cls, "calls": int(r.calls), "us": json_num(r.us),
+                         "mean_us": json_num(r.mean_us), "share": json_num(r.share, 6)}
                         for r in top_kernels(a.kernels).itertuples()],
         "findings": [f.to_json() for f in a.findings],
         **a.gaps.to_json(),
@@ -210,7 +201,7 @@ def replay_json(a: Analysis) -> dict[str, Any]:
     if rp is not None:
         base = rp.as_measured()
         out["model"] = rp.describe()
-        out["measured_step_us"] = _num(base.measured_step_us, 1)
-        out["replayed_step_us"] = _num(base.replayed_step_us, 1)
+        out["measured_step_us"] = json_num(base.measured_step_us, 1)
+        out["replayed_step_us"] = json_num(base.replayed_step_us, 1)
         out["ranks"] = base.rank_rows()
     return out

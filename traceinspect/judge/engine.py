@@ -19,9 +19,9 @@ import numpy as np
 from traceinspect import units
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, evaluate_explain
-from traceinspect.judge.rule import SEVERITY_RANK, Rule, RuleSet
+from traceinspect.judge.rule import Rule, RuleSet
+from traceinspect.model.findings import finding_order, quantity
 from traceinspect.tables import text_values
-from traceinspect.units import finite
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -289,15 +289,10 @@ def _missing_leaves(names: frozenset[str], rule: Rule, missing: dict[str, str],
     return out
 
 
-def _quantity(v: Any) -> float | None:
-    """A finite float, or None (booleans are not quantities here)."""
-    return None if isinstance(v, (bool, np.bool_)) else finite(v)
-
-
 def _default_impact(sub: M.Subject) -> float | None:
     for key in ("us_per_step", "class_us_per_step"):
         if key in sub.values:
-            return _quantity(sub.values[key])
+            return quantity(sub.values[key])
     return None
 
 
@@ -308,7 +303,7 @@ def bound_estimate(rule: Rule, est: float | None, impact: float | None, step_us:
     than the idle inside the step. Returns the estimate and the names of the bounds that cut it."""
     bounds = {"impact": impact, "step time": step_us}
     if rule.removes == "idle":
-        bounds["idle inside the step"] = _quantity(ctx.run.get("idle_us_per_step"))
+        bounds["idle inside the step"] = quantity(ctx.run.get("idle_us_per_step"))
     out, cut = units.clamp_estimate(est, *bounds.values())
     names = [n for n, b in bounds.items() if b is not None and b in cut]
     return out, names
@@ -319,19 +314,19 @@ def _finding(rule: Rule, sub: M.Subject, env: dict[str, Any], missing: dict[str,
     evidence: dict[str, Any] = {"subject": sub.label}
     notes: list[str] = []
     # every share is of the step time (the slowest rank's GPU span, median over the analysed steps)
-    step_us = _quantity(ctx.run.get("step_us"))
+    step_us = quantity(ctx.run.get("step_us"))
     if rule.impact is not None:
         impact_v, why = evaluate_explain(rule.impact, env)
-        impact = _quantity(impact_v)
+        impact = quantity(impact_v)
         if impact is None:
             notes.append("impact unavailable: " + _explain_none(rule.impact, why, missing))
     else:
         impact = _default_impact(sub)
     if impact is not None:  # the time of what it points at fits in the step (and in its idle, for idle)
-        idle = _quantity(ctx.run.get("idle_us_per_step")) if rule.removes == "idle" else None
+        idle = quantity(ctx.run.get("idle_us_per_step")) if rule.removes == "idle" else None
         impact, _ = units.clamp_estimate(impact, step_us, idle)
     est_v, why = evaluate_explain(rule.estimate, env)
-    est = _quantity(est_v)
+    est = quantity(est_v)
     if est is None:
         notes.append("estimate unavailable: " + _explain_none(rule.estimate, why, missing))
     est, cut = bound_estimate(rule, est, impact, step_us, ctx)
@@ -399,7 +394,7 @@ def _fix_context(rule: Rule, sub: M.Subject, env: dict[str, Any], est: float | N
                 v, _ = evaluate_explain(fe.value, env)
             except ExprError:
                 v = None
-            row.append(_quantity(v))
+            row.append(quantity(v))
         values.append(row)
     ctx["values"] = values
     return ctx
@@ -458,13 +453,6 @@ def explain(analysis: Analysis, rule_set: RuleSet) -> list[Outcome]:
         except Exception as e:  # noqa: BLE001
             out.append(Outcome(rule.id, "error", reasons=[f"{type(e).__name__}: {e}"]))
     return out
-
-
-def finding_order(severity: Any, saving: Any, share: Any = None, rule: Any = "") -> tuple[Any, ...]:
-    """The one order of findings, in every output: by severity (critical first), then by estimated
-    saving per step (largest first; unknown last), then share, then rule id."""
-    sv, sh = _quantity(saving), _quantity(share)
-    return (SEVERITY_RANK.get(str(severity), 9), sv is None, -(sv or 0.0), -(sh or 0.0), str(rule or ""))
 
 
 def sort_findings(findings: list[Finding]) -> list[Finding]:

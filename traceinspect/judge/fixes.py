@@ -12,6 +12,7 @@ import numpy as np
 
 from traceinspect.measure.replay import EditError, Prediction, Replayer, replayer
 from traceinspect.measure.replay.edits import Edit, edit_from_mapping
+from traceinspect.model.findings import SEVERITY_RANK, group_children
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -183,7 +184,6 @@ def replay_findings(a: Analysis, findings: list[Finding], rule_set: RuleSet) -> 
 def _cap_severity(f: Finding, saving_us: float, step_us: float) -> None:
     """A finding is at most as severe as its replayed saving supports (``severity_min_saving_share`` in
     ``rules/tables/replay.yaml``); a lowered severity says why in the message."""
-    from traceinspect.judge.rule import SEVERITY_RANK
     from traceinspect.measure.replay.model import load_settings
 
     floors = load_settings().severity_floors
@@ -231,24 +231,6 @@ def _group(rp: Replayer, chosen: dict[int, tuple[Finding, list[Edit], Prediction
                 parent.children.append(child.rule)
                 child.evidence["shares_cause_with"] = parent.rule
                 child.evidence["overlap_us_per_step"] = _r(overlap)
-
-
-def group_children(ranked: list[Any], rule_of: Any, parent_of: Any) -> list[Any]:
-    """``ranked`` with every finding that shares a parent's cause moved right after that parent."""
-    present = {rule_of(f) for f in ranked}
-    kids: dict[Any, list[Any]] = {}
-    for f in ranked:
-        p = parent_of(f)
-        if p and p in present:
-            kids.setdefault(p, []).append(f)
-    out: list[Any] = []
-    for f in ranked:
-        p = parent_of(f)
-        if p and p in present:
-            continue
-        out.append(f)
-        out.extend(kids.get(rule_of(f), []))
-    return out
 
 
 def order_findings(findings: list[Finding]) -> list[Finding]:

@@ -11,8 +11,6 @@ from typing import Any
 from traceinspect.judge.expr import Expr
 
 ID_RE = re.compile(r"^[a-z][a-z0-9]*(?:-[a-z0-9]+)*$")
-SEVERITIES = ("critical", "warning", "info")
-SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
 RULE_PHASES = ("decode", "prefill", "all")  # the steps a rule judges (``phase:``; ``scope:`` in older files)
 REQUIRED = ("id", "title", "severity", "phase", "when", "estimate", "message", "why", "remediation", "references")
 OPTIONAL = ("select", "let", "impact", "share_of", "removes", "evidence", "params", "tests", "example", "override",

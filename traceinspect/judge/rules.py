@@ -31,8 +31,6 @@ from traceinspect.judge.rule import (
     REMOVES,
     REQUIRED,
     RULE_PHASES,
-    SEVERITIES,
-    SEVERITY_RANK,  # noqa: F401 - the rule types are importable from here too
     SHARE_OF,
     Fix,
     FixEdit,
@@ -42,6 +40,7 @@ from traceinspect.judge.rule import (
     Selector,
 )
 from traceinspect.judge.yamlsrc import LDict, LList, line_of, read_yaml
+from traceinspect.model.findings import SEVERITIES, SEVERITY_RANK  # noqa: F401 - importable from here too
 from traceinspect.resources import rules_dir
 from traceinspect.saferegex import RegexError, compile_safe
 

@@ -46,12 +46,12 @@ from traceinspect.measure.comm_settings import (  # noqa: F401 - importable from
     SCHEMA_NOTE,
     Settings,
     _median,
-    _num,
     collective_kind,
     load_settings,
 )
 from traceinspect.measure.critical_path import Cycle, _activities, _Graph, _step_graph, critical_path  # noqa: F401
 from traceinspect.measure.stragglers import _straggler
+from traceinspect.units import json_num
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -121,16 +121,16 @@ class Collectives:
             coll["clock"] = {
                 "method": "median over matched collectives of (end on rank - end on the group's reference rank)",
                 "reference_rank": {str(r): int(v) for r, v in sorted(self.reference_rank.items())},
-                "offsets_us": {str(r): _num(v) for r, v in sorted(self.offsets.items())},
-                "noise_us": {str(r): _num(v) for r, v in sorted(self.offset_noise.items())},
-                "applied_us": {str(r): _num(v) for r, v in sorted(self.offsets_applied.items())},
+                "offsets_us": {str(r): json_num(v) for r, v in sorted(self.offsets.items())},
+                "noise_us": {str(r): json_num(v) for r, v in sorted(self.offset_noise.items())},
+                "applied_us": {str(r): json_num(v) for r, v in sorted(self.offsets_applied.items())},
             }
-            coll["per_rank"] = [{k: _num(v) for k, v in row.items()} for row in self.per_rank.to_dict("records")]
-            coll["by_kind"] = [{k: _num(v) for k, v in row.items()} for row in self.by_kind().to_dict("records")]
-            coll["per_step"] = [{k: _num(v) for k, v in row.items()} for row in self.per_step.to_dict("records")]
+            coll["per_rank"] = [{k: json_num(v) for k, v in row.items()} for row in self.per_rank.to_dict("records")]
+            coll["by_kind"] = [{k: json_num(v) for k, v in row.items()} for row in self.by_kind().to_dict("records")]
+            coll["per_step"] = [{k: json_num(v) for k, v in row.items()} for row in self.per_step.to_dict("records")]
             coll["instances"] = _instances_json(self.instances)
             coll["instances_truncated"] = bool(self.instances["instance"].nunique() > INSTANCES_JSON_MAX)
-            coll["straggler"] = {k: _num(v) if not isinstance(v, (dict, list)) else v
+            coll["straggler"] = {k: json_num(v) if not isinstance(v, (dict, list)) else v
                                  for k, v in self.straggler.items()}
         return {"collectives": coll, "critical_path": self.critical_path}
 
@@ -154,11 +154,11 @@ def _instances_json(inst: pd.DataFrame) -> list[dict[str, Any]]:
         out.append({
             "instance": int(col["instance"][a]), "pos": int(col["pos"][a]), "seq": int(col["seq"][a]),
             "kind": col["kind"][a], "name": col["name"][a], "group": int(col["group"][a]),
-            "transfer_us": _num(col["transfer_us"][a]), "bytes": _num(col["bytes"][a]),
-            "busbw_gbps": _num(col["busbw_gbps"][a]),
+            "transfer_us": json_num(col["transfer_us"][a]), "bytes": json_num(col["bytes"][a]),
+            "busbw_gbps": json_num(col["busbw_gbps"][a]),
             "last_rank": int(last) if last is not None else None,
-            "arrival_skew_us": _num(float(max(start) - min(start))),
-            "wait_us": {str(int(r)): _num(w) for r, w in zip(col["rank"][a:b], col["wait_us"][a:b], strict=True)},
+            "arrival_skew_us": json_num(float(max(start) - min(start))),
+            "wait_us": {str(int(r)): json_num(w) for r, w in zip(col["rank"][a:b], col["wait_us"][a:b], strict=True)},
         })
     return out
 

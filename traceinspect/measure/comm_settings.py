@@ -3,7 +3,6 @@ kinds, clock-offset and straggler thresholds, table columns."""
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -59,19 +58,6 @@ PER_STEP_COLUMNS = [
     "pos", "rank", "comm_us", "wait_us", "transfer_us", "late_arrivals", "step_us", "busy_us",
     "launch_lateness_us", "step_start_lateness_us",
 ]
-
-
-def _num(x: Any, nd: int = 3) -> Any:
-    """JSON-safe scalar: NaN/inf -> None, numpy -> Python, floats rounded."""
-    if x is None:
-        return None
-    if isinstance(x, (bool, np.bool_)):
-        return bool(x)
-    if isinstance(x, (np.integer, int)):
-        return int(x)
-    if isinstance(x, (np.floating, float)):
-        return round(float(x), nd) if math.isfinite(x) else None
-    return x
 
 
 def _median(v: Any) -> float:

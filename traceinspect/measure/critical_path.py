@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.measure.comm_settings import IDLE_MIN_US, ORDER_TOL_US, _num, load_settings
+from traceinspect.measure.comm_settings import IDLE_MIN_US, ORDER_TOL_US, load_settings
 from traceinspect.tables import text_values
+from traceinspect.units import json_num
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -248,17 +249,17 @@ def _jsonify_path(s: dict[str, Any], top: int = 12) -> dict[str, Any]:
     total = s["total_us"] or 1.0
     segs = sorted(s["segments"], key=lambda x: -x["us"])[:top]
     return {
-        "pos": s["pos"], "total_us": _num(s["total_us"]), "span_us": _num(s["span_us"]),
-        "slack_us": _num(s["slack_us"]), "nodes": s["nodes"],
-        "composition": {c: {"us": _num(v), "share": _num(v / total)}
+        "pos": s["pos"], "total_us": json_num(s["total_us"]), "span_us": json_num(s["span_us"]),
+        "slack_us": json_num(s["slack_us"]), "nodes": s["nodes"],
+        "composition": {c: {"us": json_num(v), "share": json_num(v / total)}
                         for c, v in sorted(s["composition"].items(), key=lambda kv: -kv[1])},
-        "by_rank": {str(r): {"us": _num(v), "share": _num(v / total),
-                             "classes": {c: _num(x) for c, x in sorted(s["cls_by_rank"][r].items(),
+        "by_rank": {str(r): {"us": json_num(v), "share": json_num(v / total),
+                             "classes": {c: json_num(x) for c, x in sorted(s["cls_by_rank"][r].items(),
                                                                         key=lambda kv: -kv[1])}}
                     for r, v in sorted(s["by_rank"].items())},
-        "host_by_rank": {str(r): _num(v) for r, v in sorted(s["host_by_rank"].items())},
+        "host_by_rank": {str(r): json_num(v) for r, v in sorted(s["host_by_rank"].items())},
         "bounding_rank": s["bounding_rank"], "ends_on_rank": s["ends_on_rank"],
-        "top_segments": [{"rank": x["rank"], "cls": x["cls"], "us": _num(x["us"]), "kernels": x["nodes"],
+        "top_segments": [{"rank": x["rank"], "cls": x["cls"], "us": json_num(x["us"]), "kernels": x["nodes"],
                           "first": x["first"]} for x in segs],
     }
 
@@ -318,12 +319,12 @@ def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str,
         "applicable": True, "reason": None,
         "steps": n, "steps_failed": failed, "steps_available": int(sel["pos"].nunique()),
         "clock_corrected": any(v != 0.0 for v in res.offsets_applied.values()),
-        "total_us_median": _num(float(np.median(totals))),
-        "composition": {c: {"us_per_step": _num(v / n), "share": _num(v / grand)}
+        "total_us_median": json_num(float(np.median(totals))),
+        "composition": {c: {"us_per_step": json_num(v / n), "share": json_num(v / grand)}
                         for c, v in sorted(comp.items(), key=lambda kv: -kv[1])},
-        "by_rank": {str(r): {"us_per_step": _num(v / n), "share": _num(v / grand)}
+        "by_rank": {str(r): {"us_per_step": json_num(v / n), "share": json_num(v / grand)}
                     for r, v in sorted(by_rank.items())},
-        "host_by_rank": {str(r): {"us_per_step": _num(v / n), "share_of_host": _num(v / host_total if host_total
+        "host_by_rank": {str(r): {"us_per_step": json_num(v / n), "share_of_host": json_num(v / host_total if host_total
                                                                                         else float("nan"))}
                          for r, v in sorted(host_by_rank.items())},
         "bounding_rank": max(bounds, key=bounds.get) if bounds else None,

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.measure.shapes import short_name  # noqa: F401 - importable from here
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
 from traceinspect.model.classes import GEMM_CLASSES
 from traceinspect.model.shapes import (  # noqa: F401 - importable from here
@@ -27,6 +26,7 @@ from traceinspect.model.shapes import (  # noqa: F401 - importable from here
     op_handler,
 )
 from traceinspect.tables import combine_codes, factorize_text, per_distinct, text_values
+from traceinspect.units import json_num
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -42,16 +42,6 @@ CALL_COLUMNS = [
     "flops", "bytes", "us", "tflops", "gbps", "pct_peak", "pct_bw", "shape_source", "reason", "moe",
     "peak_tflops",
 ]
-
-
-def _r(x: Any, nd: int = 3) -> Any:
-    if x is None:
-        return None
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        return None if not np.isfinite(x) else round(float(x), nd)
-    return x
 
 
 @dataclass
@@ -72,16 +62,16 @@ class Efficiency:
             gemm.append({
                 "cls": r.cls, "op": r.op_name or None, "dtype": r.dtype if isinstance(r.dtype, str) else None,
                 "m": _int(r.m), "n": _int(r.n), "k": _int(r.k), "batch": _int(r.batch), "groups": _int(r.groups),
-                "calls": int(r.calls), "us": _r(r.us), "mean_us": _r(r.mean_us),
-                "gflop": _r(r.flops / 1e9 if r.flops == r.flops else None),
-                "tflops": _r(r.tflops), "pct_peak": _r(r.pct_peak, 2), "gbps": _r(r.gbps),
+                "calls": int(r.calls), "us": json_num(r.us), "mean_us": json_num(r.mean_us),
+                "gflop": json_num(r.flops / 1e9 if r.flops == r.flops else None),
+                "tflops": json_num(r.tflops), "pct_peak": json_num(r.pct_peak, 2), "gbps": json_num(r.gbps),
                 "shape_source": r.shape_source, "reason": r.reason or None,
             })
         mem = []
         for r in self.memory_bound.itertuples(index=False):
             mem.append({
                 "family": r.family, "cls": r.cls, "dtypes": r.dtypes, "calls": int(r.calls),
-                "bytes": _r(r.bytes, 0), "us": _r(r.us), "gbps": _r(r.gbps), "pct_bw": _r(r.pct_bw, 2),
+                "bytes": json_num(r.bytes, 0), "us": json_num(r.us), "gbps": json_num(r.gbps), "pct_bw": json_num(r.pct_bw, 2),
                 "reason": r.reason or None,
             })
         spec = self.spec
@@ -104,7 +94,7 @@ def _json_safe(v: Any) -> Any:
         return {str(k): _json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [_json_safe(x) for x in v]
-    return _r(v, 3)
+    return json_num(v, 3)
 
 
 # ----------------------------------------------------------------------------- measure

@@ -15,6 +15,7 @@ from traceinspect.fileio import write_text_atomic
 from traceinspect.render import fmt_pct, fmt_us, kernel_labels, short_name
 from traceinspect.render.story import saving_text, step_share, story
 from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
+from traceinspect.units import is_number
 from traceinspect.version import __version__
 
 # CommonMark lets any ASCII punctuation be backslash-escaped; these are the ones that start or end
@@ -56,10 +57,6 @@ def md_code(text: Any) -> str:
     return f"{fence}{pad}{s.replace('|', chr(92) + '|')}{pad}{fence}"
 
 
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
-
-
 def render_markdown(doc: dict[str, Any]) -> str:
     """The Markdown summary of an analysis document."""
     run, steps = doc.get("run") or {}, doc.get("steps") or {}
@@ -91,7 +88,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         f"| Model | {md(run.get('model') or 'unknown')} |",
         f"| Device | {md(run.get('device') or 'unknown')} × {md(ranks)} (TP {md(run.get('tp_size'))}) |",
         f"| KV cache dtype | {md(run.get('kv_cache_dtype') or 'unknown')} |",
-        f"| Batch (median) | {f'{bm:g}' if _num(bm := run.get('batch_median')) else md(bm or 'unknown')} |",
+        f"| Batch (median) | {f'{bm:g}' if is_number(bm := run.get('batch_median')) else md(bm or 'unknown')} |",
         f"| {md(str(steps.get('phase', 'decode')).capitalize())} step | median {md(fmt_us(step_us))}, "
         f"p90 {md(fmt_us(steps.get('p90_us')))} over {md(steps.get('count'))} steps per rank |",
         f"| CUDA graph | {'yes' if run.get('cuda_graph') else 'no'} |",
@@ -163,11 +160,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
             op = ops.get(name, "")
             us = k.get("us")
             out.append(f"| {md(labels[name])} | {md(short_name(op, 40)) if op else '–'} | "
-                       f"{md(k.get('cls'))} | {fmt_pct(step_share(us / per, doc) if _num(us) else None)} |")
+                       f"{md(k.get('cls'))} | {fmt_pct(step_share(us / per, doc) if is_number(us) else None)} |")
         out.append("")
 
     cov = doc.get("coverage") or {}
-    if _num(cov.get("unknown_share")):
+    if is_number(cov.get("unknown_share")):
         out.append(f"Classified: {md(fmt_pct(1 - cov['unknown_share']))} of kernel time.")
     for w in (doc.get("warnings") or [])[:5]:
         out.append(f"> warning: {md(w)}")

@@ -10,21 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from traceinspect.units import SHARE_BASIS, fmt_pct, fmt_us
+from traceinspect.model.findings import finding_order, group_children
+from traceinspect.units import SHARE_BASIS, fmt_pct, fmt_us, is_number
 
 
 def _num(v: Any) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        return None
-    return float(v)
+    return float(v) if is_number(v) else None
 
 
 def ordered_findings(findings: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """Findings (JSON form) in the one order of every output: severity, then estimated saving; a finding
     that shares its cause with another (``group.parent``) follows that one."""
-    from traceinspect.judge.engine import finding_order
-    from traceinspect.judge.fixes import group_children
-
     ranked = sorted(findings or [], key=lambda f: finding_order(f.get("severity"), f.get("est_saving_us_per_step"),
                                                                 f.get("share"), f.get("rule")))
     return group_children(ranked, lambda f: f.get("rule"), lambda f: (f.get("group") or {}).get("parent"))

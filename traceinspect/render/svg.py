@@ -9,11 +9,10 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 from markupsafe import Markup, escape
 
 from traceinspect.render.palette import class_color
-from traceinspect.units import fmt_pct
+from traceinspect.units import fmt_pct, is_number
 
 WIDTH = 1120  # px: the width of every chart and of the timeline
 
@@ -71,9 +70,7 @@ def get(d: Any, *keys: str, default: Any = None) -> Any:
     return d
 
 
-def isnum(v: Any) -> bool:
-    """A finite number (not a bool)."""
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+isnum = is_number  # the render modules' name for it
 
 
 def bar_axis(n_rows: int, vmax: float, left: int, right: int, bar_h: int, gap: int,

@@ -6,10 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from traceinspect.render import fmt_pct, fmt_us
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+from traceinspect.units import is_number
 
 
 def variant_lines(f: dict[str, Any]) -> list[str]:
@@ -17,7 +14,7 @@ def variant_lines(f: dict[str, Any]) -> list[str]:
     out = []
     for fx in f.get("fixes") or []:
         sv, pred = fx.get("saving_us_per_step"), fx.get("predicted_step_us")
-        if _num(sv) and _num(pred):
+        if is_number(sv) and is_number(pred):
             out.append(f"with {fx.get('label')}: {'-' if sv >= 0 else '+'}{fmt_us(abs(float(sv)))} per step "
                        f"(replayed step {fmt_us(float(pred))}; {fx.get('variant')})")
         else:
@@ -39,7 +36,7 @@ def all_fixed_line(doc: dict[str, Any]) -> str | None:
     """The step with every finding fixed, from one replay (never a sum of savings)."""
     af = (doc.get("replay") or {}).get("all_fixed") or {}
     pred, rep = af.get("predicted_step_us"), af.get("replayed_step_us")
-    if not _num(pred) or not _num(rep) or not rep:
+    if not is_number(pred) or not is_number(rep) or not rep:
         return None
     fixes = ", ".join(str(x) for x in af.get("fixes") or [])
     return (f"All findings fixed together (one replay of {fixes}): step {fmt_us(float(rep))} → "

@@ -33,8 +33,8 @@ declare("gemm", "us_per_step", "us", "GPU time of those calls per rank per step.
 declare("gemm", "share", "ratio", "Share of all GPU time of the analysed steps.")
 declare("gemm", "compute_share", "ratio", "us_per_step / compute_us_per_step (share of the non-collective GPU time).")
 declare("gemm", "tflops", "TFLOP/s", "Achieved TFLOP/s: FLOPs (2*M*N*K per GEMM) summed over calls / kernel time.")
-declare("gemm", "pct_peak", "ratio", "tflops / dense peak of the GPU for the dtype (rules/tables/gpus.yaml), as a "
-   "fraction (0.01 = 1%); None if the GPU or dtype has no peak in the table.")
+declare("gemm", "pct_peak", "percent", "100 x tflops / dense peak of the GPU for the dtype (rules/tables/gpus.yaml), "
+   "in percent (0-100), as in the analysis JSON; None if the GPU or dtype has no peak in the table.")
 declare("gemm", "peak_tflops", "TFLOP/s", "The dense peak used for pct_peak (time-weighted over the calls).")
 declare("gemm", "unknown_share", "ratio", "Share of the selected GEMM-class time whose shapes are unknown "
    "(no CPU op, no capture trace): they are left out of every other gemm metric.")
@@ -115,7 +115,7 @@ class GemmMetrics:
         pk_us = float(g["peak_known_us"].sum())
         peak = float(g["peak_us"].sum()) / pk_us if pk_us > 0 else None
         v["peak_tflops"] = peak
-        v["pct_peak"] = v["tflops"] / peak if v["tflops"] is not None and peak else None
+        v["pct_peak"] = 100.0 * v["tflops"] / peak if v["tflops"] is not None and peak else None
         if v["pct_peak"] is None:
             missing["pct_peak"] = ("GEMM FLOPs unknown" if v["tflops"] is None else
                                    "no dense peak for this GPU and dtype in rules/tables/gpus.yaml ("

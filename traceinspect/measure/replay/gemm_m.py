@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from traceinspect.measure.replay.model import Model
 
 
-def _num(s: pd.Series) -> np.ndarray:
+def _floats(s: pd.Series) -> np.ndarray:
     return pd.to_numeric(s, errors="coerce").to_numpy(dtype=np.float64)
 
 
@@ -24,10 +24,10 @@ def scale_m(a: Analysis, m: Model, mask: np.ndarray, factor: float,
     if eff is None or not len(eff.calls):
         return [], ["no GEMM shapes were measured (the efficiency stage has no GEMM calls)"]
     c = eff.calls[eff.calls["kind"] == "gemm"]
-    M, N, K = _num(c["m"]), _num(c["n"]), _num(c["k"])
-    fl, by, us = _num(c["flops"]), _num(c["bytes"]), c["us"].to_numpy(dtype=np.float64)
+    M, N, K = _floats(c["m"]), _floats(c["n"]), _floats(c["k"])
+    fl, by, us = _floats(c["flops"]), _floats(c["bytes"]), c["us"].to_numpy(dtype=np.float64)
     ok = (M > 0) & (N > 0) & (K > 0) & (fl > 0) & (us > 0)
-    peak = _num(c["peak_tflops"]) * 1e6 if "peak_tflops" in c else np.full(len(c), np.nan)  # FLOP per us
+    peak = _floats(c["peak_tflops"]) * 1e6 if "peak_tflops" in c else np.full(len(c), np.nan)  # FLOP per us
     c = c[ok].assign(m_=M[ok], n_=N[ok], k_=K[ok], fl_=fl[ok], by_=by[ok], us_=us[ok], peak_=peak[ok])
     c = c.assign(tf=c["fl_"] / c["us_"], fam=list(zip(c["cls"], c["dtype"].astype(str), c["n_"], c["k_"],
                                                       strict=True)))
