@@ -30,10 +30,19 @@ from traceinspect.pipeline import Analysis, analyze  # noqa: E402
 PAIRS = yaml.safe_load((ROOT / "tests" / "data" / "replay_pairs.yaml").read_text())
 TOL = float(PAIRS["tolerance"])
 DRIFT = FIXTURES / "drift"
-# repeated captures of one set: the drift fixtures and the fixture sets they repeat
-DRIFT_GROUPS = {v: sorted(str(p) for p in DRIFT.glob(f"{v}-r*")) + [str(fixture_dir(v))] + extra
-                for v, extra in (("tp1-l6-full-eager", []),
-                                 ("tp1-l6-gather-eager", [str(fixture_dir("tp1-l6-gather-eager-samehost"))]))}
+# repeated captures of one set: the drift fixtures (one alternate run, ABBA order) and the fixture sets they repeat
+DRIFT_SETS = ("tp1-l6-full-eager", "tp1-l6-gather-eager", "tp1-l6-gather-eager-hostdelay", "tp1-l6-gather-eager-bs16")
+DRIFT_GROUPS = {v: sorted(str(p) for p in DRIFT.glob(f"{v}-r*")) + [str(FIXTURES / v)]
+                + ([str(FIXTURES / "tp1-l6-gather-eager-samehost")] if v == "tp1-l6-gather-eager" else [])
+                for v in DRIFT_SETS}
+# the pairs of the table whose halves were both captured repeatedly: every capture against every capture
+CROSS = [
+    ("tp1-l6-full-eager", "tp1-l6-gather-eager", {"fix": "kv-full-pool-cast:gather"}),
+    ("tp1-l6-gather-eager-hostdelay", "tp1-l6-gather-eager", {"fix": "host-stall:remove"}),
+    ("tp1-l6-gather-eager-bs16", "tp1-l6-gather-eager",
+     {"edits": ["gemm-m class=moe_gemm {batch_ratio}", "gemm-m class=bf16_gemm {batch_ratio}",
+                "gemm-m class=fp8_gemm {batch_ratio}"]}),
+]
 
 
 @lru_cache(maxsize=32)
@@ -103,11 +112,12 @@ class Row:
         return base - self.rule_saving_us
 
 
-def _fix(before: Analysis, pair: dict) -> tuple[list[Edit], float | None]:
+def _fix(before: Analysis, pair: dict, after: Analysis | None = None) -> tuple[list[Edit], float | None]:
     """The pair's edits on the before trace and the rule's own estimate of the saving (None for edits)."""
     rp = replayer(before)
     if "edits" in pair:
-        ratio = _analysis_batch(pair["after"]) / _analysis_batch(pair["before"])
+        after = after if after is not None else _fixture(pair["after"])
+        ratio = float(after.run_model.value("batch")) / float(before.run_model.value("batch"))
         return [parse_edit(e.format(batch_ratio=f"{ratio:g}")) for e in pair["edits"]], None
     rule_id, _, variant = pair["fix"].partition(":")
     rule = before.rule_set.get(rule_id)
@@ -276,11 +286,35 @@ def drift_rows() -> list[tuple[str, str, float, float, float, float]]:
     return out
 
 
+@pytest.mark.parametrize("before,after,change", CROSS, ids=[f"{b}->{a}" for b, a, _ in CROSS])
+def test_every_capture_against_every_capture(before: str, after: str, change: dict) -> None:
+    """Not only the chosen pair: each of the 5 captures of the before set replayed with the fix predicts
+    each of the 5 captures of the after set (25 pairs, host speeds 0.5-2x apart), host speeds controlled."""
+    raw, ctl = [], []
+    for x, y in itertools.product(DRIFT_GROUPS[before], DRIFT_GROUPS[after]):
+        a, b = _analysis(x), _analysis(y)
+        edits, _ = _fix(a, {"before": before, "after": after, **change}, after=b)
+        rp = replayer(a)
+        meas = replayer(b).as_measured().measured_step_us
+        hs = host_speed_ratio(a, b)
+        assert hs.decided
+        raw.append(rp.predict(edits).predicted_step_us / meas - 1)
+        ctl.append(rp.predict(edits + [parse_edit(e) for e in hs.edits()]).predicted_step_us / meas - 1)
+    r, c = np.abs(raw), np.abs(ctl)
+    print(f"\n{before} -> {after}, {len(r)} pairs: |error| median raw {np.median(r):.1%}, host-controlled "
+          f"{np.median(c):.1%}; 90th percentile raw {np.percentile(r, 90):.1%}, host-controlled "
+          f"{np.percentile(c, 90):.1%}; largest host-controlled {c.max():.1%}; within 10%: raw {np.mean(r <= TOL):.0%}, "
+          f"host-controlled {np.mean(c <= TOL):.0%}")
+    assert len(r) == 25
+    assert np.median(c) < 0.07 and np.median(c) < np.median(r) / 2
+    assert np.mean(c <= TOL) >= 0.75
+
+
 def test_host_speed_marker_on_repeated_captures() -> None:
     """The marker's own error: repeated captures of one eager set (the same work, the host's speed alone
-    differs) predicted from one another. Controlling the host speed must cut the error well down."""
+    differs; 4 sets, 5 captures each) predicted from one another. Controlling the host speed must cut the error well down."""
     rows = drift_rows()
-    assert len(rows) >= 30
+    assert len(rows) == 80
     raw = np.abs([r[4] for r in rows])
     ctl = np.abs([r[5] for r in rows])
     print(f"\n{len(rows)} pairs of repeated captures: |error| median raw {np.median(raw):.1%}, host-controlled "
