@@ -54,10 +54,15 @@ def _ms(v: float | None) -> str:
 @click.option("--fix", "fixes", multiple=True, metavar="RULE[:VARIANT]",
               help="Apply a fix a rule declares (repeatable), e.g. kv-full-pool-cast:gather.")
 @click.option("--edit", "edits", multiple=True, metavar="EXPR",
-              help="Apply an edit (repeatable), e.g. 'scale class=kv_cast 0.2', 'remove name~=foo', 'host-gaps 0'.")
+              help="Apply an edit (repeatable), e.g. 'scale class=kv_cast 0.2', 'remove name~=foo', 'host-gaps 0', "
+                   "'host-speed 1.5' (the host 1.5x as fast). Edits: scale, remove, transfer, host-gaps, host-stalls, "
+                   "launch-cost, host-speed, host-from, async, kv-rows, trim, gemm-m, graph-gaps (docs/whatif.md).")
+@click.option("--host-speed-of", "host_of", type=click.Path(exists=True), metavar="PATH",
+              help="Give the trace the host speed of another capture of the same work (PATH), per rank, measured "
+                   "on the CPU-only ops both run alike ('host-speed' edits); undecided where they share too few.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the prediction as JSON here.")
-def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str, ...], json_out: str | None,
-               **kw: Any) -> None:
+def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str, ...], host_of: str | None,
+               json_out: str | None, **kw: Any) -> None:
     """Predict the step time after a fix by replaying the trace with edits (none: replay as measured)."""
     from traceinspect.measure.replay import EditError, parse_edit, replayer
     from traceinspect.pipeline import analyze
@@ -75,9 +80,27 @@ def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str,
         labels.append(label)
     all_edits += parsed
     labels += [e.describe() for e in parsed]
+    host_undecided: list[str] = []
+    host_json = None
+    if host_of:
+        from traceinspect.measure.replay.hostspeed import host_speed_ratio
+
+        hs = host_speed_ratio(a, analyze([host_of], build_options(**kw)))
+        host_json = hs.to_json()
+        if hs.decided:
+            all_edits += [parse_edit(e) for e in hs.edits()]
+            labels.append(f"host speed of {host_of}")
+        else:
+            host_undecided = [f"the host speed of {host_of}: " + "; ".join(r.reason for r in hs.ranks if r.reason)]
     rp = replayer(a)
     p = rp.predict(all_edits, label="; ".join(labels))
+    if host_undecided:
+        from dataclasses import replace
+
+        p = replace(p, undecided=list(p.undecided) + host_undecided)
     doc = p.to_json()
+    if host_json is not None:
+        doc["host_speed_of"] = {"path": host_of, **host_json}
     doc["fixes"] = list(fixes)
     doc["model"] = rp.describe()
     if json_out:
@@ -90,6 +113,10 @@ def _print(p: Any, doc: dict[str, Any], labels: list[str]) -> None:
     echo("what-if: " + ("; ".join(labels) if labels else "no edits (replay as measured)"))
     for e in doc["edits"]:
         echo(f"  edit: {e['text']}")
+    for r in (doc.get("host_speed_of") or {}).get("ranks", []):
+        if r["ratio"] is not None:
+            echo(f"  host speed: rank {r['rank']} ran {r['ratio']:.3f}x the time of the other capture's host on "
+                 f"{r['names']} CPU-only ops (quartiles {r['q25']:.3f}-{r['q75']:.3f})")
     for n in doc["notes"]:
         echo(f"  note: {n}")
     for u in doc["undecided"]:

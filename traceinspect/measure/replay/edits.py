@@ -10,6 +10,7 @@ Text form (``traceinspect whatif --edit``) and mapping form (a rule's ``fixes:``
 | ``host-gaps`` | ``host-gaps US [rank=R]`` | host gaps between runtime calls of a step capped at US (a CUDA graph) |
 | ``host-stalls`` | ``host-stalls US [rank=R]`` | host stalls (stretches of at least US outside every CPU op and runtime call) removed |
 | ``launch-cost`` | ``launch-cost US [rank=R]`` | launch calls capped at US each |
+| ``host-speed`` | ``host-speed F [rank=R]`` | the host runs F times as fast: host gaps and host call durations / F |
 | ``host-from`` | ``host-from DST SRC`` | rank DST gets rank SRC's host timeline (gaps and call times) |
 | ``async`` | ``async [SEL]`` | blocking calls (by name: ``name~=Synchronize``) no longer wait for the GPU |
 | ``kv-rows`` | ``kv-rows SEL`` | the selected cast reads only the active KV rows: time x active rows / pool rows |
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
     from traceinspect.measure.replay.model import Model
     from traceinspect.measure.replay.sim import Params
 
-KINDS = ("scale", "remove", "transfer", "host-gaps", "host-stalls", "launch-cost", "host-from", "async", "kv-rows",
-         "trim", "gemm-m", "graph-gaps")
+KINDS = ("scale", "remove", "transfer", "host-gaps", "host-stalls", "launch-cost", "host-speed", "host-from", "async",
+         "kv-rows", "trim", "gemm-m", "graph-gaps")
 SELECT_KEYS = ("class", "name", "not_name", "op", "not_op", "kind", "rank")
 
 
@@ -201,6 +202,15 @@ def parse_edit(text: str) -> Edit:
             e.value = _float(args[0], "US")
             if len(args) == 2:
                 e.select = parse_select(args[1])
+        elif kind == "host-speed":
+            if len(args) not in (1, 2):
+                raise EditError("host-speed takes a factor and an optional rank=N: 'host-speed 1.5' (the host "
+                                "1.5 times as fast)")
+            e.value = _float(args[0], "the factor")
+            if e.value <= 0:
+                raise EditError(f"the factor must be above 0, got {args[0]!r}")
+            if len(args) == 2:
+                e.select = parse_select(args[1])
         elif kind == "host-from":
             if len(args) != 2:
                 raise EditError("host-from takes two ranks: 'host-from 1 0' (rank 1 gets rank 0's host timeline)")
@@ -351,6 +361,15 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
             else:
                 hm &= m.h_launches & ~p.block
                 p.hdur[hm] = np.minimum(p.hdur[hm], v)
+        elif e.kind == "host-speed":
+            hm = np.ones(len(m.h_t), dtype=bool)
+            if e.select.ranks:
+                hm &= np.isin(m.h_rank, list(e.select.ranks))
+            f = float(e.value or 1.0)
+            # a blocking call that waited ends on the GPU: only its own time (the non-waiting ones) scales
+            p.gap[hm] /= f
+            nb = hm & ~p.block
+            p.hdur[nb] /= f
         elif e.kind == "host-stalls":
             _remove_stalls(a, m, p, e, cache, out)
         elif e.kind == "graph-gaps":
