@@ -567,3 +567,35 @@ def test_expert_count_from_config_sets_the_loop_length() -> None:
     assert (k["cls"] == "moe_gemm").sum() == 4 * 3 * 16
     router = k["name"] == "nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT"
     assert (k.loc[router, "cls"] == "bf16_gemm").all()
+
+
+# ----------------------------------------------------------------------------- name patterns
+
+
+def test_name_patterns_match_as_their_regex(table: ClassTable) -> None:
+    """The substring fast path of every shipped name pattern agrees with ``re.search`` of the whole
+    pattern on every labeled kernel name (and on their upper-case and non-ASCII variants)."""
+    with CORPUS.open(newline="") as f:
+        names = [r["name"] for r in csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
+    names += [NVJET, KV_CAST, FP8_CAST, INDEX_COPY, "", "x"]
+    names += [n.upper() for n in names[:50]] + [n + " \u017f\u212a" for n in names[:50]]
+    pats = {p for r in table.rules for p in (*r.name, *r.not_name)}
+    assert len(pats) > 20
+    for p in pats:
+        rx = re.compile(p.pattern, p.flags)
+        for n in names:
+            assert p.matches(n) == (rx.search(n) is not None), (p.pattern[:80], n[:80])
+
+
+@pytest.mark.parametrize(("pattern", "text", "want"), [
+    ("gemm|^bmm_|foo", "xbmm_gemm", True), ("gemm|^bmm_", "xbmm_", False), ("gemm|^bmm_", "bmm_x", True),
+    ("a(b|c)d|zz", "acd", True), ("a(b|c)d|zz", "bzz", True), ("a[|]b|q", "a|b", True), ("a[|]b|q", "ab", False),
+    (r"x\|y|q", "x|y", True), ("(?i)ABC|def", "abc", True), ("foo||bar", "zzz", True), ("Kern", "kern", True),
+    ("conv(?!ert)|winograd", "convert", False), ("conv(?!ert)|winograd", "WINOGRAD", True),
+])
+def test_name_pattern_alternatives(pattern: str, text: str, want: bool) -> None:
+    from traceinspect.classify.table import NamePattern
+
+    p = NamePattern(pattern, re.IGNORECASE)
+    assert p.matches(text) is want
+    assert (re.search(pattern, text, re.IGNORECASE) is not None) is want

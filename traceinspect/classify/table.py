@@ -34,6 +34,101 @@ _NAME_HITS_MAX = 100_000  # distinct names whose pattern results are kept
 MAX_MATCH_CHARS = 4096  # real kernel names stay under ~1.5 kB; CPU op paths under a few kB
 
 
+_META = frozenset("\\.^$*+?{}[]()|")
+
+
+def _alternatives(text: str) -> list[str] | None:
+    """The top-level ``|`` alternatives of a regex, or None when they cannot be told apart safely (an
+    unbalanced group or class, or a global inline flag that would apply to all of them)."""
+    if text.startswith("(?") and len(text) > 2 and text[2] in "aiLmsux":
+        return None
+    out, start, depth, i, n = [], 0, 0, 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "[":  # a class: up to the first ']' that is not its first character
+            j = i + 1
+            if j < n and text[j] == "^":
+                j += 1
+            if j < n and text[j] == "]":
+                j += 1
+            while j < n and text[j] != "]":
+                j += 2 if text[j] == "\\" else 1
+            if j >= n:
+                return None
+            i = j + 1
+            continue
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                return None
+        elif ch == "|" and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+        i += 1
+    if depth:
+        return None
+    out.append(text[start:])
+    return out
+
+
+class NamePattern:
+    """A kernel-name pattern of the class table, asked only whether it matches anywhere. Its top-level
+    alternatives that are plain ASCII text are found by substring search, which on long kernel names
+    is many times faster than the regex engine trying every alternative at every position; the other
+    alternatives form one regex (compiled at load, so a bad one is reported there). A name that is not
+    ASCII goes through the whole pattern, compiled on first use, so case-folding stays the regex's."""
+
+    __slots__ = ("_full", "_fold", "_literals", "_rest", "flags", "pattern")
+
+    def __init__(self, pattern: str, flags: int) -> None:
+        self.pattern, self.flags = pattern, flags
+        self._fold = bool(flags & re.IGNORECASE)
+        self._full: re.Pattern[str] | None = None
+        alts = _alternatives(pattern)
+        plain = [a for a in alts or () if a and a.isascii() and not _META.intersection(a)]
+        rest = [a for a in alts or () if a not in plain] if alts is not None else [pattern]
+        self._literals = tuple(dict.fromkeys(a.lower() if self._fold else a for a in plain))
+        self._rest = re.compile("|".join(rest), flags) if rest else None
+
+    def matches(self, text: str) -> bool:
+        """Whether the pattern matches anywhere in ``text`` (``re.search(...) is not None``)."""
+        if not text.isascii():
+            if self._full is None:
+                self._full = re.compile(self.pattern, self.flags)
+            return self._full.search(text) is not None
+        if self._literals:
+            folded = text.lower() if self._fold else text
+            for lit in self._literals:
+                if lit in folded:
+                    return True
+        return self._rest is not None and self._rest.search(text) is not None
+
+    def search(self, text: str) -> bool:
+        """:meth:`matches` under the name the regex patterns have (truthy when it matches)."""
+        return self.matches(text)
+
+    def __repr__(self) -> str:
+        return f"NamePattern({self.pattern!r})"
+
+
+_NAME_PATTERNS: dict[tuple[str, int], NamePattern] = {}
+
+
+def name_pattern(text: str, flags: int) -> NamePattern:
+    """The one :class:`NamePattern` of a pattern text and flags (shared, like ``re.compile``'s cache, so
+    that the rules that use one macro share its per-name results)."""
+    key = (text, flags)
+    p = _NAME_PATTERNS.get(key)
+    if p is None:
+        p = _NAME_PATTERNS[key] = NamePattern(text, flags)
+    return p
+
+
 @dataclass(frozen=True)
 class Label:
     """The class of one kernel: primary ``cls``, secondary ``cls2`` ('' unless fused), and why."""
@@ -54,8 +149,8 @@ class Rule:
     order: int
     source: str
     line: int
-    name: tuple[re.Pattern[str], ...] = ()
-    not_name: tuple[re.Pattern[str], ...] = ()
+    name: tuple[NamePattern, ...] = ()
+    not_name: tuple[NamePattern, ...] = ()
     op: re.Pattern[str] | None = None
     not_op: re.Pattern[str] | None = None
     has_op: bool | None = None
@@ -63,7 +158,7 @@ class Rule:
     verify: str | None = None
 
     def match(self, name: str, op_path: str, kind: str,
-              hit: Callable[[re.Pattern[str]], bool] | None = None) -> str | None:
+              hit: Callable[[NamePattern], bool] | None = None) -> str | None:
         """The evidence string if this rule matches, else None. ``hit(pattern)``, when given, says
         whether a name pattern matches ``name`` (a memo shared by the rules)."""
         if self.kind is not None and not self.kind.search(kind):
@@ -71,8 +166,8 @@ class Rule:
         if self.has_op is not None and self.has_op != bool(op_path):
             return None
         if hit is None:
-            def hit(p: re.Pattern[str]) -> bool:
-                return p.search(name) is not None
+            def hit(p: NamePattern) -> bool:
+                return p.matches(name)
         for p in self.name:
             if not hit(p):
                 return None
@@ -115,7 +210,7 @@ class ClassTable:
     extra: tuple[Path, ...] = ()
     promote: dict[str, Promotion] = field(default_factory=dict)
     _cache: dict[tuple[str, str, str], Label] = field(default_factory=dict, repr=False)
-    _name_hits: dict[str, dict[re.Pattern[str], bool]] = field(default_factory=dict, repr=False)
+    _name_hits: dict[str, dict[NamePattern, bool]] = field(default_factory=dict, repr=False)
 
     def classify(self, name: str, op_path: str = "", kind: str = "kernel") -> Label:
         """Label of one (name, op_path, kind) triple; memoised."""
@@ -131,10 +226,10 @@ class ClassTable:
         if hits is None:
             hits = {} if len(self._name_hits) >= _NAME_HITS_MAX else self._name_hits.setdefault(name, {})
 
-        def hit(p: re.Pattern[str]) -> bool:
+        def hit(p: NamePattern) -> bool:
             v = hits.get(p)
             if v is None:
-                v = hits[p] = p.search(name) is not None
+                v = hits[p] = p.matches(name)
             return v
 
         label = Label("other", "", UNMATCHED)
@@ -211,7 +306,7 @@ class _File:
         return out
 
 
-def _pattern(f: _File, node: yaml.Node, raw: Any, macros: dict[str, str], flags: int, key: str) -> re.Pattern[str]:
+def _pattern_text(f: _File, node: yaml.Node, raw: Any, macros: dict[str, str], key: str) -> str:
     if not isinstance(raw, str) or not raw.strip():
         raise f.error(node, f"'{key}' must be a non-empty regex string")
 
@@ -221,20 +316,32 @@ def _pattern(f: _File, node: yaml.Node, raw: Any, macros: dict[str, str], flags:
         return macros[m.group(1)]
 
     text = MACRO.sub(sub, raw)
-    text = re.sub(r"\s*\|\s*", "|", text).strip()  # long alternations may be folded over lines
+    return re.sub(r"\s*\|\s*", "|", text).strip()  # long alternations may be folded over lines
+
+
+def _pattern(f: _File, node: yaml.Node, raw: Any, macros: dict[str, str], flags: int, key: str) -> re.Pattern[str]:
+    text = _pattern_text(f, node, raw, macros, key)
     try:
         return re.compile(text, flags)
     except re.error as e:
         raise f.error(node, f"'{key}': bad regex: {e}") from None
 
 
+def _name_pattern(f: _File, node: yaml.Node, raw: Any, macros: dict[str, str], flags: int, key: str) -> NamePattern:
+    text = _pattern_text(f, node, raw, macros, key)
+    try:
+        return name_pattern(text, flags)
+    except re.error as e:
+        raise f.error(node, f"'{key}': bad regex: {e}") from None
+
+
 def _patterns(f: _File, node: yaml.Node, raw: Any, macros: dict[str, str], flags: int,
-              key: str) -> tuple[re.Pattern[str], ...]:
+              key: str) -> tuple[NamePattern, ...]:
     items = raw if isinstance(raw, list) else [raw]
     nodes = node.value if isinstance(node, yaml.SequenceNode) else [node] * len(items)
     if not items:
         raise f.error(node, f"'{key}' must not be empty")
-    return tuple(_pattern(f, n, r, macros, flags, key) for n, r in zip(nodes, items, strict=True))
+    return tuple(_name_pattern(f, n, r, macros, flags, key) for n, r in zip(nodes, items, strict=True))
 
 
 def _class_id(f: _File, node: yaml.Node, raw: Any, key: str) -> str:
@@ -309,7 +416,7 @@ def _parse_file(path: Path, base_macros: dict[str, str]) -> tuple[list[dict[str,
             if not isinstance(raw, str):
                 raise f.error(vn, f"macro '{name}' must be a string")
             macros[name] = MACRO.sub(lambda m: macros.get(m.group(1), m.group(0)), raw)
-            _pattern(f, vn, macros[name], macros, 0, f"macros.{name}")
+            _name_pattern(f, vn, macros[name], macros, 0, f"macros.{name}")
     rules: list[dict[str, Any]] = []
     if "rules" in top:
         seq = top["rules"][1]
