@@ -206,6 +206,7 @@ def test_replay_vectors_are_plain_arrays() -> None:
 @pytest.mark.parametrize("name,edits", [
     ("kv-full-cast-eager", ["host-gaps 0", "launch-cost 0"]),
     ("kv-full-cast-eager", ["remove class=kv_cast"]),
+    ("kv-full-cast-eager", ["host-speed 1.5 rank=1", "remove class=kv_cast"]),
     ("slow-rank-eager", ["host-from 1 0", "transfer 0.5"]),
     ("kv-full-cast-graph", ["kv-rows class=kv_cast", "async"]),
 ])

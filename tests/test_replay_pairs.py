@@ -229,6 +229,10 @@ def test_host_speed_edit_scales_the_host_timeline() -> None:
     both = two.predict([parse_edit("host-speed 2")])
     assert both.predicted_step_us < one.predicted_step_us <= one.replayed_step_us + 1.0
     assert parse_edit("host-speed 1.5").value == 1.5
+    # with a removal, in either order: the removed op's host time goes at the edited host speed
+    one_way = rp.predict([parse_edit("host-speed 2"), parse_edit("remove class=kv_cast")]).predicted_step_us
+    other = rp.predict([parse_edit("remove class=kv_cast"), parse_edit("host-speed 2")]).predicted_step_us
+    assert one_way == pytest.approx(other, rel=1e-6) and one_way < p.predicted_step_us
 
 
 def test_host_speed_ratio_of_a_trace_with_itself_is_one() -> None:

@@ -309,7 +309,8 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
     from dataclasses import replace
 
     p = replace(base, dur=base.dur.copy(), res=base.res.copy(), lA=base.lA.copy(), lS=base.lS.copy(),
-                gap=base.gap.copy(), hdur=base.hdur.copy(), block=base.block.copy(), r=base.r.copy())
+                gap=base.gap.copy(), hdur=base.hdur.copy(), block=base.block.copy(), r=base.r.copy(),
+                hspeed=base.hspeed.copy() if base.hspeed is not None else np.ones(len(m.h_t)))
     out = Applied(params=p)
     coll = m.g_inst >= 0
     for e in edits:
@@ -370,6 +371,7 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
             p.gap[hm] /= f
             nb = hm & ~p.block
             p.hdur[nb] /= f
+            p.hspeed[hm] *= f
         elif e.kind == "host-stalls":
             _remove_stalls(a, m, p, e, cache, out)
         elif e.kind == "graph-gaps":
@@ -455,7 +457,8 @@ def _remove_launches(m: Model, p: Params, mask: np.ndarray) -> None:
     if not len(gone):
         return
     gone = gone[~p.block[gone]]
-    p.gap[gone] = np.maximum(p.gap[gone] - m.h_op_in[gone], 0.0)
+    speed = p.hspeed[gone] if p.hspeed is not None else 1.0  # the op's host time at the edited host speed
+    p.gap[gone] = np.maximum(p.gap[gone] - m.h_op_in[gone] / speed, 0.0)
     p.hdur[gone] = 0.0
 
 

@@ -41,11 +41,13 @@ class Params:
     hdur: np.ndarray
     block: np.ndarray
     r: np.ndarray
+    hspeed: np.ndarray | None = None  # per host call: the host's speed factor (host-speed), 1 as measured
 
 
 def measured_params(m: Model) -> Params:
     return Params(dur=m.g_dur.copy(), res=m.g_res.copy(), lA=m.g_lA.copy(), lS=m.g_lS.copy(),
-                  gap=m.h_gap.copy(), hdur=m.h_dur.copy(), block=m.h_block.copy(), r=m.h_r.copy())
+                  gap=m.h_gap.copy(), hdur=m.h_dur.copy(), block=m.h_block.copy(), r=m.h_r.copy(),
+                  hspeed=np.ones(len(m.h_t)))
 
 
 @dataclass
