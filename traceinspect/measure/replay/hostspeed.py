@@ -21,13 +21,13 @@ import pandas as pd
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
-MIN_OPS = 10  # fewer places than this: undecided
+MIN_PLACES = 10  # fewer places than this: undecided
 
 
 @dataclass
 class RankSpeed:
     """Rank ``rank``: ``ratio`` = the first trace's marker time over the second's (above 1: the first
-    host ran slower), ``q25``/``q75`` the weighted quartiles of the names' ratios."""
+    host ran slower), ``q25``/``q75`` the weighted quartiles of the places' ratios."""
 
     rank: int
     ratio: float | None
@@ -55,6 +55,8 @@ class RankSpeed:
 
 @dataclass
 class HostSpeed:
+    """The host-speed ratio of two traces, rank by rank."""
+
     ranks: list[RankSpeed] = field(default_factory=list)
 
     @property
@@ -143,10 +145,10 @@ def host_speed_ratio(first: Analysis, second: Analysis) -> HostSpeed:
             continue
         j = ta.merge(tb, on=["name", "k"], how="inner", suffixes=("_a", "_b"))
         j = j[(j["us_a"] > 0) & (j["us_b"] > 0)]
-        if len(j) < MIN_OPS:
+        if len(j) < MIN_PLACES:
             out.ranks.append(RankSpeed(int(r), None, places=len(j), reason=(
                 f"only {len(j)} CPU ops run at the same place of a step in both traces on rank {r} "
-                f"(at least {MIN_OPS} needed)")))
+                f"(at least {MIN_PLACES} needed)")))
             continue
         ratio = (j["us_a"] / j["us_b"]).to_numpy(dtype=np.float64)
         wt = ((j["us_a"] + j["us_b"]) / 2.0).to_numpy(dtype=np.float64)
