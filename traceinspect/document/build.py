@@ -91,11 +91,14 @@ def _rank_samples(a: Analysis) -> list[dict[str, Any]]:
     cs = a.class_steps
     wide = (cs.pivot_table(index="step", columns="cls", values="us", aggfunc="sum", fill_value=0.0, observed=True)
             if len(cs) else pd.DataFrame())
+    cols = [str(c) for c in wide.columns]
+    present = sel.index.isin(wide.index).tolist() if cols else [False] * len(sel)
+    values = wide.reindex(sel.index).to_numpy() if cols else None  # one row per step, read row by row
     out = []
-    for step_id, rank, span in zip(sel.index.tolist(), sel["rank"].tolist(), sel["span_us"].tolist(), strict=True):
-        row = wide.loc[step_id] if step_id in wide.index else {}
+    for i, (rank, span) in enumerate(zip(sel["rank"].tolist(), sel["span_us"].tolist(), strict=True)):
+        row = zip(cols, values[i], strict=True) if present[i] and values is not None else ()
         out.append({"rank": int(rank), "step_us": json_num(span),
-                    "classes": {str(c): json_num(v) for c, v in dict(row).items() if v}})
+                    "classes": {c: json_num(v) for c, v in row if v}})
     return out
 
 
