@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from traceinspect.document import REPORT, SCHEMA
@@ -82,6 +83,16 @@ def server_config(si: dict[str, Any] | None) -> dict[str, Any]:
         if isinstance(v, (str, int, float, bool)) or v is None:
             out[k] = v
     return {k: out[k] for k in sorted(out) if not _VOLATILE.search(k)}
+
+
+def _step_samples(samples: pd.DataFrame) -> list[dict[str, Any]]:
+    """One entry per aligned step: the TP step time and the mean per-rank time of each class."""
+    cls_cols = [c for c in samples.columns if str(c).startswith("class.")]
+    step = samples["step_us"].to_numpy(dtype=np.float64) if len(samples) else np.zeros(0)
+    values = samples[cls_cols].to_numpy(dtype=np.float64) if cls_cols else np.zeros((len(samples), 0))
+    names = [str(c)[6:] for c in cls_cols]
+    return [{"step_us": json_num(st), "classes": {c: json_num(v) for c, v in zip(names, row, strict=True)}}
+            for st, row in zip(step, values, strict=True)]
 
 
 def _rank_samples(a: Analysis) -> list[dict[str, Any]]:
@@ -172,9 +183,7 @@ def build_document(a: Analysis) -> dict[str, Any]:
             "found": {str(k): int(v) for k, v in a.steps.groupby("phase").size().items()},
             "analysed": {str(k): int(v) for k, v in a.selected.groupby("phase").size().items()},
             "excluded_edge": int(a.steps["edge"].sum()),
-            "samples": [{"step_us": json_num(r["step_us"]),
-                         "classes": {c[6:]: json_num(v) for c, v in r.items() if c.startswith("class.")}}
-                        for _, r in samples.iterrows()],
+            "samples": _step_samples(samples),
             "rank_samples": _rank_samples(a),
         },
         "server_config": server_config(a.server_info),
