@@ -59,7 +59,8 @@ def _ms(v: float | None) -> str:
                    "launch-cost, host-speed, host-from, async, kv-rows, trim, gemm-m, graph-gaps (docs/whatif.md).")
 @click.option("--host-speed-of", "host_of", type=click.Path(exists=True), metavar="PATH",
               help="Give the trace the host speed of another capture of the same work (PATH), per rank, measured "
-                   "on the CPU-only ops both run alike ('host-speed' edits); undecided where they share too few.")
+                   "on the own host time of the CPU ops both run at the same place of a step ('host-speed' edits); "
+                   "undecided where they share too few (a CUDA-graph capture runs none).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the prediction as JSON here.")
 def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str, ...], host_of: str | None,
                json_out: str | None, **kw: Any) -> None:
@@ -116,7 +117,7 @@ def _print(p: Any, doc: dict[str, Any], labels: list[str]) -> None:
     for r in (doc.get("host_speed_of") or {}).get("ranks", []):
         if r["ratio"] is not None:
             echo(f"  host speed: rank {r['rank']} ran {r['ratio']:.3f}x the time of the other capture's host on "
-                 f"{r['names']} CPU-only ops (quartiles {r['q25']:.3f}-{r['q75']:.3f})")
+                 f"{r['places']} CPU ops run alike (quartiles {r['q25']:.3f}-{r['q75']:.3f})")
     for n in doc["notes"]:
         echo(f"  note: {n}")
     for u in doc["undecided"]:

@@ -1,12 +1,13 @@
-"""How fast one trace's host ran against another's, from CPU work both did alike.
+"""How fast one trace's host ran against another's, from host work both did alike.
 
-The marker: CPU ops that launch nothing (no runtime call inside any instance, no GPU work attributed
-to them: ``aten::slice``, ``aten::view``, ``aten::empty``...) and that both traces run equally often per
-step. Their host time depends on the host's speed alone, not on what the GPU does, so the ratio of their
-time in two traces is the ratio of the two hosts' speeds. Per op name: the median over the analysed
-steps of its time per step (each rank apart); per rank: the time-weighted median of the names' ratios,
-with the weighted quartiles as the spread. Medians over steps, not over single calls, because a host
-that switches speed within a capture makes single calls bimodal while the step median is one step's.
+The marker: the CPU ops both traces run at the same place of a step (the k-th top-level call of an op
+name in the step, on the rank's launching thread), each op's own host time: its duration minus the
+runtime calls inside it (a launch can wait for the GPU, and the GPU is what a fix changes). Ops around a
+blocking call (``blocking_calls`` in ``rules/tables/replay.yaml``) are left out: they wait for the GPU.
+What a fix does to the host lies in a few places (a busy wait between ops, an op more or less) or in no
+op at all (GPU work), so the median over all places reads the host's speed. Per place: the median over
+the analysed steps (a host that switches speed within a capture makes single calls bimodal); per rank:
+the time-weighted median of the places' ratios, the weighted quartiles as its spread.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pandas as pd
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
-MIN_OPS = 3  # fewer marker op names than this: undecided
+MIN_OPS = 10  # fewer places than this: undecided
 
 
 @dataclass
@@ -32,7 +33,7 @@ class RankSpeed:
     ratio: float | None
     q25: float | None = None
     q75: float | None = None
-    names: int = 0
+    places: int = 0  # places (op name, k-th call in the step) compared
     marker_us_per_step: float = 0.0  # the second trace's marker time per step
     reason: str = ""
 
@@ -48,7 +49,7 @@ class RankSpeed:
             return None if x is None else round(float(x), 4)
 
         return {"rank": self.rank, "ratio": r(self.ratio), "q25": r(self.q25), "q75": r(self.q75),
-                "spread": r(self.spread), "names": self.names,
+                "spread": r(self.spread), "places": self.places,
                 "marker_us_per_step": round(self.marker_us_per_step, 1), "reason": self.reason or None}
 
 
@@ -75,81 +76,81 @@ def _weighted_quantile(v: np.ndarray, w: np.ndarray, q: float) -> float:
 
 
 def marker_table(a: Analysis) -> pd.DataFrame:
-    """Per rank and CPU-only op name: calls per step and median host time per step over the analysed
-    steps (``rank, name, calls, us``), and whether every call launched nothing (``cpu_only``)."""
+    """Per rank and place (``name``, ``k``: the k-th top-level call of that op name in a step, on the
+    rank's launching thread): the median over the analysed steps of the op's own host time (``us``:
+    duration minus the runtime calls inside it); ops around a blocking call are left out."""
+    from traceinspect.measure.replay.model import load_settings
+    from traceinspect.tables import per_distinct
+
     ts, sel = a.trace, a.selected
     ops, rt = ts.cpu_ops, ts.runtime
-    cols = ["rank", "name", "calls", "us", "cpu_only"]
+    cols = ["rank", "name", "k", "us"]
     if sel is None or not len(sel) or ops is None or not len(ops):
         return pd.DataFrame(columns=cols)
-    launched = np.zeros(len(ops), dtype=bool)
-    k = a.kernels
-    if "op_idx" in k.columns:
-        oi = k["op_idx"].to_numpy()
-        oi = oi[(oi >= 0) & (oi < len(ops))].astype(np.int64)
-        launched[oi] = True
+    blocking = load_settings().blocking
     out: list[pd.DataFrame] = []
-    o_rank, o_tid = ops["rank"].to_numpy(), ops["tid"].to_numpy()
-    o_ts, o_end = ops["ts"].to_numpy(dtype=np.float64), ops["end"].to_numpy(dtype=np.float64)
-    names = ops["name"].to_numpy(dtype=object)
+    top = ops[ops["parent"].to_numpy() < 0] if "parent" in ops.columns else ops
     for r, g in sel.groupby("rank"):
         lo = g["cpu_start"].to_numpy(dtype=np.float64)
         hi = g["cpu_end"].to_numpy(dtype=np.float64)
         ok = np.isfinite(lo) & np.isfinite(hi)
-        lo, hi = lo[ok], hi[ok]
-        if not len(lo):
+        lo, hi = np.sort(lo[ok]), np.sort(hi[ok])
+        o = top[top["rank"].to_numpy() == r]
+        if not len(lo) or not len(o):
             continue
-        order = np.argsort(lo)
-        lo, hi = lo[order], hi[order]
-        idx = np.nonzero(o_rank == r)[0]
-        w = np.searchsorted(lo, o_ts[idx], side="right") - 1
-        inside = (w >= 0) & (o_ts[idx] < hi[np.maximum(w, 0)])
-        idx, w = idx[inside], w[inside]
-        if not len(idx):
-            continue
-        has_rt = launched[idx].copy()
+        tid = o["tid"].value_counts().index[0]  # the launching thread: the one running most ops
+        o = o[o["tid"].to_numpy() == tid]
+        o_ts = o["ts"].to_numpy(dtype=np.float64)
+        o_end = o_ts + o["dur"].to_numpy(dtype=np.float64)
+        w = np.searchsorted(lo, o_ts, side="right") - 1
+        inside = (w >= 0) & (o_ts < hi[np.maximum(w, 0)])
+        own = o["dur"].to_numpy(dtype=np.float64).copy()
+        blocked = np.zeros(len(o), dtype=bool)
         if rt is not None and len(rt):
-            rr = rt[rt["rank"].to_numpy() == r]
-            for tid in np.unique(o_tid[idx]):
-                m = o_tid[idx] == tid
-                rts = np.sort(rr["ts"].to_numpy(dtype=np.float64)[rr["tid"].to_numpy() == tid])
-                n_in = np.searchsorted(rts, o_end[idx[m]], side="left") - np.searchsorted(rts, o_ts[idx[m]], side="left")
-                has_rt[m] |= n_in > 0
-        df = pd.DataFrame({"name": names[idx], "step": w, "dur": ops["dur"].to_numpy(dtype=np.float64)[idx],
-                           "launches": has_rt})
-        per = df.groupby(["name", "step"], sort=False).agg(us=("dur", "sum"), calls=("dur", "size"))
-        full = per.unstack("step", fill_value=0)  # steps where a name is absent count 0
-        t = pd.DataFrame({"rank": int(r), "name": full.index,
-                          "calls": np.median(full["calls"].reindex(columns=range(len(lo)), fill_value=0), axis=1),
-                          "us": np.median(full["us"].reindex(columns=range(len(lo)), fill_value=0.0), axis=1),
-                          "cpu_only": ~df.groupby("name", sort=False)["launches"].any().reindex(full.index).to_numpy()})
-        out.append(t)
+            rr = rt[(rt["rank"].to_numpy() == r) & (rt["tid"].to_numpy() == tid)].sort_values("ts")
+            r_ts = rr["ts"].to_numpy(dtype=np.float64)
+            cum = np.r_[0.0, np.cumsum(rr["dur"].to_numpy(dtype=np.float64))]
+            i0 = np.searchsorted(r_ts, o_ts, side="left")
+            i1 = np.searchsorted(r_ts, o_end, side="left")
+            own -= cum[i1] - cum[i0]
+            b_ts = r_ts[per_distinct(rr["name"], lambda x: bool(blocking.search(str(x))))] if len(rr) else r_ts
+            blocked = np.searchsorted(b_ts, o_end, side="left") > np.searchsorted(b_ts, o_ts, side="left")
+        keep = inside & ~blocked
+        df = pd.DataFrame({"name": o["name"].to_numpy(dtype=object)[keep], "step": w[keep], "us": own[keep]})
+        if not len(df):
+            continue
+        df["k"] = df.groupby(["step", "name"], sort=False).cumcount()
+        per = df.groupby(["name", "k"], sort=False)["us"].median().reset_index()
+        per.insert(0, "rank", int(r))
+        out.append(per)
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=cols)
 
 
 def host_speed_ratio(first: Analysis, second: Analysis) -> HostSpeed:
-    """Per rank present in both: ``first``'s host time over ``second``'s on the marker ops (see the
-    module docstring). ``host-speed RATIO rank=R`` on ``first`` gives it ``second``'s host speed."""
+    """Per rank present in both: ``first``'s host time over ``second``'s on the marker (see the module
+    docstring). ``host-speed RATIO rank=R`` on ``first`` gives it ``second``'s host speed."""
     a, b = marker_table(first), marker_table(second)
     out = HostSpeed()
-    for r in sorted(set(a["rank"]) | set(b["rank"])):
-        ta, tb = a[a["rank"] == r].set_index("name"), b[b["rank"] == r].set_index("name")
+    ranks = set(a["rank"]) | set(b["rank"]) | {int(x) for x in first.selected["rank"]} | \
+        {int(x) for x in second.selected["rank"]}
+    for r in sorted(ranks):
+        ta, tb = a[a["rank"] == r], b[b["rank"] == r]
         if not len(ta) or not len(tb):
-            out.ranks.append(RankSpeed(int(r), None, reason=f"rank {r} is not in both traces"))
+            which = "neither trace runs" if not len(ta) and not len(tb) else \
+                f"the {'first' if not len(ta) else 'second'} trace runs"
+            out.ranks.append(RankSpeed(int(r), None, reason=(
+                f"{which} a CPU op inside its steps on rank {r} (a CUDA-graph replay runs none)")))
             continue
-        j = ta.merge(tb, left_index=True, right_index=True, how="inner", suffixes=("_a", "_b"))
-        j = j[j["cpu_only_a"] & j["cpu_only_b"] & (j["calls_a"] == j["calls_b"]) & (j["calls_a"] > 0)
-              & (j["us_a"] > 0) & (j["us_b"] > 0)]
+        j = ta.merge(tb, on=["name", "k"], how="inner", suffixes=("_a", "_b"))
+        j = j[(j["us_a"] > 0) & (j["us_b"] > 0)]
         if len(j) < MIN_OPS:
-            none = next((w for w, t in (("first", ta), ("second", tb)) if not t["cpu_only"].any()), None)
-            out.ranks.append(RankSpeed(int(r), None, names=len(j), reason=(
-                f"the {none} trace runs no CPU-only op inside its steps on rank {r} (a CUDA-graph replay runs none)"
-                if none else f"only {len(j)} CPU-only op names run equally often in both traces on rank {r} "
+            out.ranks.append(RankSpeed(int(r), None, places=len(j), reason=(
+                f"only {len(j)} CPU ops run at the same place of a step in both traces on rank {r} "
                 f"(at least {MIN_OPS} needed)")))
             continue
         ratio = (j["us_a"] / j["us_b"]).to_numpy(dtype=np.float64)
         wt = ((j["us_a"] + j["us_b"]) / 2.0).to_numpy(dtype=np.float64)
         out.ranks.append(RankSpeed(int(r), _weighted_quantile(ratio, wt, 0.5), _weighted_quantile(ratio, wt, 0.25),
-                                   _weighted_quantile(ratio, wt, 0.75), names=len(j),
+                                   _weighted_quantile(ratio, wt, 0.75), places=len(j),
                                    marker_us_per_step=float(j["us_b"].sum())))
     return out
