@@ -311,3 +311,29 @@ def test_differential_mutated_traces(data: bytes, size: int) -> None:
         assert want is None and got is None, ("python", want is not None, "native", got is not None)
         return
     assert_same(got, want)
+
+
+def test_nest_parents_native_equals_numpy() -> None:
+    """The native stack walk finds each op's enclosing op exactly as the numpy pointer jumping does: random
+    nested intervals per thread, equal starts, zero durations, overlaps that do not nest, and NaN times."""
+    import numpy as np
+
+    from traceinspect import link
+
+    native = parse._native
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        n = int(rng.integers(1, 3000))
+        key = np.sort(rng.integers(0, 1 + trial % 5, n)).astype(np.int64)
+        ts = np.round(rng.uniform(0, 1000, n), 0 if trial % 3 == 0 else 3)
+        dur = np.where(rng.random(n) < 0.1, 0.0, rng.exponential(50 if trial % 2 else 400, n))
+        if trial % 4 == 0:
+            ts[rng.random(n) < 0.02] = np.nan
+        order = np.lexsort((-dur, ts, key))
+        key, ts, end = key[order], ts[order], (ts + dur)[order]
+        got = np.frombuffer(native.nest_parents(key, ts, end), dtype=np.int64)
+        assert np.array_equal(got, link._nest_parents_numpy(key, ts, end)), trial
+    with pytest.raises(TypeError):
+        native.nest_parents(np.zeros(3, dtype=np.int32), np.zeros(3), np.zeros(3))
+    with pytest.raises(TypeError):
+        native.nest_parents(np.zeros(3, dtype=np.int64), np.zeros(2), np.zeros(3))

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.load import duplicate_warning
+from traceinspect.load.native import native_available, native_module
 from traceinspect.load.parse import ParsedRank
 from traceinspect.model import TraceSet
 from traceinspect.tables import factorize_text, string_column
@@ -43,6 +44,38 @@ def _sort_ops(key: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
     return order
 
 
+def _nest_parents(key: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """For ops sorted per thread by (ts, -dur): the position of each op's innermost enclosing op, or -1
+    (see :class:`_OpTree`); one stack walk in the native module, else pointer jumping in numpy."""
+    key = np.ascontiguousarray(key, dtype=np.int64)
+    ts = np.ascontiguousarray(ts, dtype=np.float64)
+    end = np.ascontiguousarray(end, dtype=np.float64)
+    native = native_module() if native_available() else None
+    if native is not None and hasattr(native, "nest_parents"):
+        return np.frombuffer(native.nest_parents(key, ts, end), dtype=np.int64)
+    return _nest_parents_numpy(key, ts, end)
+
+
+def _nest_parents_numpy(key: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarray:
+    n = len(key)
+    cand = np.arange(-1, n - 1, dtype=np.int64)
+    if n:
+        cand[1:][key[1:] != key[:-1]] = -1
+    par = np.full(n, -2, dtype=np.int64)  # -2: not yet known
+    active = np.arange(n, dtype=np.int64)
+    while active.size:
+        c = cand[active]
+        root = c < 0
+        par[active[root]] = -1
+        active, c = active[~root], c[~root]
+        hit = end[c] >= ts[active]
+        par[active[hit]] = c[hit]
+        active, c = active[~hit], c[~hit]
+        pc = par[c]
+        cand[active] = np.where(pc != -2, pc, cand[c])
+    return par
+
+
 class _OpTree:
     """CPU ops sorted per thread by (ts, -dur), with each op's innermost enclosing op.
 
@@ -53,29 +86,13 @@ class _OpTree:
     """
 
     def __init__(self, ops: pd.DataFrame) -> None:
-        n = len(ops)
         key = _thread_key(ops)
         ts = ops["ts"].to_numpy()
         self.order = _sort_ops(key, ts, ops["dur"].to_numpy())
         self.key = key[self.order]
         self.ts = ts[self.order]
         self.end = ops["end"].to_numpy()[self.order]
-        cand = np.arange(-1, n - 1, dtype=np.int64)
-        if n:
-            cand[1:][self.key[1:] != self.key[:-1]] = -1
-        par = np.full(n, -2, dtype=np.int64)  # -2: not yet known
-        active = np.arange(n, dtype=np.int64)
-        while active.size:
-            c = cand[active]
-            root = c < 0
-            par[active[root]] = -1
-            active, c = active[~root], c[~root]
-            hit = self.end[c] >= self.ts[active]
-            par[active[hit]] = c[hit]
-            active, c = active[~hit], c[~hit]
-            pc = par[c]
-            cand[active] = np.where(pc != -2, pc, cand[c])
-        self.parent_sorted = par
+        self.parent_sorted = _nest_parents(self.key, self.ts, self.end)
 
     def parents(self) -> np.ndarray:
         """Row of the innermost enclosing op on the same thread, or -1, in the table's row order."""

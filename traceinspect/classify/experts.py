@@ -113,12 +113,20 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel 
     op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
     inputs = OpInputs(ts.cpu_ops) if len(ts.cpu_ops) else None
     pow2 = 1 << max(n_exp - 1, 0).bit_length()
-    memo: dict[tuple[str, int], tuple[str, str] | None] = {}
+    memo: dict[tuple[Any, ...], tuple[str, str] | None] = {}
+    shaped: dict[Any, bool] = {}  # per distinct recorded chain (ops recorded alike answer alike)
     for r in rows:
         o = int(op_idx[r])
-        key = (names[r], o if inputs is not None and o >= 0 and inputs.has_shapes(o) else -1)
+        sig: Any = -1
+        if inputs is not None and o >= 0:
+            sig = inputs.signature(o, 4)
+            sig = o if sig is None else sig
+            if sig not in shaped:
+                shaped[sig] = inputs.has_shapes(o)
+            sig = sig if shaped[sig] else -1
+        key = (names[r], sig)
         if key not in memo:
-            size, how = _routing_size(names[r], key[1], inputs)
+            size, how = _routing_size(names[r], o if sig != -1 else -1, inputs)
             if size is None:
                 memo[key] = None
             elif size == n_exp or (how.startswith("softmax_warp") and size == pow2):

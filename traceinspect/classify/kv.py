@@ -170,7 +170,9 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
         recur = _recurrence(k, rows, ctx)
         attn_cache: dict[tuple[int, int], bool] = {}
         memo: dict[tuple[Any, str, bool, bool], str | None] = {}
-        shaped: dict[tuple[int, int, Any], str | None] = {}
+        # ops that recorded the same chain of names and shapes get the same answer: judged once
+        shaped: dict[tuple[Any, ...], str | None] = {}
+        has: dict[tuple[int, Any], bool] = {}
         for r in rows:
             rec = recur.get((ranks[r], names[r]))
             if captured[r] and cap_op[r] >= 0:
@@ -178,8 +180,15 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
                     f"graph replay, {CAPTURED_NOTE}: "
             else:
                 inputs, o, src, how = eager, int(op_idx[r]), -1, ""
-            if inputs is not None and o >= 0 and inputs.has_shapes(o):
-                key3 = (src, o, rec)
+            shapes = False
+            if inputs is not None and o >= 0:
+                sig = inputs.signature(o)
+                skey = (src, sig if sig is not None else o)
+                shapes = has.get(skey)
+                if shapes is None:
+                    shapes = has[skey] = inputs.has_shapes(o)
+            if shapes:
+                key3 = (*skey, rec)
                 if key3 not in shaped:
                     shaped[key3] = _shape_evidence(inputs, o, src, ctx, target, rec, attn_cache, pool_shapes)
                 reason = shaped[key3]

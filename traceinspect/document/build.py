@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from traceinspect.document import REPORT, SCHEMA
@@ -84,6 +85,16 @@ def server_config(si: dict[str, Any] | None) -> dict[str, Any]:
     return {k: out[k] for k in sorted(out) if not _VOLATILE.search(k)}
 
 
+def _step_samples(samples: pd.DataFrame) -> list[dict[str, Any]]:
+    """One entry per aligned step: the TP step time and the mean per-rank time of each class."""
+    cls_cols = [c for c in samples.columns if str(c).startswith("class.")]
+    step = samples["step_us"].to_numpy(dtype=np.float64) if len(samples) else np.zeros(0)
+    values = samples[cls_cols].to_numpy(dtype=np.float64) if cls_cols else np.zeros((len(samples), 0))
+    names = [str(c)[6:] for c in cls_cols]
+    return [{"step_us": json_num(st), "classes": {c: json_num(v) for c, v in zip(names, row, strict=True)}}
+            for st, row in zip(step, values, strict=True)]
+
+
 def _rank_samples(a: Analysis) -> list[dict[str, Any]]:
     """One entry per analysed step of each rank: the rank's GPU span and its time per class. The gate
     pools these across ranks for classes whose time on one rank does not depend on the others."""
@@ -91,11 +102,14 @@ def _rank_samples(a: Analysis) -> list[dict[str, Any]]:
     cs = a.class_steps
     wide = (cs.pivot_table(index="step", columns="cls", values="us", aggfunc="sum", fill_value=0.0, observed=True)
             if len(cs) else pd.DataFrame())
+    cols = [str(c) for c in wide.columns]
+    present = sel.index.isin(wide.index).tolist() if cols else [False] * len(sel)
+    values = wide.reindex(sel.index).to_numpy() if cols else None  # one row per step, read row by row
     out = []
-    for step_id, rank, span in zip(sel.index.tolist(), sel["rank"].tolist(), sel["span_us"].tolist(), strict=True):
-        row = wide.loc[step_id] if step_id in wide.index else {}
+    for i, (rank, span) in enumerate(zip(sel["rank"].tolist(), sel["span_us"].tolist(), strict=True)):
+        row = zip(cols, values[i], strict=True) if present[i] and values is not None else ()
         out.append({"rank": int(rank), "step_us": json_num(span),
-                    "classes": {str(c): json_num(v) for c, v in dict(row).items() if v}})
+                    "classes": {c: json_num(v) for c, v in row if v}})
     return out
 
 
@@ -169,9 +183,7 @@ def build_document(a: Analysis) -> dict[str, Any]:
             "found": {str(k): int(v) for k, v in a.steps.groupby("phase").size().items()},
             "analysed": {str(k): int(v) for k, v in a.selected.groupby("phase").size().items()},
             "excluded_edge": int(a.steps["edge"].sum()),
-            "samples": [{"step_us": json_num(r["step_us"]),
-                         "classes": {c[6:]: json_num(v) for c, v in r.items() if c.startswith("class.")}}
-                        for _, r in samples.iterrows()],
+            "samples": _step_samples(samples),
             "rank_samples": _rank_samples(a),
         },
         "server_config": server_config(a.server_info),

@@ -1716,9 +1716,60 @@ error:
     return NULL;
 }
 
+/* nest_parents(key, ts, end) -> bytearray of int64: for ops sorted per thread by (ts, -dur) (key: the
+ * thread, int64; ts, end: float64), the position of each op's innermost enclosing op, or -1: the nearest
+ * earlier op of the same thread, walking up from the previous op through its enclosing ops, that has not
+ * ended before this op starts. A NaN time encloses nothing. */
+static PyObject *nest_parents(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *ko, *to, *eo;
+    if (!PyArg_ParseTuple(args, "OOO", &ko, &to, &eo)) return NULL;
+    Py_buffer kb, tb, eb;
+    if (PyObject_GetBuffer(ko, &kb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    if (PyObject_GetBuffer(to, &tb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&kb);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(eo, &eb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&kb);
+        PyBuffer_Release(&tb);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t n = kb.len / 8;
+    if (kb.itemsize != 8 || tb.itemsize != 8 || eb.itemsize != 8 || !kb.format || !tb.format || !eb.format ||
+        (kb.format[0] != 'l' && kb.format[0] != 'q') || tb.format[0] != 'd' || eb.format[0] != 'd' ||
+        tb.len != kb.len || eb.len != kb.len) {
+        PyErr_SetString(PyExc_TypeError, "nest_parents takes int64 keys and float64 ts and end of one length");
+        goto done;
+    }
+    res = PyByteArray_FromStringAndSize(NULL, n * 8);
+    if (!res) goto done;
+    {
+        const int64_t *key = (const int64_t *)kb.buf;
+        const double *ts = (const double *)tb.buf, *end = (const double *)eb.buf;
+        int64_t *par = (int64_t *)(void *)PyByteArray_AS_STRING(res);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t c = -1;
+            if (i > 0 && key[i] == key[i - 1]) {
+                c = (int64_t)(i - 1);
+                while (c >= 0 && !(end[c] >= ts[i])) c = par[c];
+            }
+            par[i] = c;
+        }
+        Py_END_ALLOW_THREADS
+    }
+done:
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&tb);
+    PyBuffer_Release(&eb);
+    return res;
+}
+
 static PyMethodDef module_methods[] = {
     {"column_types", col_types, METH_NOARGS, "column name -> storage ('f', 'i', 's', 'r')"},
     {"factorize", factorize, METH_O, "factorize(list) -> (int64 codes as a bytearray, uniques)"},
+    {"nest_parents", nest_parents, METH_VARARGS, "nest_parents(key, ts, end) -> int64 parent positions"},
     {NULL, NULL, 0, NULL},
 };
 

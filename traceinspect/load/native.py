@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -47,6 +48,11 @@ def native_available() -> bool:
     import os
 
     return _native is not None and os.environ.get("TRACEINSPECT_NATIVE", "1") != "0"
+
+
+def native_module() -> Any:
+    """The compiled module (None when it is not built)."""
+    return _native
 
 
 def _route(cat: str) -> int | None:

@@ -452,6 +452,19 @@ class OpInputs:
             i = int(self.parent[i])
         return out
 
+    def signature(self, i: int, depth: int = 8) -> tuple[Any, ...] | None:
+        """What the op and up to ``depth`` enclosing ops recorded (name, raw shapes, raw types): ops with
+        equal signatures read alike to every shape test over that chain. None when a recorded value is
+        not raw JSON (not hashable)."""
+        dims, types = self.dims, self.types
+        sig = tuple((self.names[j], dims[j] if dims is not None else None, types[j] if types is not None else None)
+                    for j in self.chain(i, depth))
+        try:
+            hash(sig)
+        except TypeError:
+            return None
+        return sig
+
     def has_shapes(self, i: int) -> bool:
         return any(self.tensors(j) for j in self.chain(i))
 

@@ -1,0 +1,105 @@
+"""Two checkouts of traceinspect on the benchmark's traces, paired in one run: is a change as fast as what
+it replaced?
+
+    python benchmarks/compare.py --base /path/to/other/checkout --work /tmp/benchwork
+    python benchmarks/compare.py --base ../old --cases small,hta --repeat 5
+
+Each case alternates the two checkouts' ``python -m traceinspect`` (each checkout first on its own
+``PYTHONPATH``, byte-compiled as ``pip install`` does), ``--repeat`` times, cache off, on the traces
+``bench.py`` makes (made here if ``--work`` does not have them yet): ``small`` (``analyze`` of 5 MB),
+``hta`` (``analyze`` of 114 MB), ``big`` (``analyze`` of 1 GB of plain JSON) and ``ranks`` (``report``
+of 8 rank files). Prints, per case, min and median wall time, median CPU time and peak RSS of both,
+and the ratio of the medians (this checkout over the base); ``--json`` writes them. The exit status is
+1 when a case's median wall time or peak RSS is more than ``--tolerance`` (default 5%) over the base's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402 - the benchmark's trace maker and runner
+
+ROOT = bench.ROOT
+SIZES = {"small": ("small_mb", 5.0, 1, False), "hta": ("hta_mb", 114.0, 1, False),
+         "big": ("big_mb", 1000.0, 1, True), "ranks": ("rank_mb", 122.0, 8, False)}
+
+
+def _env(checkout: Path) -> dict[str, str]:
+    return {**bench._ENV, "PYTHONPATH": str(checkout)}
+
+
+def _command(case: str, target: Path, out: Path) -> list[str]:
+    if case == "ranks":
+        return bench._ti("report", str(target), "-o", str(out), "--no-cache")
+    return bench._ti("analyze", str(target), "--no-cache", "--quiet")
+
+
+def _target(case: str, work: Path, gen: Path, source: Path) -> Path:
+    _, mb, ranks, plain = SIZES[case]
+    d = work / case
+    bench.make_set(source, d, mb, ranks, gen, plain=plain)
+    if case == "ranks":
+        return d
+    return next(d.glob("*.trace.json" if plain else "*.trace.json.gz"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", required=True, type=Path, help="the other checkout (its repository root)")
+    ap.add_argument("--cases", default="small,hta,big,ranks")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--work", type=Path, default=None, help="where the traces are kept (default: a temp dir)")
+    ap.add_argument("--source", type=Path, default=bench.DEFAULT_SOURCE)
+    ap.add_argument("--tolerance", type=float, default=0.05)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    base = args.base.resolve()
+    if not (base / "traceinspect" / "__init__.py").is_file():
+        ap.error(f"{base}: not a traceinspect checkout (no traceinspect/__init__.py)")
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = set(cases) - set(SIZES)
+    if unknown:
+        ap.error(f"unknown case(s): {', '.join(sorted(unknown))} (known: {', '.join(SIZES)})")
+    for checkout in (ROOT, base):
+        compileall.compile_dir(checkout / "traceinspect", quiet=1)
+    work = args.work or Path(tempfile.mkdtemp(prefix="ti-compare-"))
+    gen = work / "gen"
+    gen.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"this": str(ROOT), "base": str(base), "repeat": args.repeat, "cases": {}}
+    slower = []
+    for case in cases:
+        target = _target(case, work, gen, args.source)
+        out = work / f"compare-{case}.html"
+        load0 = bench._load()
+        this_runs, base_runs = [], []
+        for _ in range(args.repeat):  # alternated, so drift in the machine's load falls on both
+            base_runs.append(bench.run(_command(case, target, out), env=_env(base)))
+            this_runs.append(bench.run(_command(case, target, out), env=_env(ROOT)))
+        this, other = bench._stats(this_runs), bench._stats(base_runs)
+        ratio = this["median_s"] / other["median_s"]
+        rss = this["peak_rss_mb"] / other["peak_rss_mb"]
+        res["cases"][case] = {"this": this, "base": other, "time_ratio": round(ratio, 3), "rss_ratio": round(rss, 3),
+                              "load_average": [load0, bench._load()]}
+        print(f"{case:6s} this {this['median_s']:7.2f} s (min {this['min_s']:.2f}, cpu {this['cpu_median_s']:.2f}, "
+              f"{this['peak_rss_mb']:.0f} MB)  base {other['median_s']:7.2f} s (min {other['min_s']:.2f}, "
+              f"cpu {other['cpu_median_s']:.2f}, {other['peak_rss_mb']:.0f} MB)  time x{ratio:.3f}  rss x{rss:.3f}",
+              flush=True)
+        if ratio > 1 + args.tolerance or rss > 1 + args.tolerance:
+            slower.append(case)
+    res["slower"] = slower
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1) + "\n")
+    return 1 if slower else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    sys.exit(main())
