@@ -1766,10 +1766,198 @@ done:
     return res;
 }
 
+/* the int64 or float64 contents of a C-contiguous buffer of 8-byte items; 0, or -1 with TypeError set */
+static int buf8(PyObject *o, Py_buffer *b, char kind, const char *what) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    const char *f = b->format ? b->format : "B";
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+    int ok = b->itemsize == 8 && b->ndim <= 1 && f[1] == '\0' &&
+             (kind == 'd' ? f[0] == 'd' : (f[0] == 'l' || f[0] == 'q'));
+    if (!ok) {
+        PyBuffer_Release(b);
+        PyErr_Format(PyExc_TypeError, "longest_path takes %s as a buffer of %s", what,
+                     kind == 'd' ? "float64" : "int64");
+        return -1;
+    }
+    return 0;
+}
+
+/* longest_path(n, weight, src, dst, source, sink) -> bytearray of int64 node ids, or None when the graph
+ * has a cycle. A node-weighted DAG given by its edges (src[i], dst[i]); a path's length is the sum of the
+ * weights of its nodes but the last. Exactly _longest_path of traceinspect/measure/critical_path.py: a
+ * repeated edge counts once, in its first position; nodes without successors (but the sink) lead to the
+ * sink, nodes without predecessors (but the source) come from the source, those links after the given
+ * edges; topological order by generations; each node's first best predecessor in edge order; the first
+ * farthest node in topological order. */
+static PyObject *longest_path(PyObject *Py_UNUSED(m), PyObject *args) {
+    Py_ssize_t n, source, sink;
+    PyObject *wo, *so, *dobj;
+    if (!PyArg_ParseTuple(args, "nOOOnn", &n, &wo, &so, &dobj, &source, &sink)) return NULL;
+    if (n <= 0 || source < 0 || source >= n || sink < 0 || sink >= n) {
+        PyErr_SetString(PyExc_ValueError, "longest_path needs n > 0 and source and sink in [0, n)");
+        return NULL;
+    }
+    if (n > (PY_SSIZE_T_MAX / 8) / 8) return PyErr_NoMemory();
+    Py_buffer wb, sb, db;
+    if (buf8(wo, &wb, 'd', "weight") < 0) return NULL;
+    if (buf8(so, &sb, 'q', "src") < 0) {
+        PyBuffer_Release(&wb);
+        return NULL;
+    }
+    if (buf8(dobj, &db, 'q', "dst") < 0) {
+        PyBuffer_Release(&wb);
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t m = sb.len / 8;
+    /* the working arrays, one block: everything below is bounded by n + m + 2n extra links */
+    int64_t *mem = NULL;
+    if (wb.len / 8 != n || db.len != sb.len) {
+        PyErr_SetString(PyExc_ValueError, "longest_path: weight must have n items and src and dst one length");
+        goto done;
+    }
+    const int64_t *src = (const int64_t *)sb.buf, *dst = (const int64_t *)db.buf;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (src[i] < 0 || src[i] >= n || dst[i] < 0 || dst[i] >= n) {
+            PyErr_Format(PyExc_ValueError, "longest_path: edge %zd names a node outside [0, %zd)", i, n);
+            goto done;
+        }
+    }
+    if (m > (PY_SSIZE_T_MAX / 8 - 16 * n) / 8) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t me = m + 2 * n; /* edges with the source and sink links */
+    /* eu, ev: kept edges; soff/succ, poff/pred: CSR; indeg, order, back, mark: per node; dist: doubles */
+    size_t words = (size_t)(2 * me + (n + 1) + me + (n + 1) + me + 4 * n + n);
+    mem = PyMem_Malloc(words * 8 + 8);
+    if (!mem) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int cycle = 0;
+    {
+        const double *w = (const double *)wb.buf;
+        int64_t *eu = mem, *ev = eu + me, *soff = ev + me, *succ = soff + n + 1, *poff = succ + me,
+                *pred = poff + n + 1, *indeg = pred + me, *order = indeg + n, *back = order + n, *mark = back + n;
+        double *dist = (double *)(void *)(mark + n);
+        Py_ssize_t k = 0;
+        Py_BEGIN_ALLOW_THREADS
+        /* a repeated edge counts once, in its first position: bucket edge positions by source (stable),
+         * then drop a source's later edges to a head it already has */
+        for (Py_ssize_t v = 0; v <= n; v++) soff[v] = 0;
+        for (Py_ssize_t i = 0; i < m; i++) soff[src[i] + 1]++;
+        for (Py_ssize_t v = 0; v < n; v++) soff[v + 1] += soff[v];
+        for (Py_ssize_t v = 0; v < n; v++) indeg[v] = soff[v]; /* fill cursor */
+        for (Py_ssize_t i = 0; i < m; i++) succ[indeg[src[i]]++] = (int64_t)i;
+        for (Py_ssize_t v = 0; v < n; v++) mark[v] = -1;
+        for (Py_ssize_t v = 0; v < m; v++) pred[v] = 0; /* keep flags by edge position */
+        for (Py_ssize_t u = 0; u < n; u++) {
+            for (int64_t q = soff[u]; q < soff[u + 1]; q++) {
+                int64_t i = succ[q];
+                if (mark[dst[i]] != u) {
+                    mark[dst[i]] = u;
+                    pred[i] = 1;
+                }
+            }
+        }
+        for (Py_ssize_t i = 0; i < m; i++) {
+            if (pred[i]) {
+                eu[k] = src[i];
+                ev[k] = dst[i];
+                k++;
+            }
+        }
+        /* links: nodes without successors to the sink, then the source to nodes without predecessors;
+         * (source, sink) can be both, and counts once */
+        for (Py_ssize_t v = 0; v < n; v++) indeg[v] = 0, mark[v] = 0;
+        for (Py_ssize_t i = 0; i < k; i++) mark[eu[i]] = 1, indeg[ev[i]] = 1;
+        int src_sink = 0;
+        for (Py_ssize_t u = 0; u < n; u++) {
+            if (!mark[u] && u != sink) {
+                eu[k] = u, ev[k] = sink, k++;
+                if (u == source) src_sink = 1;
+            }
+        }
+        for (Py_ssize_t v = 0; v < n; v++) {
+            if (!indeg[v] && v != source && !(v == sink && src_sink)) eu[k] = source, ev[k] = v, k++;
+        }
+        /* CSR of successors and predecessors, each in edge order */
+        for (Py_ssize_t v = 0; v <= n; v++) soff[v] = 0, poff[v] = 0;
+        for (Py_ssize_t i = 0; i < k; i++) soff[eu[i] + 1]++, poff[ev[i] + 1]++;
+        for (Py_ssize_t v = 0; v < n; v++) soff[v + 1] += soff[v], poff[v + 1] += poff[v];
+        for (Py_ssize_t v = 0; v < n; v++) mark[v] = soff[v], back[v] = poff[v];
+        for (Py_ssize_t i = 0; i < k; i++) {
+            succ[mark[eu[i]]++] = ev[i];
+            pred[back[ev[i]]++] = eu[i];
+        }
+        /* topological order by generations: a FIFO queue visits them in the same order */
+        Py_ssize_t head = 0, tail = 0;
+        for (Py_ssize_t v = 0; v < n; v++) {
+            indeg[v] = poff[v + 1] - poff[v];
+            if (!indeg[v]) order[tail++] = v;
+        }
+        while (head < tail) {
+            int64_t u = order[head++];
+            for (int64_t q = soff[u]; q < soff[u + 1]; q++) {
+                if (!--indeg[succ[q]]) order[tail++] = succ[q];
+            }
+        }
+        if (tail != n) {
+            cycle = 1;
+        } else {
+            for (Py_ssize_t v = 0; v < n; v++) dist[v] = 0.0, back[v] = v;
+            for (Py_ssize_t t = 0; t < n; t++) {
+                int64_t v = order[t], arg = v;
+                double best = -1.0;
+                for (int64_t q = poff[v]; q < poff[v + 1]; q++) {
+                    double d = dist[pred[q]] + w[pred[q]];
+                    if (d > best) best = d, arg = pred[q];
+                }
+                if (best >= 0) dist[v] = best, back[v] = arg;
+            }
+            double far = dist[0];
+            for (Py_ssize_t v = 1; v < n; v++) if (dist[v] > far) far = dist[v];
+            int64_t v = order[0];
+            for (Py_ssize_t t = 0; t < n; t++) {
+                if (dist[order[t]] == far) {
+                    v = order[t];
+                    break;
+                }
+            }
+            /* the path, reversed into mark */
+            Py_ssize_t len = 0;
+            mark[len++] = v;
+            while (back[v] != v && len < n) v = back[v], mark[len++] = v;
+            for (Py_ssize_t i = 0; i < len / 2; i++) {
+                int64_t x = mark[i];
+                mark[i] = mark[len - 1 - i], mark[len - 1 - i] = x;
+            }
+            k = len;
+        }
+        Py_END_ALLOW_THREADS
+        if (cycle) {
+            res = Py_None;
+            Py_INCREF(res);
+        } else {
+            res = PyByteArray_FromStringAndSize((const char *)mark, (Py_ssize_t)(k * 8));
+        }
+    }
+done:
+    PyMem_Free(mem);
+    PyBuffer_Release(&wb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&db);
+    return res;
+}
+
 static PyMethodDef module_methods[] = {
     {"column_types", col_types, METH_NOARGS, "column name -> storage ('f', 'i', 's', 'r')"},
     {"factorize", factorize, METH_O, "factorize(list) -> (int64 codes as a bytearray, uniques)"},
     {"nest_parents", nest_parents, METH_VARARGS, "nest_parents(key, ts, end) -> int64 parent positions"},
+    {"longest_path", longest_path, METH_VARARGS,
+     "longest_path(n, weight, src, dst, source, sink) -> int64 path, or None on a cycle"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
+from traceinspect.load.native import native_available, native_module
 from traceinspect.measure.comm_settings import IDLE_MIN_US, ORDER_TOL_US, load_settings
 from traceinspect.tables import text_values
 from traceinspect.units import json_num
@@ -59,60 +61,108 @@ class _Graph:
         if u != v:
             self.edges.append((u, v))
 
-    def longest_path(self, src: int, sink: int) -> list[int]:
-        """The longest path; nodes without successors lead to the sink, nodes without predecessors come
-        from the source. Raises :class:`Cycle`.
+    def arrays(self, src: int, sink: int) -> StepGraph:
+        """The same graph as :class:`StepGraph` arrays (node numbering and edge order kept)."""
+        cls_code, cls_names = pd.factorize(pd.Series(self.cls, dtype=object))
+        lab_code, labels = pd.factorize(pd.Series(self.label, dtype=object))
+        e = np.array(self.edges, dtype=np.int64).reshape(-1, 2)
+        return StepGraph(np.array(self.weight, dtype=np.float64), cls_code.astype(np.int64), list(cls_names),
+                         np.array([-1 if r is None else r for r in self.rank], dtype=np.int64),
+                         lab_code.astype(np.int64), list(labels), e[:, 0].copy(), e[:, 1].copy(), src, sink)
 
-        The result is the path networkx's ``dag_longest_path`` returns for the same graph (edges weighted
-        with their source node's weight), ties included: topological order by generations, the first
-        best predecessor in edge order, the first farthest node in topological order. A step graph has
-        ~10k nodes and ~15k edges; networkx's generic graph classes made this most of the cost of an
-        analysis.
-        """
-        n = len(self.weight)
-        succ: list[list[int]] = [[] for _ in range(n)]
-        pred: list[list[int]] = [[] for _ in range(n)]
-        for u, v in dict.fromkeys(self.edges):  # a repeated edge counts once, in its first position
-            succ[u].append(v)
-            pred[v].append(u)
-        tail = [u for u in range(n) if not succ[u] and u != sink]
-        head = [v for v in range(n) if not pred[v] and v != src]
-        for u, v in dict.fromkeys([(u, sink) for u in tail] + [(src, v) for v in head]):
-            succ[u].append(v)
-            pred[v].append(u)
-        indeg = [len(p) for p in pred]
-        gen = [v for v in range(n) if not indeg[v]]
-        order: list[int] = []
-        while gen:
-            order += gen
-            nxt: list[int] = []
-            for u in gen:
-                for v in succ[u]:
-                    indeg[v] -= 1
-                    if not indeg[v]:
-                        nxt.append(v)
-            gen = nxt
-        if len(order) != n:
-            raise Cycle
-        w = self.weight
-        dist = [0.0] * n
-        back = list(range(n))
-        for v in order:
-            best, arg = -1.0, v
-            for u in pred[v]:
-                d = dist[u] + w[u]
-                if d > best:
-                    best, arg = d, u
-            if best >= 0:
-                dist[v], back[v] = best, arg
-        far = max(dist)
-        v = next(x for x in order if dist[x] == far)
-        path = [v]
-        while back[v] != v:
-            v = back[v]
-            path.append(v)
-        path.reverse()
-        return path
+    def longest_path(self, src: int, sink: int) -> list[int]:
+        """:func:`_longest_path` of this graph."""
+        return _longest_path(len(self.weight), self.weight, self.edges, src, sink)
+
+
+def _longest_path(n: int, weight: list[float], edges: list[tuple[int, int]], src: int, sink: int) -> list[int]:
+    """The longest path of a node-weighted DAG of ``n`` nodes; nodes without successors lead to the
+    sink, nodes without predecessors come from the source. Raises :class:`Cycle`.
+
+    The result is the path networkx's ``dag_longest_path`` returns for the same graph (edges weighted
+    with their source node's weight), ties included: topological order by generations, the first
+    best predecessor in edge order, the first farthest node in topological order. ``longest_path`` of
+    the native module computes the same; this is its fallback where the module is not built.
+    """
+    succ: list[list[int]] = [[] for _ in range(n)]
+    pred: list[list[int]] = [[] for _ in range(n)]
+    for u, v in dict.fromkeys(edges):  # a repeated edge counts once, in its first position
+        succ[u].append(v)
+        pred[v].append(u)
+    tail = [u for u in range(n) if not succ[u] and u != sink]
+    head = [v for v in range(n) if not pred[v] and v != src]
+    for u, v in dict.fromkeys([(u, sink) for u in tail] + [(src, v) for v in head]):
+        succ[u].append(v)
+        pred[v].append(u)
+    indeg = [len(p) for p in pred]
+    gen = [v for v in range(n) if not indeg[v]]
+    order: list[int] = []
+    while gen:
+        order += gen
+        nxt: list[int] = []
+        for u in gen:
+            for v in succ[u]:
+                indeg[v] -= 1
+                if not indeg[v]:
+                    nxt.append(v)
+        gen = nxt
+    if len(order) != n:
+        raise Cycle
+    w = weight
+    dist = [0.0] * n
+    back = list(range(n))
+    for v in order:
+        best, arg = -1.0, v
+        for u in pred[v]:
+            d = dist[u] + w[u]
+            if d > best:
+                best, arg = d, u
+        if best >= 0:
+            dist[v], back[v] = best, arg
+    far = max(dist)
+    v = next(x for x in order if dist[x] == far)
+    path = [v]
+    while back[v] != v:
+        v = back[v]
+        path.append(v)
+    path.reverse()
+    return path
+
+
+@dataclass
+class StepGraph:
+    """One step's dependency graph as arrays: per node its weight, class (``cls_names[cls]``), rank
+    (-1: none) and label (``labels[label]``); the edges ``src[i] -> dst[i]`` in order; the step's source
+    and sink nodes. A path's length is the sum of the weights of its nodes but the last."""
+
+    weight: np.ndarray
+    cls: np.ndarray
+    cls_names: list[str]
+    rank: np.ndarray
+    label: np.ndarray
+    labels: list[str]
+    src: np.ndarray
+    dst: np.ndarray
+    source: int
+    sink: int
+
+    def longest_path(self) -> list[int]:
+        """The longest path from the source to the sink (see :func:`_longest_path`), by the native
+        module where it is built. Raises :class:`Cycle`."""
+        native = native_module() if native_available() else None
+        if native is not None and hasattr(native, "longest_path"):
+            path = native.longest_path(len(self.weight), self.weight, self.src, self.dst, self.source, self.sink)
+            if path is None:
+                raise Cycle
+            return np.frombuffer(path, dtype=np.int64).tolist()
+        return _longest_path(len(self.weight), self.weight.tolist(),
+                             list(zip(self.src.tolist(), self.dst.tolist(), strict=True)), self.source, self.sink)
+
+    def nodes(self, ids: list[int]) -> tuple[list[float], list[str], list[int | None], list[str]]:
+        """Weight, class, rank (None: none) and label of the given nodes."""
+        ix = np.asarray(ids, dtype=np.int64)
+        return (self.weight[ix].tolist(), [self.cls_names[c] for c in self.cls[ix].tolist()],
+                [None if r < 0 else r for r in self.rank[ix].tolist()], [self.labels[i] for i in self.label[ix].tolist()])
 
 
 def _activities(a: Analysis, sel: pd.DataFrame, res: Collectives) -> pd.DataFrame:
@@ -212,17 +262,152 @@ def _step_graph(act: pd.DataFrame) -> tuple[_Graph, int, int, float, float]:
     return G, src, sink, t0, t1
 
 
-def _path_summary(G: _Graph, path: list[int], t0: float, t1: float) -> dict[str, Any]:
+def _excl_cumsum(x: np.ndarray) -> np.ndarray:
+    c = np.cumsum(x)
+    return c - x
+
+
+_FIXED_CLS = ["start", "end", "comm_wait", "comm", "idle", "host"]
+_START, _END, _WAIT, _COMM, _IDLE, _HOST = range(len(_FIXED_CLS))
+
+
+def _timeline(ts: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """For activities of one rank sorted by start, the latest activity that ended by each one's start (up
+    to ``ORDER_TOL_US``), or -1: what :func:`_step_graph` finds with a heap of ``(end, position)``. An
+    activity leaves the heap at the first later start it ended by; of those left, the first to leave with
+    the greatest end is taken, and they leave by start, then end, then position."""
+    m = len(ts)
+    idx = np.arange(m)
+    gone = np.maximum(np.searchsorted(ts + ORDER_TOL_US, end, side="left"), idx + 1)  # position it leaves at
+    order = np.lexsort((idx, end, gone))
+    e = end[order]
+    new = e > np.r_[-np.inf, np.maximum.accumulate(e)[:-1]]  # a strictly greater end than all before
+    best_at = order[np.maximum.accumulate(np.where(new, idx, 0))]
+    left = np.searchsorted(gone[order], idx, side="right")  # how many have left by each start
+    return np.where(left > 0, best_at[np.maximum(left - 1, 0)], -1)
+
+
+def _step_arrays(act: pd.DataFrame) -> tuple[StepGraph, float, float] | None:
+    """:func:`_step_graph` on whole columns: the same nodes in the same numbering, the same edges in the
+    same order. None where a start or end time is not finite (:func:`_step_graph` builds those)."""
+    t0 = float(act["ts"].min())
+    t1 = float(act["end"].max())
+    act = act.sort_values(["rank", "ts", "end"], kind="stable")
+    ts, end = act["ts"].to_numpy(np.float64), act["end"].to_numpy(np.float64)
+    stream = act["stream"].to_numpy()
+    if not (np.isfinite(ts).all() and np.isfinite(end).all()) or stream.dtype.kind not in "iu":
+        return None
+    n = len(act)
+    rank = act["rank"].to_numpy(np.int64)
+    inst = act["instance"].to_numpy(np.int64)
+    launch, launch_end = act["launch"].to_numpy(np.float64), act["launch_end"].to_numpy(np.float64)
+    name, names = pd.factorize(act["name"], use_na_sentinel=False)
+    acls, acls_names = pd.factorize(act["cls"], use_na_sentinel=False)
+    k = len(names)
+    names_s = [str(x) for x in names]
+    labels = [*names_s, *(f"idle before {x}" for x in names_s), *(f"host before {x}" for x in names_s),
+              "step start", "step end"]
+    cls_names = [*_FIXED_CLS, *(str(x) for x in acls_names)]
+    bounds = np.flatnonzero(np.r_[True, np.diff(rank) != 0, True])
+    lo_of = np.repeat(bounds[:-1], np.diff(bounds))  # each row's rank's first row
+    # the rank's GPU timeline: predecessor, and idle and host time before each activity
+    best = np.empty(n, dtype=np.int64)
+    run_end = np.empty(n, dtype=np.float64)
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        b = _timeline(ts[lo:hi], end[lo:hi])
+        best[lo:hi] = np.where(b >= 0, b + lo, -1)
+        run_end[lo:hi] = np.r_[-np.inf, np.maximum.accumulate(end[lo:hi])[:-1]]
+    idle_from = np.where(t0 > run_end, t0, run_end)
+    gap = ts - idle_from
+    part = launch_end - idle_from
+    part = np.where(part < 0.0, 0.0, part)
+    part = np.where(gap < part, gap, part)
+    with np.errstate(invalid="ignore"):
+        late = launch >= idle_from
+    host = np.where(~(gap > 0) | ~np.isfinite(launch), 0.0,
+                    np.where(late, gap, np.where(np.isfinite(launch_end), part, 0.0)))
+    idle = np.where(gap > IDLE_MIN_US, gap - host, 0.0)
+    has_idle, has_host = idle > 0, host > 0
+    # node numbering: per rank, its activities (a matched collective: its wait node, then the instance's
+    # node where the instance is new), then its idle and host nodes in order
+    is_comm = inst >= 0
+    ci = np.flatnonzero(is_comm)
+    uinst, first_i, inv = np.unique(inst[ci], return_index=True, return_inverse=True)
+    new_comm = np.zeros(n, dtype=np.int64)
+    new_comm[ci[first_i]] = 1
+    a_cnt = 1 + new_comm
+    h_cnt = has_idle.astype(np.int64) + has_host
+    a_cs, h_cs = _excl_cumsum(a_cnt), _excl_cumsum(h_cnt)
+    a_in, h_in = a_cs - a_cs[lo_of], h_cs - h_cs[lo_of]  # within the rank
+    per_rank = np.add.reduceat(a_cnt + h_cnt, bounds[:-1]) if n else np.zeros(0, dtype=np.int64)
+    a_tot = np.add.reduceat(a_cnt, bounds[:-1]) if n else np.zeros(0, dtype=np.int64)
+    rix = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+    base = (1 + _excl_cumsum(per_rank))[rix]
+    n_in = base + a_in
+    xnode = n_in[ci[first_i]] + 1
+    n_out = n_in.copy()
+    n_out[ci] = xnode[inv]
+    hnode = base + a_tot[rix] + h_in
+    idle_node = hnode
+    host_node = hnode + has_idle
+    nn = 2 + int(per_rank.sum())
+    sink = nn - 1
+    weight = np.zeros(nn, dtype=np.float64)
+    cls = np.empty(nn, dtype=np.int64)
+    nrank = np.full(nn, -1, dtype=np.int64)
+    label = np.empty(nn, dtype=np.int64)
+    cls[0], label[0], cls[sink], label[sink] = _START, 3 * k, _END, 3 * k + 1
+    w_act = np.where(is_comm, act["residual_wait"].to_numpy(np.float64), act["dur"].to_numpy(np.float64))
+    weight[n_in] = np.where(w_act < 0, 0.0, w_act)
+    cls[n_in] = np.where(is_comm, _WAIT, acls + len(_FIXED_CLS))
+    nrank[n_in] = rank
+    label[n_in] = name
+    xr = ci[first_i]
+    w_x = act["transfer_us"].to_numpy(np.float64)[xr]
+    weight[xnode] = np.where(w_x < 0, 0.0, w_x)
+    cls[xnode] = _COMM
+    label[xnode] = name[xr]
+    for has, node, w, c, off in ((has_idle, idle_node, idle, _IDLE, k), (has_host, host_node, host, _HOST, 2 * k)):
+        weight[node[has]] = w[has]
+        cls[node[has]] = c
+        nrank[node[has]] = rank[has]
+        label[node[has]] = name[has] + off
+    # edges, per rank: wait -> instance; stream order; the timeline (pred -> idle -> host -> activity)
+    rows = np.arange(n)
+    so = np.lexsort((rows, stream, rank))
+    same = (rank[so][1:] == rank[so][:-1]) & (stream[so][1:] == stream[so][:-1])
+    s_prev, s_row = so[:-1][same], so[1:][same]
+    pred = np.where(best >= 0, n_out[np.maximum(best, 0)], 0)
+    first_to = np.where(has_idle, idle_node, np.where(has_host, host_node, n_in))
+    ih, hh = has_idle & has_host, has_idle & ~has_host
+    parts = [  # (section, row, sub, u, v)
+        (0, ci, 0, n_in[ci], n_out[ci]),
+        (1, s_row, 0, n_out[s_prev], n_in[s_row]),
+        (2, rows, 0, pred, first_to),
+        (2, rows[ih], 1, idle_node[ih], host_node[ih]),
+        (2, rows[hh], 1, idle_node[hh], n_in[hh]),
+        (2, rows[has_host], 2, host_node[has_host], n_in[has_host]),
+    ]
+    key = np.concatenate([(rix[r] * 3 + sec) * (3 * n) + r * 3 + sub for sec, r, sub, _, _ in parts])
+    u = np.concatenate([p[3] for p in parts])
+    v = np.concatenate([p[4] for p in parts])
+    o = np.argsort(key, kind="stable")
+    u, v = u[o], v[o]
+    keep = u != v
+    G = StepGraph(weight, cls, cls_names, nrank, label, labels, u[keep], v[keep], 0, sink)
+    return G, t0, t1
+
+
+def _path_summary(G: StepGraph, path: list[int], t0: float, t1: float) -> dict[str, Any]:
     comp: dict[str, float] = defaultdict(float)
     by_rank: dict[int, float] = defaultdict(float)
     host_by_rank: dict[int, float] = defaultdict(float)
     cls_by_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     segs: list[dict[str, Any]] = []
-    for u in path[:-1]:
-        w = G.weight[u]
+    weights, classes, ranks, labels = G.nodes(path)
+    for w, c, r, lab in zip(weights[:-1], classes, ranks, labels, strict=False):
         if w <= 0:
             continue
-        c, r = G.cls[u], G.rank[u]
         comp[c] += w
         if r is not None:
             by_rank[r] += w
@@ -233,10 +418,10 @@ def _path_summary(G: _Graph, path: list[int], t0: float, t1: float) -> dict[str,
             segs[-1]["us"] += w
             segs[-1]["nodes"] += 1
         else:
-            segs.append({"rank": r, "cls": c, "us": w, "nodes": 1, "first": G.label[u]})
+            segs.append({"rank": r, "cls": c, "us": w, "nodes": 1, "first": lab})
     total = float(sum(comp.values()))
     bounding = max(by_rank, key=by_rank.get) if by_rank else None
-    ends_on = next((G.rank[u] for u in reversed(path) if G.rank[u] is not None), None)
+    ends_on = next((r for r in reversed(ranks) if r is not None), None)
     return {
         "total_us": total, "span_us": t1 - t0, "slack_us": max((t1 - t0) - total, 0.0),
         "composition": dict(comp), "by_rank": dict(by_rank), "host_by_rank": dict(host_by_rank),
@@ -283,9 +468,15 @@ def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str,
         positions = [positions[i] for i in keep]
     act = act[act["pos"].isin(positions)]
     for pos, pa in act.groupby("pos", sort=True):
-        G, src, sink, t0, t1 = _step_graph(pa)
+        built = _step_arrays(pa)
+        if built is None:
+            G0, src, sink, t0, t1 = _step_graph(pa)
+            G = G0.arrays(src, sink)
+        else:
+            G, t0, t1 = built
+        src = G.source
         try:
-            path = G.longest_path(src, sink)
+            path = G.longest_path()
         except Cycle:
             failed += 1  # collectives matched in inconsistent orders would form a cycle
             continue
