@@ -249,19 +249,104 @@ def _nx_longest(G, src: int, sink: int) -> list[int]:
     return nx.dag_longest_path(g, weight="weight", default_weight=0.0)
 
 
-def test_longest_path_matches_networkx_on_real_steps(slow) -> None:
-    from traceinspect.measure import collectives as C
+def _assert_same_graph(ref, got) -> None:
+    """Two StepGraphs with the same nodes (weight, class, rank, label), source, sink and edges in order."""
+    assert (got.source, got.sink) == (ref.source, ref.sink)
+    np.testing.assert_array_equal(got.weight, ref.weight)
+    assert [got.cls_names[c] for c in got.cls] == [ref.cls_names[c] for c in ref.cls]
+    np.testing.assert_array_equal(got.rank, ref.rank)
+    assert [got.labels[i] for i in got.label] == [ref.labels[i] for i in ref.label]
+    np.testing.assert_array_equal(got.src, ref.src)
+    np.testing.assert_array_equal(got.dst, ref.dst)
 
-    a, _ = slow
+
+def _check_steps(a, min_nodes: int = 100) -> int:
+    """On every aligned step: the numpy graph equals the Python builder's, and the longest path (native
+    where built, the Python loop, networkx) is one path."""
+    from traceinspect.measure import collectives as C
+    from traceinspect.measure import critical_path as CP
+
     sel, _ = C._aligned_steps(a)
     act = C._activities(a, sel, a.collectives)
     checked = 0
     for _, pa in act.groupby("pos"):
-        G, src, sink, _, _ = C._step_graph(pa)
-        assert len(G.weight) > 100
-        assert G.longest_path(src, sink) == _nx_longest(G, src, sink)
+        G, src, sink, t0, t1 = C._step_graph(pa)
+        assert len(G.weight) > min_nodes
+        built = CP._step_arrays(pa)
+        assert built is not None
+        got, u0, u1 = built
+        assert (u0, u1) == (t0, t1)
+        _assert_same_graph(G.arrays(src, sink), got)
+        path = G.longest_path(src, sink)
+        assert path == _nx_longest(G, src, sink)
+        assert got.longest_path() == path
         checked += 1
-    assert checked >= 3
+    return checked
+
+
+def test_longest_path_matches_networkx_on_real_steps(slow) -> None:
+    a, _ = slow
+    assert _check_steps(a) >= 3
+
+
+@pytest.mark.parametrize("name", ["kv-full-cast-eager", "kv-full-cast-graph", "moe-small-m-eager"])
+def test_step_arrays_equal_python_builder_on_fixtures(name: str) -> None:
+    assert _check_steps(_analyze(_need(FIX / name))) >= 3
+
+
+def test_step_arrays_equal_python_builder_on_real_trace() -> None:
+    from conftest import real_trace
+
+    a = _analyze(real_trace("param__dlrm_8rank"))
+    assert a.n_ranks == 8
+    assert _check_steps(a) >= 1
+
+
+def _random_activities(rng: np.random.Generator) -> pd.DataFrame:
+    """Activities of one step on a few ranks and streams, with integer times (equal starts and ends,
+    durations under the ordering tolerance), matched collectives, late and missing launches."""
+    n_ranks = int(rng.integers(1, 4))
+    rows = []
+    n_inst = int(rng.integers(0, 4))
+    for r in range(n_ranks):
+        for _ in range(int(rng.integers(1, 40))):
+            ts = float(rng.integers(0, 60)) + (0.25 if rng.random() < 0.2 else 0.0)
+            dur = float(rng.choice([0.0, 0.25, 0.5, 1.0, 3.0, 7.0]))
+            inst = int(rng.integers(0, n_inst)) if n_inst and rng.random() < 0.25 else -1
+            launch = ts - float(rng.integers(-3, 10)) if rng.random() < 0.8 else np.nan
+            launch_end = launch + float(rng.integers(0, 6)) if rng.random() < 0.8 else np.nan
+            rows.append(dict(rank=r, kind="kernel", name=f"k{int(rng.integers(0, 6))}", ts=ts, dur=dur, end=ts + dur,
+                             stream=int(rng.integers(0, 3)), cls=str(rng.choice(["gemm", "comm", "other"])),
+                             launch=launch, launch_end=launch_end, instance=inst,
+                             transfer_us=float(rng.integers(-1, 5)) if inst >= 0 else np.nan,
+                             residual_wait=float(rng.integers(0, 3)) if inst >= 0 else 0.0))
+    return pd.DataFrame(rows).sample(frac=1.0, random_state=int(rng.integers(0, 1000)))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_step_arrays_equal_python_builder_with_ties(seed: int) -> None:
+    from traceinspect.measure import critical_path as CP
+
+    act = _random_activities(np.random.default_rng(seed))
+    G, src, sink, t0, t1 = CP._step_graph(act)
+    got, u0, u1 = CP._step_arrays(act)
+    assert (u0, u1) == (t0, t1)
+    _assert_same_graph(G.arrays(src, sink), got)
+    try:
+        path = G.longest_path(src, sink)
+    except CP.Cycle:  # instances matched in inconsistent orders
+        with pytest.raises(CP.Cycle):
+            got.longest_path()
+        return
+    assert got.longest_path() == path == _nx_longest(G, src, sink)
+
+
+def test_step_arrays_leaves_non_finite_times_to_the_python_builder() -> None:
+    from traceinspect.measure import critical_path as CP
+
+    act = _random_activities(np.random.default_rng(1))
+    act.iloc[0, act.columns.get_loc("end")] = np.nan
+    assert CP._step_arrays(act) is None
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -280,7 +365,7 @@ def test_longest_path_matches_networkx_with_ties(seed: int) -> None:
         if rng.random() < 0.2:
             G.edge(u, v)  # repeated edges count once
     sink = G.node(0.0, "end", None, "e")
-    assert G.longest_path(src, sink) == _nx_longest(G, src, sink)
+    assert G.longest_path(src, sink) == _nx_longest(G, src, sink) == G.arrays(src, sink).longest_path()
 
 
 def test_longest_path_cycle_raises() -> None:
@@ -295,3 +380,5 @@ def test_longest_path_cycle_raises() -> None:
     sink = G.node(0.0, "end", None, "e")
     with pytest.raises(Cycle):
         G.longest_path(src, sink)
+    with pytest.raises(Cycle):
+        G.arrays(src, sink).longest_path()

@@ -337,3 +337,140 @@ def test_nest_parents_native_equals_numpy() -> None:
         native.nest_parents(np.zeros(3, dtype=np.int32), np.zeros(3), np.zeros(3))
     with pytest.raises(TypeError):
         native.nest_parents(np.zeros(3, dtype=np.int64), np.zeros(2), np.zeros(3))
+
+
+def _random_dag(rng, n: int, m: int, repeat: float = 0.2):
+    """A node-weighted DAG on a random numbering (edges run both ways in id), integer weights with many
+    zeros (plenty of equally long paths) and repeated edges."""
+    import numpy as np
+
+    rank = rng.permutation(n)  # a topological position per node
+    src, dst = [], []
+    for _ in range(m):
+        a, b = rng.choice(n, 2, replace=False).tolist()
+        if rank[a] > rank[b]:
+            a, b = b, a
+        src.append(a)
+        dst.append(b)
+        if rng.random() < repeat:
+            src.append(a)
+            dst.append(b)
+    return (rng.integers(0, 3, n).astype(np.float64), np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64),
+            rank)
+
+
+def test_longest_path_native_equals_python_and_networkx() -> None:
+    """On random DAGs with ties, the native longest path is the Python loop's and networkx's
+    ``dag_longest_path``, whichever nodes are source and sink and whether they have edges of their own."""
+    import numpy as np
+    from test_collectives import _nx_longest
+
+    from traceinspect.measure.critical_path import _Graph, _longest_path
+
+    native = parse._native
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        n = int(rng.integers(1, 80))
+        w, s, d, rank = _random_dag(rng, n, int(rng.integers(0, 3 * n + 1)) if n > 1 else 0)
+        if trial % 3 == 0 and n > 1:  # source first and sink last in topological order, as a step graph has them
+            source, sink = int(np.argmin(rank)), int(np.argmax(rank))
+        else:
+            source, sink = (int(x) for x in rng.integers(0, n, 2))
+        edges = list(zip(s.tolist(), d.tolist(), strict=True))
+        got = native.longest_path(n, w, s, d, source, sink)
+        try:
+            want = _longest_path(n, w.tolist(), edges, source, sink)
+        except Exception as e:  # a source after the sink, or one node: the links make a cycle
+            assert type(e).__name__ == "Cycle" and got is None, trial
+            continue
+        assert np.frombuffer(got, dtype=np.int64).tolist() == want, trial
+        if trial % 3 == 0 and n > 1:
+            G = _Graph()
+            G.weight, G.edges = w.tolist(), edges
+            assert want == _nx_longest(G, source, sink), trial
+
+
+def test_longest_path_native_large_and_cycle() -> None:
+    import numpy as np
+
+    from traceinspect.measure.critical_path import _longest_path
+
+    native = parse._native
+    rng = np.random.default_rng(5)
+    w, s, d, rank = _random_dag(rng, 20000, 60000)
+    source, sink = int(np.argmin(rank)), int(np.argmax(rank))
+    want = _longest_path(20000, w.tolist(), list(zip(s.tolist(), d.tolist(), strict=True)), source, sink)
+    assert np.frombuffer(native.longest_path(20000, w, s, d, source, sink), dtype=np.int64).tolist() == want
+    # a long chain: no recursion, the path is the chain
+    n = 200000
+    chain = np.frombuffer(native.longest_path(n, np.ones(n), np.arange(n - 1), np.arange(1, n), 0, n - 1),
+                          dtype=np.int64)
+    assert np.array_equal(chain, np.arange(n))
+    # a cycle is reported, not looped on
+    assert native.longest_path(4, np.ones(4), np.array([0, 1, 2, 1]), np.array([1, 2, 1, 3]), 0, 3) is None
+    assert native.longest_path(2, np.ones(2), np.array([1]), np.array([1]), 0, 1) is None  # a self-loop
+
+
+def test_longest_path_native_rejects_malformed_input() -> None:
+    """Wrong buffer formats, lengths that disagree and node ids out of range raise; nothing crashes."""
+    import numpy as np
+
+    native = parse._native
+    i64 = np.array([0, 1], dtype=np.int64)
+    ok = (3, np.ones(3), i64, np.array([1, 2], dtype=np.int64), 0, 2)
+    assert np.frombuffer(native.longest_path(*ok), dtype=np.int64).tolist() == [0, 1, 2]
+    bad_args = [
+        (3, np.zeros(3, dtype=np.float32), *ok[2:]),
+        (3, np.zeros(3, dtype=np.int64), *ok[2:]),
+        (3, np.zeros(3), i64.astype(np.int32), *ok[3:]),
+        (3, np.zeros(3), i64.astype(np.float64), *ok[3:]),
+        (3, np.zeros(3), i64, i64.astype(">i8"), 0, 2),
+        (3, np.zeros(3), i64, [1, 2], 0, 2),
+        (3, np.zeros(3), i64, b"\0" * 16, 0, 2),
+        (3, np.zeros(3), i64, np.zeros((2, 1), dtype=np.int64), 0, 2),
+        (3, np.zeros(6)[::2], *ok[2:]),
+        (3, np.zeros(4), *ok[2:]),
+        (3, np.zeros(3), i64, np.array([1], dtype=np.int64), 0, 2),
+        (3, np.zeros(3), i64, np.array([1, 3], dtype=np.int64), 0, 2),
+        (3, np.zeros(3), np.array([-1, 1], dtype=np.int64), np.array([1, 2], dtype=np.int64), 0, 2),
+        (3, np.zeros(3), i64, np.array([1, 2], dtype=np.int64), 0, 3),
+        (3, np.zeros(3), i64, np.array([1, 2], dtype=np.int64), -1, 2),
+        (0, np.zeros(0), i64[:0], i64[:0], 0, 0),
+        (-1, np.zeros(3), *ok[2:]),
+        (3.0, *ok[1:]),
+        (3, np.zeros(3), i64, np.array([1, 2], dtype=np.int64), 0),
+    ]
+    for args in bad_args:
+        with pytest.raises((TypeError, ValueError)):
+            native.longest_path(*args)
+    rng = np.random.default_rng(3)
+    for _ in range(500):  # random ids, lengths and sizes: a path, a cycle or an error, never a crash
+        n = int(rng.integers(-2, 12))
+        m = int(rng.integers(0, 20))
+        args = (n, rng.random(max(n + (int(rng.integers(-1, 2)) if rng.random() < 0.2 else 0), 0)),
+                rng.integers(-2, 14, m), rng.integers(-2, 14, m + (1 if rng.random() < 0.1 else 0)),
+                int(rng.integers(-1, 13)), int(rng.integers(-1, 13)))
+        try:
+            out = native.longest_path(*args)
+        except (TypeError, ValueError):
+            continue
+        if out is not None:
+            path = np.frombuffer(out, dtype=np.int64)
+            assert len(path) >= 1 and ((path >= 0) & (path < n)).all()
+
+
+def test_step_graph_longest_path_without_the_module(monkeypatch) -> None:
+    """``TRACEINSPECT_NATIVE=0``: the Python loop gives the same path."""
+    import numpy as np
+
+    from traceinspect.measure.critical_path import StepGraph
+
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        w, s, d, rank = _random_dag(rng, 40, 90)
+        g = StepGraph(w, np.zeros(40, dtype=np.int64), ["x"], np.zeros(40, dtype=np.int64),
+                      np.zeros(40, dtype=np.int64), ["x"], s, d, int(np.argmin(rank)), int(np.argmax(rank)))
+        native = g.longest_path()
+        monkeypatch.setenv("TRACEINSPECT_NATIVE", "0")
+        assert g.longest_path() == native
+        monkeypatch.delenv("TRACEINSPECT_NATIVE")

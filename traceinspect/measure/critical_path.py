@@ -40,8 +40,8 @@ class Cycle(Exception):
 
 
 class _Graph:
-    """Node-weighted DAG of one step: a path's length is the sum of the weights of its nodes but the
-    last (the sink, weight 0)."""
+    """Node-weighted DAG of one step, built node by node (:func:`_step_graph`): a path's length is the
+    sum of the weights of its nodes but the last (the sink, weight 0)."""
 
     def __init__(self) -> None:
         self.weight: list[float] = []
@@ -197,7 +197,10 @@ def _activities(a: Analysis, sel: pd.DataFrame, res: Collectives) -> pd.DataFram
 
 
 def _step_graph(act: pd.DataFrame) -> tuple[_Graph, int, int, float, float]:
-    """The dependency graph of one aligned step across ranks; returns (graph, source, sink, t0, t1)."""
+    """The dependency graph of one aligned step across ranks; returns (graph, source, sink, t0, t1).
+
+    One loop over the activities: the definition :func:`_step_arrays` follows on whole columns and is
+    tested against, and what builds the graph of a step whose times are not all finite."""
     G = _Graph()
     t0 = float(act["ts"].min())
     t1 = float(act["end"].max())
