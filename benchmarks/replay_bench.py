@@ -9,6 +9,7 @@ target (replay < 20% of the analysis time; exit 1 when missed, unless --smoke).
     python benchmarks/replay_bench.py                          # 8 ranks x 100 MB, eager
     python benchmarks/replay_bench.py --source fixtures/kv-full-cast-graph
     python benchmarks/replay_bench.py --size-mb 4 --ranks 2 --smoke
+    python benchmarks/replay_bench.py --write-readme           # the run, and its table in benchmarks/README.md
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench  # noqa: E402  (the set builder shared with bench.py)
 
 TARGET = 0.20
+MARK_START, MARK_END = "<!-- replay:results:start -->", "<!-- replay:results:end -->"
 
 CHILD = r"""
 import json, sys, time
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None, help="where to build the set (default: a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="report only, never fail")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--write-readme", action="store_true", help="write the results table into benchmarks/README.md")
     args = ap.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="ti-replay-bench-"))
     dst = work / f"set-{args.source.name}-{args.ranks}x{args.size_mb:g}"
@@ -82,7 +86,40 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.json:
         args.json.write_text(text)
+    if args.write_readme:
+        write_readme(r, argv if argv is not None else sys.argv[1:])
     return 0 if r["passed"] or args.smoke else 1
+
+
+def table(r: dict[str, Any], argv: list[str]) -> str:
+    """The README's results table of one run."""
+    load = ", ".join(f"{x:.2f}" for x in r["load_avg"])
+    per = f" ({r['per_replay_s']:.2f} s each)" if r["per_replay_s"] else ""
+    shown = " ".join(a for a in argv if a != "--write-readme")
+    return "\n".join([
+        "| measurement | value |", "| --- | --- |",
+        f"| analysis (`analyze`, replay included) | {r['analyze_s']:.1f} s |",
+        f"| replay in it: model {r['build_s']:.2f} s + {r['replays']} replays {r['replay_s']:.2f} s{per} | "
+        f"{r['replay_total_s']:.2f} s |",
+        f"| share of the analysis | **{r['replay_share']:.1%}** (target < {TARGET:.0%}: "
+        f"{'met' if r['passed'] else 'missed'}) |",
+        f"| model size | {r['ops']:,} GPU operations and {r['host_calls']:,} host calls in {r['steps_replayed']} "
+        f"replayed steps (of {r['steps_available']}) |",
+        "",
+        f"`python benchmarks/replay_bench.py {shown}`".replace(" `", "`") + f": {r['ranks']} ranks x "
+        f"{r['size_mb']:g} MB ({r['json_mb']:,} MB of JSON) from `{Path(r['source']).name}`, load average "
+        f"(1, 5, 15 min) {load} at the end. Written by the benchmark from its latest run; not edited by hand.",
+    ])
+
+
+def write_readme(r: dict[str, Any], argv: list[str]) -> None:
+    readme = HERE / "README.md"
+    text = readme.read_text()
+    if MARK_START not in text or MARK_END not in text:
+        raise SystemExit(f"{readme}: no {MARK_START} ... {MARK_END} block")
+    head, rest = text.split(MARK_START, 1)
+    _, tail = rest.split(MARK_END, 1)
+    readme.write_text(f"{head}{MARK_START}\n{table(r, argv)}\n{MARK_END}{tail}")
 
 
 if __name__ == "__main__":

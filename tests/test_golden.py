@@ -31,3 +31,19 @@ def test_every_fixture_set_has_a_golden_copy() -> None:
     names = {set_name(f) for f in fixture_sets()}
     stored_names = {p.name for p in (Path(__file__).resolve().parent / "golden").iterdir() if p.is_dir()}
     assert names == stored_names - {"__pycache__"}
+
+
+@pytest.mark.parametrize("name", ["kv-full-cast-eager", "tp1-l6-full-graph", "moe-small-m-eager"])
+def test_terminal_alone_equals_golden(name: str) -> None:
+    """``analyze`` with no output file (the document is built without its report section) prints the
+    terminal summary the golden run printed."""
+    import os
+    import subprocess
+
+    fixture = next(f for f in fixture_sets() if set_name(f) == name)
+    rel = fixture.relative_to(fixture.parents[1]).as_posix()
+    env = {**os.environ, "COLUMNS": "120", "TRACEINSPECT_CACHE": "off"}
+    proc = subprocess.run([sys.executable, "-m", "traceinspect", "analyze", rel, "--no-cache"], cwd=fixture.parents[1],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == stored(fixture)["terminal.txt"]

@@ -285,3 +285,28 @@ def test_host_stall_matches_the_injected_delay() -> None:
     assert not [g for g in _fixture("tp1-l6-gather-eager").findings if g.rule == "host-stall"]
     p = replayer(_fixture("tp1-l6-gather-eager")).predict([parse_edit("host-stalls 200")])
     assert p.predicted_step_us == pytest.approx(p.replayed_step_us) and "no host stall" in p.notes[0]
+
+
+def test_ops_inside_steps_equal_the_direct_test() -> None:
+    """The sorted-range test of which CPU ops start inside an analysed step equals testing every op against
+    every step: on random ops and steps (NaN starts, equal starts, empty and reversed spans)."""
+    import numpy as np
+    import pandas as pd
+
+    from traceinspect.measure.replay.kvrows import _inside_steps
+
+    rng = np.random.default_rng(3)
+    for trial in range(30):
+        n, m = int(rng.integers(0, 400)), int(rng.integers(0, 12))
+        ts = np.round(rng.uniform(0, 100, n), 0 if trial % 2 else 2)
+        ts[rng.random(n) < 0.05] = np.nan
+        ops = pd.DataFrame({"rank": rng.integers(0, 3, n), "ts": ts})
+        lo = np.round(rng.uniform(-5, 100, m), 0)
+        hi = lo + np.round(rng.uniform(-10, 40, m), 0)
+        lo[rng.random(m) < 0.1] = np.nan
+        sel = pd.DataFrame({"rank": rng.integers(0, 3, m), "cpu_start": lo, "cpu_end": hi})
+        want = np.zeros(n, dtype=bool)
+        for r, a, b in zip(sel["rank"], lo, hi, strict=True):
+            if np.isfinite(a) and np.isfinite(b):
+                want |= (ops["rank"].to_numpy() == r) & (ts >= a) & (ts <= b)
+        assert np.array_equal(_inside_steps(ops, sel), want), trial

@@ -134,6 +134,6 @@ class Analysis:
                 return r.device.name
         return None
 
-    def to_json(self) -> dict[str, Any]:
-        """The analysis as the documented JSON contract."""
-        return build_document(self)
+    def to_json(self, report: bool = True) -> dict[str, Any]:
+        """The analysis as the documented JSON contract (``report=False``: without its ``report`` section)."""
+        return build_document(self, report=report)

@@ -78,7 +78,8 @@ def analyze_cmd(paths: tuple[str, ...], json_out: str | None, html_out: str | No
     from traceinspect.pipeline import analyze
 
     a = analyze(list(paths), build_options(**kw))
-    doc = a.to_json()
+    # the report section serves the files; the terminal summary does not read it
+    doc = a.to_json(report=bool(json_out or html_out or md_out or csv_dir))
     written: list[tuple[str, Path]] = []
     if json_out:
         from traceinspect.document import write_document

@@ -136,6 +136,6 @@ def _print(p: Any, doc: dict[str, Any], labels: list[str]) -> None:
     if moved:
         echo("  moved onto the critical path: " + ", ".join(
             f"{m['what']} +{m['us_per_step'] / 1000:,.3f} ms" for m in moved))
-    elif doc["edits"]:
+    elif doc["edits"] and doc["predicted_step_us"] is not None:  # undecided: nothing to say about the path
         echo("  moved onto the critical path: nothing new")
     echo(f"  medians over {doc['steps_replayed']} replayed step(s) of {doc['model']['steps_available']}")

@@ -125,8 +125,9 @@ def _timeline_step(a: Analysis) -> dict[str, Any]:
     return {"step_index": pos, "ranks": out}
 
 
-def build_document(a: Analysis) -> dict[str, Any]:
-    """Build the ``traceinspect.analysis/1`` document."""
+def build_document(a: Analysis, report: bool = True) -> dict[str, Any]:
+    """Build the ``traceinspect.analysis/1`` document (``report=False``: without the ``report`` section,
+    for a caller that only prints the terminal summary, which does not read it)."""
     ts = a.trace
     samples = a.step_samples()
     n_steps = a.steps_per_rank()
@@ -202,7 +203,8 @@ def build_document(a: Analysis) -> dict[str, Any]:
     if a.collectives is not None:
         doc.update(a.collectives.to_json())
     doc["replay"] = replay_json(a)
-    doc[REPORT] = report_section(a)  # last: written on one line (traceinspect.document.dumps)
+    if report:
+        doc[REPORT] = report_section(a)  # last: written on one line (traceinspect.document.dumps)
     return doc
 
 

@@ -129,6 +129,36 @@ def _message_bytes(a: Analysis, comm: pd.DataFrame) -> tuple[np.ndarray, list[st
         return int(label) if 0 <= label < n_ops else -1
 
     cache: dict[int, tuple[float, float]] = {}
+    comm_names: dict[Any, bool] = {}
+    raw: dict[tuple[Any, Any], tuple[float, float] | None] = {}
+
+    def is_comm(name: Any) -> bool:
+        hit = comm_names.get(name)
+        if hit is None:
+            hit = comm_names[name] = COMM_OP.search(str(name)) is not None
+        return hit
+
+    def decoded(d: Any, t: Any) -> tuple[float, float] | None:
+        """(elements of the largest tensor, element size or NaN) of recorded shapes, once per distinct value."""
+        try:
+            key = (d, t)
+            if key in raw:
+                return raw[key]
+        except TypeError:  # not raw JSON text: decoded every time
+            key = None
+        try:
+            shapes = _first_numbers(json.loads(d))
+            tnames = json.loads(t) if t is not None else []
+        except (ValueError, TypeError):
+            shapes, tnames = [], []
+        val = None
+        if shapes:
+            esz = next((DTYPE_BYTES[x.lower()] for x in tnames
+                        if isinstance(x, str) and x.lower() in DTYPE_BYTES), float("nan"))
+            val = (float(max(math.prod(s) for s in shapes)), float(esz))
+        if key is not None:
+            raw[key] = val
+        return val
 
     def shape_of(i: int) -> tuple[float, float]:
         """(elements of the largest tensor, element size or NaN) of the nearest comm op up the tree."""
@@ -137,16 +167,10 @@ def _message_bytes(a: Analysis, comm: pd.DataFrame) -> tuple[np.ndarray, list[st
         val = (float("nan"), float("nan"))
         j, depth = i, 0
         while j >= 0 and depth < 8:
-            if COMM_OP.search(str(names[j])) and dims[j] is not None:
-                try:
-                    shapes = _first_numbers(json.loads(dims[j]))
-                    tnames = json.loads(types[j]) if types[j] is not None else []
-                except (ValueError, TypeError):
-                    shapes, tnames = [], []
-                if shapes:
-                    esz = next((DTYPE_BYTES[t.lower()] for t in tnames
-                                if isinstance(t, str) and t.lower() in DTYPE_BYTES), float("nan"))
-                    val = (float(max(math.prod(s) for s in shapes)), float(esz))
+            if is_comm(names[j]) and dims[j] is not None:
+                got = decoded(dims[j], types[j])
+                if got is not None:
+                    val = got
                     break
             p = parent[j]
             j = pos(p) if p >= 0 else -1

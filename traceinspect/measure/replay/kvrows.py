@@ -71,6 +71,28 @@ def _active_in(ops: pd.DataFrame, pool: float) -> list[int]:
     return out
 
 
+def _inside_steps(ops: pd.DataFrame, sel: pd.DataFrame) -> np.ndarray:
+    """Which CPU ops start inside the CPU span of one of the ``sel`` steps of their rank (bounds included):
+    per rank, each step's span is a range of the rank's ops sorted by start."""
+    o_rank, o_ts = ops["rank"].to_numpy(), ops["ts"].to_numpy(dtype=np.float64)
+    inside = np.zeros(len(ops), dtype=bool)
+    s_rank = sel["rank"].to_numpy()
+    s_lo, s_hi = sel["cpu_start"].to_numpy(dtype=np.float64), sel["cpu_end"].to_numpy(dtype=np.float64)
+    ok = np.isfinite(s_lo) & np.isfinite(s_hi) & (s_lo <= s_hi)
+    for r in np.unique(s_rank[ok]).tolist():
+        rows = np.flatnonzero(o_rank == r)
+        rows = rows[np.argsort(o_ts[rows], kind="stable")]  # NaN starts sort last and fall in no span
+        ts = o_ts[rows]
+        m = ok & (s_rank == r)
+        lo = np.searchsorted(ts, s_lo[m], side="left")
+        hi = np.searchsorted(ts, s_hi[m], side="right")
+        cover = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.add.at(cover, lo, 1)
+        np.add.at(cover, hi, -1)
+        inside[rows[np.cumsum(cover[:-1]) > 0]] = True
+    return inside
+
+
 def active_kv_rows(a: Analysis, steps: pd.DataFrame | None = None) -> tuple[float | None, float | None, str]:
     """(active rows per step, pool rows, source or the reason it cannot be decided), from the ``steps``
     rows (default: the analysed steps)."""
@@ -82,12 +104,7 @@ def active_kv_rows(a: Analysis, steps: pd.DataFrame | None = None) -> tuple[floa
     found: list[int] = []
     src = ""
     if len(ops) and len(sel):
-        o_rank, o_ts = ops["rank"].to_numpy(), ops["ts"].to_numpy(dtype=np.float64)
-        inside = np.zeros(len(ops), dtype=bool)
-        for row in sel[["rank", "cpu_start", "cpu_end"]].itertuples(index=False):
-            if np.isfinite(row.cpu_start) and np.isfinite(row.cpu_end):
-                inside |= (o_rank == row.rank) & (o_ts >= row.cpu_start) & (o_ts <= row.cpu_end)
-        found += _active_in(ops[inside], pool)
+        found += _active_in(ops[_inside_steps(ops, sel)], pool)
         src = "recorded shapes of the ops gathering rows from the pool"
     if not found and a.graph_ops is not None:
         for r in sorted(set(sel["rank"].tolist())):
