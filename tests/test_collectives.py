@@ -289,6 +289,20 @@ def test_longest_path_matches_networkx_on_real_steps(slow) -> None:
     assert _check_steps(a) >= 3
 
 
+def test_activities_of_sampled_steps_equal_the_filtered_whole(slow) -> None:
+    """The critical path builds activities only for the sampled steps: the same rows and values as
+    building them for every aligned step and keeping the sampled ones."""
+    from traceinspect.measure import collectives as C
+
+    a, _ = slow
+    sel, _ = C._aligned_steps(a)
+    whole = C._activities(a, sel, a.collectives)
+    positions = sorted(whole["pos"].unique())[1::2]
+    assert positions
+    pd.testing.assert_frame_equal(C._activities(a, sel, a.collectives, positions),
+                                  whole[whole["pos"].isin(positions)])
+
+
 @pytest.mark.parametrize("name", ["kv-full-cast-eager", "kv-full-cast-graph", "moe-small-m-eager"])
 def test_step_arrays_equal_python_builder_on_fixtures(name: str) -> None:
     assert _check_steps(_analyze(_need(FIX / name))) >= 3

@@ -165,11 +165,13 @@ class StepGraph:
                 [None if r < 0 else r for r in self.rank[ix].tolist()], [self.labels[i] for i in self.label[ix].tolist()])
 
 
-def _activities(a: Analysis, sel: pd.DataFrame, res: Collectives) -> pd.DataFrame:
-    """GPU activities of the aligned steps with corrected times, launch times and instance ids."""
+def _activities(a: Analysis, sel: pd.DataFrame, res: Collectives, positions: list[int] | None = None) -> pd.DataFrame:
+    """GPU activities of the aligned steps (those at ``positions`` where given) with corrected times,
+    launch times and instance ids."""
     k = a.kernels
     pos_of_step = pd.Series(sel["pos"].to_numpy(), index=sel.index)
-    act = k[k["step"].isin(sel.index)][["rank", "kind", "name", "ts", "dur", "end", "stream", "rt_idx", "step"]
+    steps = sel.index if positions is None else sel.index[sel["pos"].isin(positions).to_numpy()]
+    act = k[k["step"].isin(steps)][["rank", "kind", "name", "ts", "dur", "end", "stream", "rt_idx", "step"]
                                        + (["cls"] if "cls" in k.columns else [])].copy()
     if "cls" not in act.columns:
         act["cls"] = "unknown"
@@ -458,18 +460,18 @@ def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str,
     ``critical_path.max_steps`` of rules/tables/collectives.yaml; see docs/collectives.md)."""
     if not len(sel):
         return {"applicable": False, "reason": "no analysed steps common to all ranks"}
-    act = _activities(a, sel, res)
-    if not len(act):
+    # the positions of the steps with GPU activity
+    positions = sorted(sel.loc[sel.index.isin(a.kernels["step"].to_numpy()), "pos"].astype(np.int64).unique())
+    if not positions:
         return {"applicable": False, "reason": "no GPU activity in the analysed steps"}
     summaries = []
     failed = 0
-    positions = sorted(act["pos"].unique())
     # the longest path is computed on at most max_steps evenly spaced steps
     max_steps = load_settings().critical_path_max_steps
     if len(positions) > max_steps:
         keep = np.unique(np.linspace(0, len(positions) - 1, max_steps).round().astype(int))
         positions = [positions[i] for i in keep]
-    act = act[act["pos"].isin(positions)]
+    act = _activities(a, sel, res, positions)
     for pos, pa in act.groupby("pos", sort=True):
         built = _step_arrays(pa)
         if built is None:
