@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from traceinspect.measure.gemm_shapes import key_groups
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
 from traceinspect.model.classes import GEMM_CLASSES
 from traceinspect.model.shapes import (  # noqa: F401 - importable from here
@@ -416,25 +417,37 @@ GEMM_TABLE_COLUMNS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "groups
                       "flops", "tflops", "pct_peak", "gbps", "shape_source", "reason"]
 
 
-def _gemm_table(calls: pd.DataFrame) -> pd.DataFrame:
-    g = calls[calls["kind"] == "gemm"]
-    if not len(g):
-        return pd.DataFrame(columns=GEMM_TABLE_COLUMNS)
-    g = g.copy()
-    keys = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "groups", "shape_source"]
+_GEMM_KEYS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "groups", "shape_source", "reason"]
+
+
+def _gemm_keys(g: pd.DataFrame) -> pd.DataFrame:
+    """The key columns of the GEMM table as grouped (unknown shapes: one row per class and reason)."""
+    g = g[_GEMM_KEYS].copy()
     for c in ("m", "n", "k", "batch", "groups"):
         g[c] = pd.to_numeric(g[c], errors="coerce").fillna(-1).astype(np.int64)
     g["dtype"] = g["dtype"].fillna("")
     g["reason"] = g["reason"].fillna("")
-    g["flops"] = pd.to_numeric(g["flops"], errors="coerce")
-    g["bytes"] = pd.to_numeric(g["bytes"], errors="coerce")
     known = g["shape_source"] != "unknown"
-    # unknown shapes: one row per (class, reason)
     g.loc[~known, "op_name"] = g.loc[~known, "op_name"].fillna("")
-    agg = g.groupby(keys + ["reason"], sort=False, dropna=False).agg(
-        calls=("us", "size"), us=("us", "sum"), flops=("flops", lambda s: s.sum(min_count=len(s))),
-        bytes=("bytes", lambda s: s.sum(min_count=len(s))),
-        peak=("peak_tflops", "first")).reset_index()
+    return g
+
+
+def _gemm_table(calls: pd.DataFrame) -> pd.DataFrame:
+    g = calls[calls["kind"] == "gemm"]
+    if not len(g):
+        return pd.DataFrame(columns=GEMM_TABLE_COLUMNS)
+    # the keys are prepared once per distinct combination of their columns (a few per shape), the sums
+    # run over all rows in row order as grouping by the keys would
+    agg, grp = key_groups(g, _GEMM_KEYS, _gemm_keys, _GEMM_KEYS)
+    order = np.argsort(grp, kind="stable")
+    bounds = np.searchsorted(grp[order], np.arange(len(agg) + 1))
+    agg["calls"] = np.bincount(grp, minlength=len(agg)).astype(np.int64)
+    agg["us"] = pd.Series(g["us"].to_numpy()).groupby(grp).sum().to_numpy()
+    for c in ("flops", "bytes"):
+        v = pd.to_numeric(g[c], errors="coerce").to_numpy()[order]
+        agg[c] = [pd.Series(v[lo:hi]).sum(min_count=hi - lo)
+                  for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    agg["peak"] = pd.Series(g["peak_tflops"].to_numpy()).groupby(grp).first().to_numpy()
     agg["mean_us"] = agg["us"] / agg["calls"]
     with np.errstate(divide="ignore", invalid="ignore"):
         agg["tflops"] = np.where(agg["us"] > 0, agg["flops"] / agg["us"] / 1e6, np.nan)

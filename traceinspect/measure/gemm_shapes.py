@@ -3,10 +3,67 @@ peak-weighted time the judge's ``gemm`` subjects are built from."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from traceinspect.tables import combine_codes, factorize_text
+
+_type_of = np.frompyfunc(type, 1, 1)
+_ONE_KIND = ("string", "integer", "floating", "empty")
+
+
+def distinct_rows(frame: pd.DataFrame, cols: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per row a code shared by the rows whose ``cols`` hold equal values of equal types (1, 1.0 and True
+    apart), numbered in order of first appearance, and the position of each code's first row."""
+    parts = []
+    for c in cols:
+        v = frame[c].to_numpy()
+        if v.dtype == object:
+            parts.append(factorize_text(v)[0])
+            # equal values of different types (1, 1.0, True) share a dictionary slot but may convert
+            # differently; a column of one kind of value (besides missing ones) has no such pairs
+            if pd.api.types.infer_dtype(v, skipna=True) not in _ONE_KIND:
+                parts.append(factorize_text(_type_of(v))[0])
+        else:
+            parts.append(pd.factorize(v, use_na_sentinel=False)[0])
+    code = combine_codes(*parts)
+    _, first = np.unique(code, return_index=True)
+    return code, first
+
+
+def key_groups(frame: pd.DataFrame, cols: list[str], prepare: Callable[[pd.DataFrame], pd.DataFrame],
+               keys: list[str]) -> tuple[pd.DataFrame, np.ndarray]:
+    """Group ``frame`` by the ``keys`` that ``prepare`` (a row-by-row function of the ``cols``) derives,
+    preparing one row per distinct ``cols`` instead of every row: the key columns of the groups (as
+    ``groupby(keys, sort=False, dropna=False)`` lists them) and each row's group number."""
+    raw, first = distinct_rows(frame, cols)
+    grouped = prepare(frame.iloc[first]).groupby(keys, sort=False, dropna=False)
+    out = grouped.size().reset_index()[keys]
+    out.columns = pd.Index(keys)  # labels typed as a frame built from them would have
+    return out, grouped.ngroup().to_numpy()[raw]
+
+
+_SHAPE_KEYS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "is_moe", "known"]
+
+
+def _shape_keys(g: pd.DataFrame) -> pd.DataFrame:
+    """The key columns of :func:`gemm_shapes` as grouped, from the calls' columns row by row."""
+    g = g.copy()
+    groups = pd.to_numeric(g.get("groups"), errors="coerce").fillna(1).clip(lower=1)
+    g["m"] = pd.to_numeric(g["m"], errors="coerce") / groups
+    for c in ("n", "k"):
+        g[c] = pd.to_numeric(g[c], errors="coerce")
+    g["batch"] = pd.to_numeric(g.get("batch"), errors="coerce").fillna(1)
+    g["known"] = g["m"].notna() & g["n"].notna() & g["k"].notna()
+    g["is_moe"] = g["moe"].astype(bool) if "moe" in g.columns else (g["cls"] == "moe_gemm")
+    g["dtype"] = g["dtype"].fillna("").astype(object)
+    g["op_name"] = g["op_name"].fillna("").astype(object)
+    for c in ("m", "n", "k"):
+        g[c] = g[c].fillna(-1.0)
+    return g
 
 
 def gemm_shapes(calls: Any) -> pd.DataFrame | None:
@@ -15,30 +72,31 @@ def gemm_shapes(calls: Any) -> pd.DataFrame | None:
     ranks. None when the efficiency stage produced no GEMM calls."""
     if not isinstance(calls, pd.DataFrame) or not len(calls) or "kind" not in calls.columns:
         return None
-    g = calls[calls["kind"] == "gemm"].copy()
+    g = calls[calls["kind"] == "gemm"]
     if not len(g):
         return None
-    groups = pd.to_numeric(g.get("groups"), errors="coerce").fillna(1).clip(lower=1)
-    m = pd.to_numeric(g["m"], errors="coerce")
-    g["m"] = m / groups
-    for c in ("n", "k"):
-        g[c] = pd.to_numeric(g[c], errors="coerce")
-    g["batch"] = pd.to_numeric(g.get("batch"), errors="coerce").fillna(1)
-    g["known"] = g["m"].notna() & g["n"].notna() & g["k"].notna()
-    g["is_moe"] = g["moe"].astype(bool) if "moe" in g.columns else (g["cls"] == "moe_gemm")
-    g["flops"] = pd.to_numeric(g["flops"], errors="coerce")
+    # the keys are prepared once per distinct combination of the columns they come from; the sums run
+    # over all rows in row order as grouping by the keys would
+    cols = [c for c in ("cls", "op_name", "dtype", "m", "groups", "n", "k", "batch", "moe") if c in g.columns]
+    agg, grp = key_groups(g, cols, _shape_keys, _SHAPE_KEYS)
+    us = g["us"].to_numpy()
     peak = pd.to_numeric(g.get("peak_tflops"), errors="coerce")
-    g["peak_us"] = (peak * g["us"]).where(peak.notna(), np.nan)
-    g["peak_known_us"] = g["us"].where(peak.notna(), 0.0)
-    g["dtype"] = g["dtype"].fillna("").astype(object)
-    g["op_name"] = g["op_name"].fillna("").astype(object)
-    keys = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "is_moe", "known"]
-    for c in ("m", "n", "k"):
-        g[c] = g[c].fillna(-1.0)
-    agg = g.groupby(keys, sort=False, dropna=False).agg(
-        calls=("us", "size"), us=("us", "sum"), flops=("flops", "sum"),
-        peak_us=("peak_us", "sum"), peak_known_us=("peak_known_us", "sum"),
-        ranks=("rank", lambda r: tuple(sorted({int(x) for x in r})))).reset_index()
+    sums = {
+        "us": us, "flops": pd.to_numeric(g["flops"], errors="coerce").to_numpy(),
+        "peak_us": (peak * g["us"]).where(peak.notna(), np.nan).to_numpy(),
+        "peak_known_us": g["us"].where(peak.notna(), 0.0).to_numpy(),
+    }
+    agg["calls"] = np.bincount(grp, minlength=len(agg)).astype(np.int64)
+    for c, v in sums.items():
+        # one column at a time: a frame's 2-D sum does not round as a column's sum does
+        agg[c] = pd.Series(v).groupby(grp).sum().to_numpy()
+    rank = g["rank"].to_numpy().astype(np.int64)
+    lo, span = int(rank.min()), int(rank.max() - rank.min()) + 1
+    pair = np.unique(grp.astype(np.int64) * span + (rank - lo))  # sorted by group, then rank
+    cut = np.searchsorted(pair // span, np.arange(len(agg) + 1))
+    ranks = (pair % span + lo).tolist()
+    agg["ranks"] = pd.Series([tuple(ranks[a:b]) for a, b in zip(cut[:-1], cut[1:], strict=True)],
+                             dtype=object)
     for c in ("m", "n", "k"):
         agg[c] = agg[c].where(agg[c] >= 0, np.nan)
     return agg.sort_values("us", ascending=False).reset_index(drop=True)
