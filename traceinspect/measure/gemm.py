@@ -469,12 +469,17 @@ def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
     m = mcalls.copy()
     # a family is one full kernel name: kernels that differ only in template arguments (the dtype a copy
     # casts to, tile sizes) are different kernels and keep their own rows
-    m["family"] = m["name"].astype(str)
+    codes, names = factorize_text(m["name"].to_numpy(dtype=object))  # converted once per distinct name
+    m["family"] = pd.Series(pd.Series(names, dtype=object).astype(str).array.take(codes), index=m.index)
     m["bytes"] = m["bytes"].astype(float)
     m["host"] = per_distinct(m["name"], lambda n: _HOST_LINK.search(str(n)))
     agg = m.groupby(["family", "cls"], sort=False).agg(
-        calls=("us", "size"), bytes=("bytes", "sum"), us=("us", "sum"), host=("host", "any"),
-        dtypes=("dtype", lambda s: sorted({x for x in s if isinstance(x, str) and x}))).reset_index()
+        calls=("us", "size"), bytes=("bytes", "sum"), us=("us", "sum"), host=("host", "any")).reset_index()
+    # the dtypes of each family from one row per distinct (family, class, dtype): the groups come out
+    # in the same order, first appearance
+    dts = m[["family", "cls", "dtype"]].drop_duplicates().groupby(["family", "cls"], sort=False)["dtype"].agg(
+        lambda s: sorted({x for x in s if isinstance(x, str) and x}))
+    agg["dtypes"] = pd.Series(list(dts.to_numpy()), dtype=object)
     with np.errstate(divide="ignore", invalid="ignore"):
         agg["gbps"] = np.where(agg["us"] > 0, agg["bytes"] / agg["us"] / 1e3, np.nan)
     bw = spec.mem_bw_gbps if spec and spec.mem_bw_gbps else None
