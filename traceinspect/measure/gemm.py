@@ -397,8 +397,8 @@ def _rates(calls: pd.DataFrame, spec: GpuSpec | None) -> None:
         if tf32.any():
             dts = np.where(tf32, "tf32", dts).astype(object)
             calls["dtype"] = dts
-    peaks = {d: _peak(spec, d) for d in set(dts)}
-    peak = np.fromiter((peaks[d] for d in dts), dtype=float, count=len(dts))
+    codes, uniq = factorize_text(dts)  # the peak looked up once per distinct dtype
+    peak = np.array([_peak(spec, d) for d in uniq], dtype=float)[codes]
     calls["peak_tflops"] = peak
     calls["pct_peak"] = np.where(calls["kind"].to_numpy() == "gemm", 100.0 * tf / peak, np.nan)
     bw = spec.mem_bw_gbps if spec and spec.mem_bw_gbps else np.nan
