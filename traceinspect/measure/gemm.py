@@ -171,16 +171,15 @@ def _model_ops(ops: pd.DataFrame, idx: np.ndarray, levels: int = 2) -> np.ndarra
     if not len(ops) or not len(idx):
         return out
     parent = ops["parent"].to_numpy() if "parent" in ops else np.full(len(ops), -1)
-    # whether each op has a model: decided once per distinct name (a missing name has none)
-    codes, uniq = factorize_text(ops["name"].to_numpy(dtype=object))
-    has_model = np.append(np.array([op_handler(n) is not None for n in uniq], dtype=bool), False)[codes]
+    names = ops["name"].to_numpy(dtype=object)
     sel = np.nonzero(idx >= 0)[0]
     j = idx[sel].astype(np.int64)
     hit = j.copy()
     live = np.ones(len(sel), dtype=bool)
     for _ in range(levels + 1):  # the op itself, then up to ``levels`` enclosing ops
         found = live.copy()
-        found[live] = has_model[j[live]]
+        # whether the op has a model: decided once per distinct name among the ops reached
+        found[live] = per_distinct(names[j[live]], lambda n: op_handler(n) is not None)
         hit[found] = j[found]
         live &= ~found
         j = np.where(live, parent[np.maximum(j, 0)], -1)
