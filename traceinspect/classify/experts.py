@@ -187,7 +187,11 @@ def mark_experts(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, graph_
     use_cap = captured[rows] & (cap_op[rows] >= 0)
     src_col = np.where(use_cap, ranks[rows], -1).astype(np.int64)
     o_col = np.where(use_cap, cap_op[rows], op_idx[rows]).astype(np.int64)
-    pairs, inverse = np.unique(np.stack([src_col, o_col], axis=1), axis=0, return_inverse=True)
+    # distinct (source, op) pairs in lexicographic order, through one integer key per row
+    s0, o0 = int(src_col.min(initial=0)), int(o_col.min(initial=0))
+    span = int(o_col.max(initial=0)) - o0 + 1
+    uniq, inverse = np.unique((src_col - s0) * span + (o_col - o0), return_inverse=True)
+    pairs = np.stack([uniq // span + s0, uniq % span + o0], axis=1)
     pair_key: list[tuple[Any, ...] | None] = []  # one shape decode per distinct (source, op)
     for src, o in pairs.tolist():
         c = cols.get(src)
@@ -197,11 +201,17 @@ def mark_experts(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, graph_
         shapes, _ = cache.get(str(c[0][o]), c[1][o], c[2][o], c[3][o])
         sh = shapes[0] if len(shapes) == 1 and shapes[0].kind == "gemm" else None
         pair_key.append(None if sh is None else (str(c[0][o]), sh.n, sh.k, sh.batch, sh.dtype))
-    by_key: dict[tuple[Any, ...], list[int]] = {}
-    for r, p in zip(rows.tolist(), inverse.reshape(-1).tolist(), strict=True):
-        key = pair_key[p]
-        if key is not None:
-            by_key.setdefault(key, []).append(r)
+    # the rows of each shape key, keys in order of their first row
+    ids: dict[tuple[Any, ...], int] = {}
+    pair_id = np.array([-1 if t is None else ids.setdefault(t, len(ids)) for t in pair_key], dtype=np.int64)
+    row_id = pair_id[inverse.reshape(-1)] if len(pair_id) else np.zeros(0, dtype=np.int64)
+    on = row_id >= 0
+    kr, ki = rows[on], row_id[on]
+    order = np.argsort(ki, kind="stable")
+    cut = np.searchsorted(ki[order], np.arange(len(ids) + 1))
+    _, first = np.unique(ki, return_index=True)
+    keys = list(ids)
+    by_key = {keys[i]: kr[order[cut[i]:cut[i + 1]]].tolist() for i in np.argsort(first, kind="stable").tolist()}
     ev = k["cls_evidence"].to_numpy(dtype=object).copy()
     new_cls = cls.copy()
     exp_src = run.describe("experts")
