@@ -48,27 +48,35 @@ def rank_steps(selected: pd.DataFrame, kernels: pd.DataFrame, ranks: list[int], 
     comm = kc[is_comm]
     comm_us = comm.groupby("rank")["dur"].sum() if len(comm) else pd.Series(dtype=float)
     steps_per = sel.groupby("rank").size()
-    per_rank_comp = {}
-    for rank, grp in sel.groupby("rank"):
-        vals = [float(comp.get((rank, s), 0.0)) for s in grp.index]
-        per_rank_comp[int(rank)] = median(vals)
+    # each step's compute time and compute end, looked up for all steps at once
+    at = pd.MultiIndex.from_arrays([sel["rank"].to_numpy(), sel.index.to_numpy()])
+    sel_comp = comp.reindex(at).fillna(0.0).to_numpy(dtype=np.float64) if len(comp) else np.zeros(len(sel))
+    sel_rank = sel["rank"].to_numpy()
+    per_rank_comp = {int(r): median(sel_comp[sel_rank == r].tolist()) for r in np.unique(sel_rank)}
     multi = len(ranks) > 1
     # slowest / lag over aligned steps
     slow_count: dict[int, int] = {}
     lag: dict[int, list[float]] = {}
-    if multi and aligned:
-        for _pos, grp in al.groupby("pos"):
-            starts = grp.set_index("rank")["gpu_start"]
-            first = starts.min()
-            for r, s in starts.items():
-                lag.setdefault(int(r), []).append(float(s - first))
-            ends = {int(r): float(comp_end.get((r, s), np.nan)) for r, s in zip(grp["rank"], grp.index, strict=True)}
-            ends = {r: e for r, e in ends.items() if np.isfinite(e)}
-            if len(ends) == len(grp):
-                # finishing last relative to the rank's own step start is what makes others wait
-                rel = {r: ends[r] - float(starts.min()) for r in ends}
-                last = max(rel, key=rel.get)  # type: ignore[arg-type]
-                slow_count[last] = slow_count.get(last, 0) + 1
+    if multi and aligned and len(al):
+        pos = al["pos"].to_numpy()
+        rk = al["rank"].to_numpy()
+        starts = al["gpu_start"].to_numpy(dtype=np.float64)
+        first = al.groupby("pos")["gpu_start"].transform("min").to_numpy(dtype=np.float64)
+        for r in pd.unique(rk):
+            lag[int(r)] = (starts[rk == r] - first[rk == r]).tolist()
+        ends = (comp_end.reindex(pd.MultiIndex.from_arrays([rk, al.index.to_numpy()])).to_numpy(dtype=np.float64)
+                if len(comp_end) else np.full(len(al), np.nan))
+        # finishing last relative to the aligned steps' earliest start is what makes others wait
+        rel = pd.Series(ends - first)
+        by = rel.groupby(pos)
+        whole = pd.Series(np.isfinite(ends)).groupby(pos).transform("all").to_numpy(dtype=bool)
+        top = by.transform("max").to_numpy(dtype=np.float64)
+        # the first row reaching the maximum in each aligned step (the first row when none is a number)
+        cand = whole & ((rel.to_numpy() == top) | np.isnan(top))
+        idx = np.nonzero(cand)[0]
+        _, firsts = np.unique(pos[idx], return_index=True)
+        for r in rk[idx[firsts]].tolist():
+            slow_count[int(r)] = slow_count.get(int(r), 0) + 1
     out = []
     for r in ranks:
         rs = sel[sel["rank"] == r]

@@ -26,6 +26,10 @@ def stall_stretches(a: Analysis, min_us: float) -> pd.DataFrame:
     out: list[pd.DataFrame] = []
     if sel is None or not len(sel) or rt is None or not len(rt):
         return pd.DataFrame(columns=COLUMNS)
+    # the few columns needed, as arrays once: masking whole tables per rank copies every column
+    cols = [(t["rank"].to_numpy(), t["tid"].to_numpy(), t["ts"].to_numpy(dtype=np.float64),
+             t["dur"].to_numpy(dtype=np.float64))
+            for t in ([rt, ops] if ops is not None and len(ops) else [rt])]
     for r, g in sel.groupby("rank"):
         # only a stall while the step's GPU work is under way can lengthen it
         lo = np.fmax(g["cpu_start"].to_numpy(dtype=np.float64), g["gpu_start"].to_numpy(dtype=np.float64))
@@ -35,15 +39,14 @@ def stall_stretches(a: Analysis, min_us: float) -> pd.DataFrame:
             continue
         o = np.argsort(lo[ok])
         lo, hi, labels = lo[ok][o], hi[ok][o], g.index.to_numpy()[ok][o]
-        rr = rt[rt["rank"].to_numpy() == r]
-        oo = ops[ops["rank"].to_numpy() == r] if ops is not None and len(ops) else None
-        for tid in np.unique(rr["tid"].to_numpy()):
-            parts = [rr[rr["tid"].to_numpy() == tid]]
-            if oo is not None:
-                parts.append(oo[oo["tid"].to_numpy() == tid])
-            s = np.concatenate([p["ts"].to_numpy(dtype=np.float64) for p in parts])
-            e = np.concatenate([p["ts"].to_numpy(dtype=np.float64) + p["dur"].to_numpy(dtype=np.float64)
-                                for p in parts])
+        mine = []
+        for rank, tids, start, dur in cols:
+            m = rank == r
+            mine.append((tids[m], start[m], dur[m]))
+        for tid in np.unique(mine[0][0]):
+            on = [tids == tid for tids, _, _ in mine]
+            s = np.concatenate([start[m] for (_, start, _), m in zip(mine, on, strict=True)])
+            e = np.concatenate([start[m] + dur[m] for (_, start, dur), m in zip(mine, on, strict=True)])
             order = np.argsort(s, kind="stable")
             s, e = s[order], np.maximum.accumulate(e[order])
             gs, ge = e[:-1], s[1:]  # uncovered between the covered run so far and the next interval
