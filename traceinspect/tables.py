@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from traceinspect.saferegex import search
+
 try:  # the same dictionary walk in C (built with the native scanner)
     from traceinspect.load._kineto_scan import factorize as _factorize
 except ImportError:  # pragma: no cover - depends on the build
@@ -116,3 +118,13 @@ def string_column(codes: np.ndarray, uniques: np.ndarray) -> pd.Categorical:
 def set_object_column(k: pd.DataFrame, col: str, values: np.ndarray) -> None:
     """Set an object column (pandas 3 would convert an object array of str to its string dtype)."""
     k[col] = pd.Series(values, index=k.index, dtype=object, copy=False)
+
+
+def name_mask(names: pd.Series, include: Any, exclude: Any) -> np.ndarray:
+    """Boolean mask of names (kernel names, op paths) matching ``include`` and not ``exclude`` (compiled
+    regexes or None), evaluated once per distinct name."""
+    def good(nm: Any) -> bool:
+        s = str(nm)
+        return bool((include is None or search(include, s)) and not (exclude is not None and search(exclude, s)))
+
+    return per_distinct(names, good)

@@ -108,10 +108,6 @@ class NamePattern:
                     return True
         return self._rest is not None and self._rest.search(text) is not None
 
-    def search(self, text: str) -> bool:
-        """:meth:`matches` under the name the regex patterns have (truthy when it matches)."""
-        return self.matches(text)
-
     def __repr__(self) -> str:
         return f"NamePattern({self.pattern!r})"
 

@@ -28,10 +28,10 @@ from traceinspect.judge.metrics.registry import (
     Subject,
     class_ids,
     known,
-    name_mask,
     own_metrics,
     registry,
 )
+from traceinspect.tables import name_mask
 
 __all__ = ["SCOPES", "Metric", "MetricContext", "Subject", "class_ids", "known", "name_mask", "own_metrics",
            "registry"]

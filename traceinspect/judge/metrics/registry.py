@@ -8,11 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from traceinspect.model.classes import CLASSES
-from traceinspect.saferegex import search
-from traceinspect.tables import per_distinct
 
 
 def class_ids() -> tuple[str, ...]:
@@ -116,13 +113,3 @@ def _first(row: dict[str, Any], *keys: str) -> Any:
         if key in row and row[key] is not None:
             return row[key]
     return None
-
-
-def name_mask(names: pd.Series, include: Any, exclude: Any) -> np.ndarray:
-    """Boolean mask of names (kernel names, op paths) matching ``include`` and not ``exclude`` (compiled
-    regexes or None), evaluated once per distinct name."""
-    def good(nm: Any) -> bool:
-        s = str(nm)
-        return bool((include is None or search(include, s)) and not (exclude is not None and search(exclude, s)))
-
-    return per_distinct(names, good)

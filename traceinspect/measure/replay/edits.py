@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from traceinspect.errors import ConfigError
-from traceinspect.saferegex import RegexError, compile_safe, search
-from traceinspect.tables import per_distinct, text_values
+from traceinspect.saferegex import RegexError, compile_safe
+from traceinspect.tables import name_mask, text_values
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -264,18 +264,17 @@ def op_mask(a: Analysis, m: Model, sel: Select) -> np.ndarray:
         mask &= np.isin(m.g_cls, list(sel.classes))
     if sel.ranks:
         mask &= np.isin(m.g_rank, list(sel.ranks))
-    texts = [(key, col, key.startswith("not_")) for key, col in
-             (("name", "name"), ("not_name", "name"), ("op", "op_path"), ("not_op", "op_path"))
-             if getattr(sel, key) is not None]
-    if not sel.kinds and not texts:
+    by_name = sel.name is not None or sel.not_name is not None
+    by_op = sel.op is not None or sel.not_op is not None
+    if not sel.kinds and not by_name and not by_op:
         return mask
     k = a.kernels.loc[m.g_kidx]  # only the columns' rows of the replayed ops, when a text test needs them
     if sel.kinds:
         mask &= np.isin(text_values(k["kind"]), list(sel.kinds))
-    for key, col, neg in texts:
-        rx = getattr(sel, key)
-        hit = per_distinct(k[col if col in k.columns else "op_name"], lambda s, rx=rx: search(rx, str(s)))
-        mask &= ~hit if neg else hit
+    if by_name:
+        mask &= name_mask(k["name"], sel.name, sel.not_name)
+    if by_op:
+        mask &= name_mask(k["op_path"] if "op_path" in k.columns else k["op_name"], sel.op, sel.not_op)
     return mask
 
 
@@ -391,7 +390,7 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
         elif e.kind == "async":
             hm = p.block.copy()
             if e.select.name is not None:
-                hm &= np.array([search(e.select.name, str(x)) for x in m.h_name], dtype=bool)
+                hm &= name_mask(m.h_name, e.select.name, None)
             if e.select.ranks:
                 hm &= np.isin(m.h_rank, list(e.select.ranks))
             p.block[hm] = False
