@@ -117,16 +117,16 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel 
     shaped: dict[Any, bool] = {}  # per distinct recorded chain (ops recorded alike answer alike)
     for r in rows:
         o = int(op_idx[r])
-        sig: Any = -1
+        recorded: Any = None  # the op's recorded chain, None without recorded shapes
         if inputs is not None and o >= 0:
             sig = inputs.signature(o, 4)
             sig = o if sig is None else sig
             if sig not in shaped:
                 shaped[sig] = inputs.has_shapes(o)
-            sig = sig if shaped[sig] else -1
-        key = (names[r], sig)
+            recorded = sig if shaped[sig] else None
+        key = (names[r], recorded)
         if key not in memo:
-            size, how = _routing_size(names[r], o if sig != -1 else -1, inputs)
+            size, how = _routing_size(names[r], o if recorded is not None else -1, inputs)
             if size is None:
                 memo[key] = None
             elif size == n_exp or (how.startswith("softmax_warp") and size == pow2):
