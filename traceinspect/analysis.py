@@ -72,6 +72,7 @@ class Analysis:
     run_kind: RunKind | None = None  # decode, prefill, mixed or training, decided once (steps.run_kind)
     replay: Any = None  # the what-if replayer (traceinspect.measure.replay), built on first use
     all_fixed: Any = None  # the step with every finding fixed, from one replay (traceinspect.judge.fixes)
+    _samples: Any = field(default=None, init=False, repr=False, compare=False)  # (key, step_samples())
 
     @property
     def phase(self) -> str:
@@ -98,7 +99,14 @@ class Analysis:
 
     def step_samples(self) -> pd.DataFrame:
         """One row per aligned step index: the TP step time (slowest rank's GPU span) and the mean
-        per-rank time of each class in that step. Used for medians and for the gate's noise test."""
+        per-rank time of each class in that step. Used for medians and for the gate's noise test (built
+        once per pair of step and class tables; callers only read it)."""
+        key = (id(self.selected), id(self.class_steps))
+        if self._samples is None or self._samples[0] != key:
+            self._samples = (key, self._step_samples())
+        return self._samples[1]
+
+    def _step_samples(self) -> pd.DataFrame:
         sel = self.selected.copy()
         sel["pos"] = sel.groupby("rank").cumcount()
         n = self.steps_per_rank()
@@ -107,8 +115,7 @@ class Analysis:
                                      kernel_us=("kernel_us", "mean"), bs=("bs", "max"))
         if len(self.class_steps):
             cs = self.class_steps.merge(sel[["pos"]], left_on="step", right_index=True)
-            wide = cs.pivot_table(index="pos", columns="cls", values="us", aggfunc="sum", fill_value=0.0,
-                                  observed=True) / self.n_ranks
+            wide = cs.groupby(["pos", "cls"], observed=True)["us"].sum().unstack("cls", fill_value=0.0) / self.n_ranks
             out = out.join(wide.add_prefix("class."), how="left").fillna(0.0)
         return out
 

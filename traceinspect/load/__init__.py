@@ -110,7 +110,7 @@ def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool, advance: 
                  prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[str, int, ParsedRank]]:
     import multiprocessing as mp
 
-    jobs = jobs if jobs is not None else min(len(paths), os.cpu_count() or 1)
+    jobs = jobs if jobs is not None else min(len(paths), max(1, (os.cpu_count() or 1) // 2))
     if mp.current_process().daemon:  # a daemon (a pool worker, say) may not start processes
         jobs = 1
     if jobs <= 1 or len(paths) <= 1:
