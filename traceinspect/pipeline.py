@@ -152,8 +152,9 @@ def collectives(a: Analysis) -> Collectives:
 
 
 def measure(a: Analysis) -> Measured:
-    """Stage 5, measure: the collectives analysis on a second core while this one measures GEMMs."""
-    coll = Beside(analyze_collectives, a, jobs=a.options.jobs)
+    """Stage 5, measure: the collectives analysis on a second core while this one measures GEMMs (for
+    several ranks: one rank's collectives take less time than starting the process)."""
+    coll = Beside(analyze_collectives, a, jobs=a.options.jobs if a.n_ranks > 1 else 1)
     eff = measure_efficiency(a)
     c = coll.result()
     return Measured(eff, c, clock_warnings(c, a.trace.ranks))
