@@ -23,7 +23,7 @@ from traceinspect.load import cache
 from traceinspect.load.discover import discover
 from traceinspect.load.raw import Sha256Beside, Stopped, _sha256, native_available, read_scan
 
-Read = tuple[str, int, "dict[str, Any] | None"]  # digest, size, scanner result (None: in the cache)
+Read = tuple[str, int, dict[str, Any] | None]  # digest, size, scanner result (None: in the cache)
 
 
 class _Item:
