@@ -113,6 +113,20 @@ def test_no_early_read_when_ranks_are_parsed_in_other_processes() -> None:
     assert early._plan is None
 
 
+def test_the_early_read_keeps_one_file_ahead_of_the_loader() -> None:
+    d = fixture_dir("kv-full-cast-eager")
+    early.start([d], use_cache=False, jobs=1, executor="local")
+    plan = early._plan
+    assert plan is not None
+    (p0, first), (p1, second) = plan.order
+    assert first.done.wait(30)
+    assert not second.done.wait(0.3)  # not read before the loader takes the first
+    load_rank_file(p0, use_cache=False)
+    assert second.done.wait(30) and second.value is not None
+    early.drop()
+    assert not plan.thread.is_alive()
+
+
 def _truncated(tmp_path: Path) -> Path:
     src = fixture_dir("kv-full-cast-eager") / "fixture-TP-0.trace.json.gz"
     data = src.read_bytes()

@@ -4,7 +4,7 @@
 pipeline on one core before the loader reads a byte. :func:`start`, called first by those commands,
 finds the rank files as the loader will and, when the loader will read them in this process (the local
 executor, and one file or ``--jobs 1``), reads them on one daemon thread, file by file in the loader's
-order: with the cache on, it hashes a file first and stops there when the cache holds its tables;
+order and at most one file ahead of it: with the cache on, it hashes a file first and stops there when the cache holds its tables;
 otherwise it reads, hashes (beside the read) and scans it with the native scanner. The loader then
 :func:`take` s each file's (digest, size, scanner result), or the error its read raised, and does the
 rest as always: tables, cache store (never written from the thread), linking. Results not taken are
@@ -29,10 +29,11 @@ Read = tuple[str, int, dict[str, Any] | None]  # digest, size, scanner result (N
 class _Item:
     """One file's early read: done once the thread is through with it (or has given up)."""
 
-    __slots__ = ("done", "value", "error")
+    __slots__ = ("done", "taken", "value", "error")
 
     def __init__(self) -> None:
         self.done = threading.Event()
+        self.taken = threading.Event()
         self.value: Read | None = None
         self.error: BaseException | None = None
 
@@ -50,7 +51,9 @@ class _Plan:
 
     def _run(self) -> None:
         try:
-            for path, item in self.order:
+            for i, (path, item) in enumerate(self.order):
+                if i:  # one file ahead of the loader at most: a scanner result is as large as the tables
+                    self.order[i - 1][1].taken.wait()
                 if self.stop.is_set():
                     return
                 try:
@@ -118,6 +121,7 @@ def take(path: Path, root: Path | None) -> Read | None:
         return None
     if item is None:
         return None
+    item.taken.set()
     item.done.wait()
     if item.error is not None:
         raise item.error
@@ -132,4 +136,6 @@ def drop() -> None:
     if plan is None or plan.pid != os.getpid():
         return
     plan.stop.set()
+    for _, item in plan.order:
+        item.taken.set()  # (the thread may be waiting for the loader to take the file before)
     plan.thread.join()
