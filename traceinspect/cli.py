@@ -3,14 +3,19 @@ only when used, so ``traceinspect --help`` starts fast."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
+import os
 
-import click
+# OpenBLAS's worker threads spin on the few cores and take CPU from the trace reader; nothing here uses BLAS
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from traceinspect.errors import TraceInspectError
-from traceinspect.version import __version__
+import importlib  # noqa: E402
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+
+import click  # noqa: E402
+
+from traceinspect.errors import TraceInspectError  # noqa: E402
+from traceinspect.version import __version__  # noqa: E402
 
 # name -> "module:attribute" of a click.Command
 COMMANDS: dict[str, str] = {
@@ -71,6 +76,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except BrokenPipeError:
         sys.exit(0)
+    finally:
+        early = sys.modules.get("traceinspect.load.early")
+        if early is not None:  # a read begun beside the imports and not taken (an error came first)
+            early.drop()
 
 
 def run() -> None:
@@ -82,7 +91,6 @@ def run() -> None:
     analysis) free next to nothing (the tables hold no reference cycles)."""
     import contextlib
     import gc
-    import os
 
     gc.disable()
 

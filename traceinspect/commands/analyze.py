@@ -51,6 +51,14 @@ def build_options(**kw: Any) -> Any:
     )
 
 
+def start_reading(paths: list[str], kw: dict[str, Any]) -> None:
+    """Begin reading the trace set beside the imports that follow (see :mod:`traceinspect.load.early`)."""
+    from traceinspect.load import early
+
+    early.start(paths, use_cache=not kw.get("no_cache", False), jobs=kw.get("jobs"),
+                executor=kw.get("executor") or "local", phase=kw["phase"])
+
+
 def _config_path(kw: dict[str, Any]) -> str | None:
     """The traceinspect.toml whose [model] table states run facts: --config, else ./traceinspect.toml."""
     from traceinspect.model.run import CONFIG_NAME
@@ -74,7 +82,7 @@ def _config_path(kw: dict[str, Any]) -> str | None:
 def analyze_cmd(paths: tuple[str, ...], json_out: str | None, html_out: str | None, md_out: str | None,
                 csv_dir: str | None, quiet: bool, **kw: Any) -> None:
     """Analyse the decode steps of a trace set (a directory, rank files, or globs)."""
-
+    start_reading(list(paths), kw)
     from traceinspect.pipeline import analyze
 
     a = analyze(list(paths), build_options(**kw))

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from traceinspect.commands.analyze import analysis_options, build_options
+from traceinspect.commands.analyze import analysis_options, build_options, start_reading
 from traceinspect.fileio import write_text_atomic
 from traceinspect.gate.core import FAIL_ON
 from traceinspect.render.terminal import plain_text
@@ -115,6 +115,12 @@ def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str |
     noise, or has new findings at or above --fail-on. Exit 0 on pass, 2 on unusable input
     (bad files, missing steps, different GPU/TP size/phase without --allow-mismatch). BASE and
     CAND are trace sets or analysis JSON files from `traceinspect analyze --json`."""
+    from pathlib import Path
+
+    from traceinspect.document.read import is_analysis_file
+
+    if not (Path(base).is_file() and is_analysis_file(Path(base))):
+        start_reading([base], kw)  # the baseline is analysed first
     from traceinspect.errors import TraceInputError, TraceInspectError
     from traceinspect.gate import (
         DEFAULT_ALPHA,

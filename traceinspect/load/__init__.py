@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import uuid
@@ -11,30 +10,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traceinspect.errors import TraceInputError
-from traceinspect.load.consistency import rank_set_warnings
 from traceinspect.load.discover import RankFile, discover, read_server_info
-from traceinspect.load.parse import GPU_KINDS, ParsedRank, drop_summary, parse_file
-from traceinspect.model import RankInfo, TraceSet
+from traceinspect.load.raw import _sha256
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from traceinspect.load.parse import ParsedRank
+    from traceinspect.model import RankInfo, TraceSet
+
+# the heavy modules (numpy, pandas, msgspec) load on first use: the early read of the CLI
+# (traceinspect.load.early) imports this package before the analysis modules
 __all__ = ["load_trace_set", "parse_file", "discover"]
 
 PROGRESS_MIN_BYTES = 50_000_000  # show a progress bar for trace sets larger than this (on a terminal)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    try:
-        with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    except FileNotFoundError:
-        raise TraceInputError("no such file", path) from None
-    except OSError as e:
-        raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
-    return h.hexdigest()
+def parse_file(path: str | Path, tap: Callable[[bytes], None] | None = None) -> ParsedRank:
+    """Read and decode one rank file (:func:`traceinspect.load.parse.parse_file`)."""
+    from traceinspect.load import parse
+
+    return parse.parse_file(path, tap)
 
 
 def load_rank_file(path: str | Path, use_cache: bool = True,
@@ -44,27 +40,36 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
     This is the unit of work a local process or a dask worker runs: it touches only the file and the
     cache of the machine it runs on and returns the content hash, the file size and the compact tables,
     after ``prepare`` (the pipeline passes the link stage's per-rank linking: kernel -> runtime event ->
-    CPU op is per rank).
+    CPU op is per rank). Where the CLI began reading the file beside its imports
+    (:mod:`traceinspect.load.early`), the hash and the scan (or the error they met) are taken from there.
     """
-    from traceinspect.load import cache, parse
+    from traceinspect.load import cache, early, parse
 
     path = Path(path)
     root = cache.cache_dir() if use_cache else None
+    got = early.take(path, root)  # read beside the imports (the CLI), else None
     if root is None and parse.native_available():  # no cache to look up: hash while parsing
-        hasher = parse.Sha256Beside()
-        try:
-            parsed = parse_file(path, hasher)
-        finally:
-            digest = hasher.hexdigest()
-        size = path.stat().st_size
+        if got is not None:
+            digest, size, res = got
+            parsed = parse.tables_native(res, path)
+        else:
+            hasher = parse.Sha256Beside()
+            try:
+                parsed = parse_file(path, hasher)
+            finally:
+                digest = hasher.hexdigest()
+            size = path.stat().st_size
         if prepare is not None:
             prepare(parsed)
         return digest, size, parsed
-    digest = _sha256(path)
-    size = path.stat().st_size
+    if got is not None:
+        digest, size, res = got
+    else:
+        digest, res = _sha256(path), None
+        size = path.stat().st_size
     parsed = cache.load(root, digest) if root is not None else None
     if parsed is None:
-        parsed = parse_file(path)
+        parsed = parse.tables_native(res, path) if res is not None else parse_file(path)
         if root is not None:
             cache.store(root, digest, parsed)  # the parsed tables: linking is cheap and redone
     if prepare is not None:
@@ -121,6 +126,9 @@ def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool, advance: 
         return out
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
+    from traceinspect.load import early
+
+    early.drop()  # no process forked while a read runs beside this thread
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
     results: list[Any] = [None] * len(paths)
     # largest files first, so that the last one to finish is a small one
@@ -191,17 +199,23 @@ def _parse_all(paths: list[Path], jobs: int | None, executor: str, use_cache: bo
                prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[str, int, ParsedRank]]:
     if executor != "local" and executor != "dask" and not executor.startswith("dask://"):
         raise TraceInputError(f"unknown executor {executor!r} (use local, dask or dask://HOST:PORT)")
+    from traceinspect.load import early
+
     advance, close = _progress(paths, quiet)
     try:
         if executor == "local":
             return _parse_local(paths, jobs, use_cache, advance, prepare)
+        early.drop()
         return _parse_dask(paths, executor, jobs, use_cache, advance, prepare)
     finally:
+        early.drop()  # the reads not taken
         close()
 
 
 def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], hashes: list[str], fsizes: list[int],
                   warnings: list[str]) -> list[RankInfo]:
+    from traceinspect.model import RankInfo
+
     infos: list[RankInfo] = []
     named = all(f.tp is not None for f in files)
     dist_ranks = [p.distributed_info.get("rank") for p in parsed]
@@ -258,6 +272,8 @@ def _concat(frames: list[pd.DataFrame], ranks: list[int],
     import numpy as np
     import pandas as pd
 
+    from traceinspect.load.raw import GPU_KINDS
+
     cols: dict[str, Any] = {"rank": np.repeat(np.asarray(ranks, dtype=np.int64), [len(f) for f in frames])}
     for c in frames[0].columns:
         parts = [f[c] for f in frames]
@@ -308,6 +324,10 @@ def load_trace_set(
     is false or ``$TRACEINSPECT_CACHE`` is ``off``. ``prepare`` runs on each rank's tables where they were
     parsed (the pipeline passes :func:`traceinspect.link.link_parsed`).
     """
+    from traceinspect.load.consistency import rank_set_warnings
+    from traceinspect.load.parse import drop_summary
+    from traceinspect.model import TraceSet
+
     if isinstance(paths, (str, Path)):
         paths = [paths]
     found = discover(list(paths), phase=phase)

@@ -20,11 +20,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from traceinspect.load.parse import GPU_KINDS, ParsedRank
-from traceinspect.model import DeviceInfo
+from traceinspect.load.raw import GPU_KINDS
 
 if TYPE_CHECKING:
     import pandas as pd
+
+    from traceinspect.load.columns import ParsedRank
 
 PARSER_VERSION = "4"
 TABLES = ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations")
@@ -60,8 +61,16 @@ def _entry(root: Path, sha256: str) -> Path:
     return root / f"v{PARSER_VERSION}" / sha256[:2] / sha256
 
 
+def has_entry(root: Path, sha256: str) -> bool:
+    """Whether an entry for this hash is stored (it may still prove unreadable to :func:`load`)."""
+    return (_entry(root, sha256) / "meta.json").is_file()
+
+
 def load(root: Path, sha256: str) -> ParsedRank | None:
     """The cached tables of a file with this hash, or None when absent or unreadable."""
+    from traceinspect.load.columns import ParsedRank
+    from traceinspect.model import DeviceInfo
+
     d = _entry(root, sha256)
     meta_path = d / "meta.json"
     if not meta_path.is_file():

@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 
 from traceinspect.errors import TraceInputError
+from traceinspect.load.raw import _KIND, _KINDS, GPU_KINDS, PY_FORWARD_FUNCTIONS, _py_marker  # noqa: F401
 from traceinspect.model import (
     ANNOTATION_COLUMNS,
     CPU_OP_COLUMNS,
@@ -67,30 +68,6 @@ class _Trace(msgspec.Struct):
     trace_id: str | int | None = None
 
 
-_KIND = {
-    "kernel": "kernel",
-    "gpu_memcpy": "memcpy",
-    "memcpy": "memcpy",
-    "gpu_memset": "memset",
-    "memset": "memset",
-    "cuda_runtime": "runtime",
-    "cuda_driver": "runtime",
-    "runtime": "runtime",
-    "cpu_op": "cpu_op",
-    "operator": "cpu_op",
-    "user_annotation": "annotation",
-    "gpu_user_annotation": "gpu_annotation",
-    "python_function": "python_function",  # only forward markers are kept, as annotations
-}
-_KINDS = ("kernel", "memcpy", "memset", "runtime", "cpu_op", "annotation", "gpu_annotation")
-# python_function events (with_stack captures) kept, as annotations, when the function name (after
-# the last "): ") is one of these: a serving engine's forward (vLLM's worker and model runner)
-PY_FORWARD_FUNCTIONS = frozenset({"execute_model"})
-
-
-def _py_marker(name: str) -> bool:
-    return name.rpartition("): ")[2] in PY_FORWARD_FUNCTIONS
-GPU_KINDS = ["kernel", "memcpy", "memset"]
 
 _DECODER = msgspec.json.Decoder(_Trace)
 _EVENTS = msgspec.json.Decoder(list[_Event])

@@ -56,27 +56,18 @@ same values as the fast path wherever that one succeeds:
 from __future__ import annotations
 
 import gc
-import queue
 import re
-import threading
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
-from traceinspect.errors import TraceInputError
 from traceinspect.load.columns import (  # noqa: F401 - the tables' names, importable from here
     _DECODER,
     _EVENTS,
-    _KIND,
-    _KINDS,
     _MISSING,
-    GPU_KINDS,
     MAX_BAD_GPU_SHARE,
     MAX_DUR_US,
-    PY_FORWARD_FUNCTIONS,
     ParsedRank,
     _Builder,
     _Event,
@@ -84,167 +75,37 @@ from traceinspect.load.columns import (  # noqa: F401 - the tables' names, impor
     _tid,
     drop_summary,
 )
-from traceinspect.load.native import _native, _scan_native, native_available  # noqa: F401
+from traceinspect.load.native import _native, _scan_native, native_available, tables_native  # noqa: F401
+from traceinspect.load.raw import (  # noqa: F401 - the raw read, importable from here
+    _KIND,
+    _KINDS,
+    _ZLIB_ERRORS,
+    BLOCK,
+    GPU_KINDS,
+    PIECE,
+    PY_FORWARD_FUNCTIONS,
+    THREAD_MIN,
+    Sha256Beside,
+    _blocks,
+    _open,
+    _read,
+    _Tapped,
+    _threaded,
+    _truncated,
+    _zlib,
+    read_scan,
+)
 from traceinspect.load.salvage import _decode_whole, _NotATrace, _salvage, _salvage_trace
 
-try:  # ISA-L inflates gzip 2-3x faster than zlib; optional
-    from isal import isal_zlib as _zlib
-except ImportError:  # pragma: no cover - depends on the environment
-    _zlib = zlib  # type: ignore[assignment]
-
-_ZLIB_ERRORS: tuple[type[Exception], ...] = (zlib.error, getattr(_zlib, "error", zlib.error))
 _BOM = b"\xef\xbb\xbf"
 
-BLOCK = 1 << 20  # compressed bytes read at a time
-PIECE = 8 << 20  # decompressed bytes decoded at a time
-THREAD_MIN = 4 << 20  # files at least this large are inflated on a second thread
 _HEAD = re.compile(rb'"traceEvents"\s*:\s*\[')
 _WS = b" \t\r\n"
 
 
 
 # ---------------------------------------------------------------------------------------------
-# reading
-
-
-def _open(path: Path):  # noqa: ANN202 - a binary file object
-    try:
-        return path.open("rb")
-    except FileNotFoundError:
-        raise TraceInputError("no such file", path) from None
-    except OSError as e:
-        raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
-
-
-def _read(f: Any, n: int, path: Path) -> bytes:
-    try:
-        return f.read(n)
-    except OSError as e:
-        raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
-
-
-def _truncated(path: Path) -> TraceInputError:
-    return TraceInputError("truncated gzip (the file ends before the end-of-stream marker; was the "
-                           "capture still being written?)", path)
-
-
-def _blocks(path: Path, tap: Callable[[bytes], None] | None = None) -> Iterator[bytes]:
-    """The decompressed text of a ``.json`` or ``.json.gz`` file, in blocks of about PIECE bytes
-    (``tap`` is given every byte read from the file, in order)."""
-    with _open(path) as f:
-        if tap is not None:
-            f = _Tapped(f, tap)
-        first = _read(f, BLOCK, path)
-        if first[:2] != b"\x1f\x8b":
-            data = first
-            while data:
-                yield data
-                data = _read(f, PIECE, path)
-            return
-        d = _zlib.decompressobj(31)
-        data = first
-        while True:
-            try:
-                while data:
-                    out = d.decompress(data, PIECE)
-                    data = d.unconsumed_tail
-                    if out:
-                        yield out
-                    if d.eof:
-                        break
-                if d.eof:
-                    rest = d.unused_data + _read(f, BLOCK, path)
-                    tail = rest + _read(f, BLOCK, path) if len(rest) < 2 else rest
-                    if not tail.strip(b"\0"):  # end of file (trailing zero padding is allowed)
-                        if not _read(f, BLOCK, path).strip(b"\0"):
-                            return
-                        raise TraceInputError("corrupt gzip: trailing garbage after the compressed data", path)
-                    if tail[:2] != b"\x1f\x8b":
-                        raise TraceInputError("corrupt gzip: Not a gzipped file", path)
-                    d, data = _zlib.decompressobj(31), tail  # another gzip member follows
-                    continue
-            except _ZLIB_ERRORS as e:
-                raise TraceInputError(f"corrupt gzip: {e}", path) from None
-            data = _read(f, BLOCK, path)
-            if not data:
-                raise _truncated(path)
-
-
-class _Tapped:
-    """A file whose reads are also handed to ``tap``."""
-
-    def __init__(self, f: Any, tap: Callable[[bytes], None]) -> None:
-        self.f, self.tap = f, tap
-
-    def read(self, n: int) -> bytes:
-        b = self.f.read(n)
-        if b:
-            self.tap(b)
-        return b
-
-
-class Sha256Beside:
-    """SHA-256 of the bytes given to it, computed on a thread of its own (hashlib releases the GIL),
-    so that a file is hashed while it is parsed instead of before."""
-
-    def __init__(self) -> None:
-        import hashlib
-
-        self._h = hashlib.sha256()
-        self._q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._t = threading.Thread(target=self._run, name="traceinspect-sha256", daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while (b := self._q.get()) is not None:
-            self._h.update(b)
-
-    def __call__(self, b: bytes) -> None:
-        self._q.put(b)
-
-    def hexdigest(self) -> str:
-        self._q.put(None)
-        self._t.join()
-        return self._h.hexdigest()
-
-
-def _threaded(blocks: Iterator[bytes], depth: int = 3) -> Iterator[bytes]:
-    """Run ``blocks`` on a second thread, ``depth`` blocks ahead of the consumer."""
-    q: queue.Queue[Any] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for b in blocks:
-                if not put(b):
-                    return
-            put(end)
-        except BaseException as e:  # handed to the consumer
-            put(e)
-
-    t = threading.Thread(target=produce, name="traceinspect-inflate", daemon=True)
-    t.start()
-    try:
-        while True:
-            item = q.get()
-            if item is end:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        t.join()
+# reading (the block reader is traceinspect.load.raw's)
 
 
 def read_bytes(path: Path) -> bytes:
@@ -415,17 +276,7 @@ def parse_file(path: str | Path, tap: Callable[[bytes], None] | None = None) -> 
 def parse_file_native(path: str | Path, tap: Callable[[bytes], None] | None = None) -> ParsedRank:
     """Read and scan one rank file with the native scanner (``tap``: see :func:`_blocks`)."""
     path = Path(path)
-    try:
-        size = path.stat().st_size
-    except OSError:
-        size = 0
-    blocks = _blocks(path, tap)
-    if size >= THREAD_MIN:
-        blocks = _threaded(blocks)
-    try:
-        return _scan_native(blocks, path)
-    finally:
-        blocks.close()
+    return tables_native(read_scan(path, tap), path)
 
 
 def parse_bytes_native(data: bytes, path: Path) -> ParsedRank:

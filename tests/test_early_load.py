@@ -1,0 +1,235 @@
+"""The read begun beside the CLI's imports (traceinspect.load.early) gives exactly what the loader reads
+itself: the same tables, digests, errors and error precedence; a warm cache is read, not scanned."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+from conftest import ROOT, fixture_dir, real_trace
+
+import traceinspect.load as load
+from traceinspect.cli import main
+from traceinspect.errors import TraceInputError
+from traceinspect.load import early, load_rank_file
+from traceinspect.load.discover import Discovery, RankFile
+from traceinspect.load.parse import ParsedRank
+from traceinspect.load.raw import native_available
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="the early read needs the native scanner")
+
+TABLES = ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations")
+
+
+@pytest.fixture(autouse=True)
+def _no_plan_left() -> Any:
+    yield
+    early.drop()
+
+
+def _no_parse(*_: Any) -> None:
+    raise AssertionError("parsed by the loader although read early")
+
+
+def assert_same(a: ParsedRank, b: ParsedRank) -> None:
+    for t in TABLES:
+        x, y = getattr(a, t), getattr(b, t)
+        assert list(x.columns) == list(y.columns), t
+        for c in x.columns:  # column by column: dtype and values
+            pd.testing.assert_series_equal(x[c], y[c], check_exact=True, obj=f"{t}.{c}")
+    for f in dataclasses.fields(ParsedRank):
+        if f.name not in TABLES:
+            assert getattr(a, f.name) == getattr(b, f.name), f.name
+
+
+def _early_load(path: Path, root: Path | None, monkeypatch: pytest.MonkeyPatch) -> tuple[str, int, ParsedRank]:
+    monkeypatch.setattr(load, "parse_file", _no_parse)  # the early read must serve it
+    early.start([path], use_cache=root is not None, jobs=None, executor="local")
+    assert early._plan is not None
+    got = load_rank_file(path, use_cache=root is not None)
+    monkeypatch.undo()
+    return got
+
+
+@pytest.mark.parametrize("trace", [
+    "fixture:kv-full-cast-eager/fixture-TP-0.trace.json.gz",
+    "real:tracelens__inference__sglang_decode__sglang_Qwen3-8B_decode.json.gz",
+    "real:hyukjlee__traceMap__trace_file__examples__1_h100_1000isl_10osl_32con.pt.trace.json.gz",
+])
+def test_early_read_gives_the_same_tables(trace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    where, name = trace.split(":")
+    path = fixture_dir(name.split("/")[0]) / name.split("/")[1] if where == "fixture" else real_trace(name)
+    monkeypatch.setenv("TRACEINSPECT_CACHE", "off")
+    want = load_rank_file(path, use_cache=False)
+    got = _early_load(path, None, monkeypatch)
+    assert got[:2] == want[:2]  # digest, size
+    assert_same(got[2], want[2])
+
+
+def _analysis(args: list[str], out: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    main(["analyze", *args, "-q", "--json", str(out)])
+    capsys.readouterr()
+    return json.loads(out.read_text())
+
+
+def test_cli_analysis_is_the_same_with_and_without_the_early_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    d = str(fixture_dir("kv-full-cast-eager"))
+    out = tmp_path / "a.json"
+    calls: list[int] = []
+    real_take = early.take
+
+    def take(path: Path, root: Path | None) -> Any:
+        got = real_take(path, root)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(early, "take", take)
+    with_early = _analysis([d, "--jobs", "1", "--no-cache"], out, capsys)
+    assert calls == [True, True]
+    monkeypatch.setattr(early, "start", lambda *a, **k: None)
+    calls.clear()
+    plain = _analysis([d, "--jobs", "1", "--no-cache"], out, capsys)
+    assert calls == [False, False]
+    assert with_early == plain
+
+
+def test_no_early_read_when_ranks_are_parsed_in_other_processes() -> None:
+    d = fixture_dir("kv-full-cast-eager")  # two rank files
+    for kw in ({"jobs": None, "executor": "local"}, {"jobs": 2, "executor": "local"},
+               {"jobs": 1, "executor": "dask"}):
+        early.start([d], use_cache=False, **kw)
+        assert early._plan is None, kw
+    early.start([d], use_cache=False, jobs=1, executor="local")
+    assert early._plan is not None
+    early.start([d / "nothing-here"], use_cache=False, jobs=1, executor="local")  # discovery fails: nothing
+    assert early._plan is None
+
+
+def test_the_early_read_keeps_one_file_ahead_of_the_loader() -> None:
+    d = fixture_dir("kv-full-cast-eager")
+    early.start([d], use_cache=False, jobs=1, executor="local")
+    plan = early._plan
+    assert plan is not None
+    (p0, first), (p1, second) = plan.order
+    assert first.done.wait(30)
+    assert not second.done.wait(0.3)  # not read before the loader takes the first
+    load_rank_file(p0, use_cache=False)
+    assert second.done.wait(30) and second.value is not None
+    early.drop()
+    assert not plan.thread.is_alive()
+
+
+def _truncated(tmp_path: Path) -> Path:
+    src = fixture_dir("kv-full-cast-eager") / "fixture-TP-0.trace.json.gz"
+    data = src.read_bytes()
+    p = tmp_path / "cut" / "cut-TP-0.trace.json.gz"
+    p.parent.mkdir()
+    p.write_bytes(data[: len(data) // 2])
+    return p
+
+
+def _error(fn: Any) -> str:
+    with pytest.raises(TraceInputError) as ei:
+        fn()
+    return str(ei.value)
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_errors_read_the_same_through_the_early_read(tmp_path: Path, use_cache: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRACEINSPECT_CACHE", str(tmp_path / "cache") if use_cache else "off")
+    root = tmp_path / "cache" if use_cache else None
+    cut = _truncated(tmp_path)
+    missing = tmp_path / "gone-TP-0.trace.json.gz"
+    bad_json = tmp_path / "bad-TP-0.trace.json"
+    bad_json.write_bytes(b'{"traceEvents": [{"ph": "X",')
+    for path in (cut, missing, bad_json):
+        want = _error(lambda p=path: load_rank_file(p, use_cache=use_cache))
+        # the file vanishes (or never was) after discovery: the early read itself meets the error
+        monkeypatch.setattr(early, "discover", lambda *_a, p=path, **_k: Discovery([RankFile(p)], None, {}, []))
+        early.start([path], use_cache=use_cache, jobs=1, executor="local")
+        assert early._plan is not None and early._plan.root == root
+        early._plan.thread.join()
+        assert early._plan.order[0][1].error is not None  # met in the thread
+        got = _error(lambda p=path: load_rank_file(p, use_cache=use_cache))
+        assert got == want
+        monkeypatch.undo()
+        monkeypatch.setenv("TRACEINSPECT_CACHE", str(tmp_path / "cache") if use_cache else "off")
+    assert not list(tmp_path.glob("cache/**/meta.json"))
+
+
+def test_cli_errors_through_the_early_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cut = _truncated(tmp_path)
+    for args in ([str(cut.parent)], [str(cut)], [str(tmp_path / "missing-TP-0.trace.json.gz")]):
+        with pytest.raises(SystemExit) as ei:
+            main(["analyze", *args, "--no-cache", "-q"])
+        assert ei.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("traceinspect: error: ")
+        assert str(cut) in err[0] or "missing-TP-0" in err[0]
+    assert early._plan is None  # main() drops what it did not take
+
+
+def test_a_rule_file_error_wins_over_a_trace_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cut = _truncated(tmp_path)
+    rules = tmp_path / "bad.yaml"
+    rules.write_text("rules:\n  - id: r\n    severity: high\n")
+    for cmd in (["analyze", str(cut), "-q"], ["report", str(cut), "-o", str(tmp_path / "r.html")]):
+        with pytest.raises(SystemExit) as ei:
+            main([*cmd, "--no-cache", "--rules", str(rules)])
+        assert ei.value.code == 2
+        err = capsys.readouterr().err
+        assert str(rules) in err and "truncated" not in err
+    with pytest.raises(SystemExit):
+        main(["analyze", str(cut), "-q", "--no-cache"])
+    assert "truncated gzip" in capsys.readouterr().err
+
+
+def test_a_warm_cache_is_read_not_scanned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TRACEINSPECT_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "set"
+    shutil.copytree(fixture_dir("kv-full-cast-eager"), d)
+    cold = _analysis([str(d), "--jobs", "1"], tmp_path / "cold.json", capsys)  # scanned early, stored by the loader
+    assert len(list((tmp_path / "cache").rglob("meta.json"))) == 2
+
+    def no_scan(*_: Any, **__: Any) -> None:
+        raise AssertionError("scanned although cached")
+
+    monkeypatch.setattr(early, "read_scan", no_scan)
+    monkeypatch.setattr(load, "parse_file", no_scan)
+    warm = _analysis([str(d), "--jobs", "1"], tmp_path / "warm.json", capsys)
+    for doc in (cold, warm):
+        doc["source"].pop("command")
+    assert warm == cold
+
+
+def test_the_cache_is_written_by_the_loader_not_the_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRACEINSPECT_CACHE", str(tmp_path / "cache"))
+    path = fixture_dir("kv-full-cast-eager") / "fixture-TP-0.trace.json.gz"
+    early.start([path], use_cache=True, jobs=1, executor="local")
+    early._plan.thread.join()  # read and scanned: nothing stored yet
+    assert not list((tmp_path / "cache").rglob("meta.json"))
+    digest, _, parsed = load_rank_file(path, use_cache=True)
+    assert len(list((tmp_path / "cache").rglob("meta.json"))) == 1
+    assert digest == load._sha256(path)
+    again = load_rank_file(path, use_cache=True)[2]  # from the cache
+    assert_same(again, parsed)
+
+
+def test_the_early_read_imports_no_heavy_module() -> None:
+    r = subprocess.run([sys.executable, "-X", "importtime", "-c", "import traceinspect.load.early"],
+                       capture_output=True, text=True, cwd=ROOT, check=True)
+    mods = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    heavy = {m for m in mods if m.split(".")[0] in ("numpy", "pandas", "msgspec", "pyarrow")
+             or m.startswith("traceinspect.model")}
+    assert "traceinspect.load.raw" in mods and not heavy
+

@@ -1,0 +1,141 @@
+"""Reading a trace set while the analysis modules import.
+
+``analyze``, ``report`` and ``gate`` spend a good part of a second importing pandas, numpy and the
+pipeline on one core before the loader reads a byte. :func:`start`, called first by those commands,
+finds the rank files as the loader will and, when the loader will read them in this process (the local
+executor, and one file or ``--jobs 1``), reads them on one daemon thread, file by file in the loader's
+order and at most one file ahead of it: with the cache on, it hashes a file first and stops there when the cache holds its tables;
+otherwise it reads, hashes (beside the read) and scans it with the native scanner. The loader then
+:func:`take` s each file's (digest, size, scanner result), or the error its read raised, and does the
+rest as always: tables, cache store (never written from the thread), linking. Results not taken are
+dropped. Imports only light modules (no numpy, pandas or msgspec).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from traceinspect.load import cache
+from traceinspect.load.discover import discover
+from traceinspect.load.raw import Sha256Beside, Stopped, _sha256, native_available, read_scan
+
+Read = tuple[str, int, dict[str, Any] | None]  # digest, size, scanner result (None: in the cache)
+
+
+class _Item:
+    """One file's early read: done once the thread is through with it (or has given up)."""
+
+    __slots__ = ("done", "taken", "value", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.taken = threading.Event()
+        self.value: Read | None = None
+        self.error: BaseException | None = None
+
+
+class _Plan:
+    """The files read early, for one cache root (None: the cache is off), on one thread."""
+
+    def __init__(self, files: list[Path], root: Path | None) -> None:
+        self.root = root
+        self.pid = os.getpid()
+        self.order = [(p, _Item()) for p in files]
+        self.items = {p.resolve(): item for p, item in self.order}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="traceinspect-early-read", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            for i, (path, item) in enumerate(self.order):
+                if i:  # one file ahead of the loader at most: a scanner result is as large as the tables
+                    self.order[i - 1][1].taken.wait()
+                if self.stop.is_set():
+                    return
+                try:
+                    item.value = _read(path, self.root, self.stop)
+                except Stopped:
+                    return
+                except Exception as e:  # noqa: BLE001 - the loader raises it when it comes to this file
+                    item.error = e
+                    return  # the loader stops at this file
+                finally:
+                    item.done.set()
+        finally:
+            for _, item in self.order:
+                item.done.set()
+
+
+def _read(path: Path, root: Path | None, stop: threading.Event) -> Read:
+    """What :func:`traceinspect.load.load_rank_file` does before building tables, in the same order."""
+    if root is None:
+        hasher = Sha256Beside()
+        try:
+            res = read_scan(path, hasher, stop)
+        finally:
+            digest = hasher.hexdigest()
+        return digest, path.stat().st_size, res
+    digest = _sha256(path)
+    size = path.stat().st_size
+    if stop.is_set():
+        raise Stopped
+    if cache.has_entry(root, digest):
+        return digest, size, None
+    return digest, size, read_scan(path, None, stop)
+
+
+_plan: _Plan | None = None
+
+
+def start(paths: Sequence[str | Path], *, use_cache: bool, jobs: int | None, executor: str,
+          phase: str = "decode") -> None:
+    """Start reading the rank files of ``paths`` beside this thread, where the loader will read them in
+    this process; otherwise (or when the paths cannot be resolved: the loader reports that) do nothing."""
+    global _plan
+    drop()  # an earlier start's reads
+    if executor != "local" or not native_available():
+        return
+    try:
+        files = [f.path for f in discover(list(paths), phase=phase).files]
+    except Exception:  # noqa: BLE001 - the loader finds the same problem and reports it
+        return
+    if not files or (len(files) > 1 and not (jobs is not None and jobs <= 1)):
+        return  # several files on several processes: nothing runs beside the imports
+    _plan = _Plan(files, cache.cache_dir() if use_cache else None)
+    _plan.thread.start()
+
+
+def take(path: Path, root: Path | None) -> Read | None:
+    """The early read of ``path`` for cache root ``root``, waiting for it if it is under way; None when
+    there is none. The error the read raised is raised here."""
+    plan = _plan
+    if plan is None or plan.pid != os.getpid() or plan.root != root:
+        return None
+    try:
+        item = plan.items.pop(path.resolve(), None)
+    except OSError:
+        return None
+    if item is None:
+        return None
+    item.taken.set()
+    item.done.wait()
+    if item.error is not None:
+        raise item.error
+    return item.value
+
+
+def drop() -> None:
+    """Give up the early reads not taken: the thread ends at its next block, and has ended on return
+    (so that no process is forked while it runs)."""
+    global _plan
+    plan, _plan = _plan, None
+    if plan is None or plan.pid != os.getpid():
+        return
+    plan.stop.set()
+    for _, item in plan.order:
+        item.taken.set()  # (the thread may be waiting for the loader to take the file before)
+    plan.thread.join()

@@ -1,0 +1,299 @@
+"""The raw read of one rank file: its decompressed text in blocks, its SHA-256 beside the read, and the
+native scanner's pass over the text into column buffers (:func:`read_scan`). Building the tables from
+those buffers (numpy, msgspec, pandas) is :mod:`traceinspect.load.native`'s; this module imports only
+the standard library, ISA-L and the compiled scanner, so a read can start before the analysis modules
+are imported (:mod:`traceinspect.load.early`)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import queue
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from traceinspect.errors import TraceInputError
+
+try:  # ISA-L inflates gzip 2-3x faster than zlib; optional
+    from isal import isal_zlib as _zlib
+except ImportError:  # pragma: no cover - depends on the environment
+    _zlib = zlib  # type: ignore[assignment]
+
+try:  # by name: import analysers cannot see a C extension and would count `from traceinspect.load import
+    # _kineto_scan` as an import of this package by its own module
+    _native = importlib.import_module("traceinspect.load._kineto_scan")
+except ImportError:  # pragma: no cover - built by pip install; the msgspec path is the fallback
+    _native = None
+
+_ZLIB_ERRORS: tuple[type[Exception], ...] = (zlib.error, getattr(_zlib, "error", zlib.error))
+
+BLOCK = 1 << 20  # compressed bytes read at a time
+PIECE = 8 << 20  # decompressed bytes decoded at a time
+THREAD_MIN = 4 << 20  # files at least this large are inflated on a second thread
+
+# ---------------------------------------------------------------------------------------------
+# which events are kept (the tolerance rules are in traceinspect.load.parse)
+
+_KIND = {
+    "kernel": "kernel",
+    "gpu_memcpy": "memcpy",
+    "memcpy": "memcpy",
+    "gpu_memset": "memset",
+    "memset": "memset",
+    "cuda_runtime": "runtime",
+    "cuda_driver": "runtime",
+    "runtime": "runtime",
+    "cpu_op": "cpu_op",
+    "operator": "cpu_op",
+    "user_annotation": "annotation",
+    "gpu_user_annotation": "gpu_annotation",
+    "python_function": "python_function",  # only forward markers are kept, as annotations
+}
+_KINDS = ("kernel", "memcpy", "memset", "runtime", "cpu_op", "annotation", "gpu_annotation")
+# python_function events (with_stack captures) kept, as annotations, when the function name (after
+# the last "): ") is one of these: a serving engine's forward (vLLM's worker and model runner)
+PY_FORWARD_FUNCTIONS = frozenset({"execute_model"})
+GPU_KINDS = ["kernel", "memcpy", "memset"]
+
+# the columns the scanner fills per kind (those _Builder._add_kind fills)
+_GPU_COLS = ("name", "ts", "dur", "external_id", "correlation", "device", "stream", "grid", "block", "bytes")
+_NATIVE_COLUMNS = {
+    "kernel": _GPU_COLS, "memcpy": _GPU_COLS, "memset": _GPU_COLS,
+    "runtime": ("name", "ts", "dur", "tid", "external_id", "correlation"),
+    "cpu_op": ("name", "ts", "dur", "tid", "external_id", "input_dims", "input_types", "concrete"),
+    "annotation": ("name", "ts", "dur", "tid"),
+    "gpu_annotation": ("name", "ts", "dur"),
+}
+
+
+def _py_marker(name: str) -> bool:
+    return name.rpartition("): ")[2] in PY_FORWARD_FUNCTIONS
+
+
+def _route(cat: str) -> int | None:
+    """The scanner's kind of a category: a kind's index, -(index + 1) for python_function events
+    (annotations, where :func:`_py_marker` accepts the name), or None (not kept)."""
+    kind = _KIND.get(cat)
+    if kind is None:
+        kind = _KIND.get(cat.lower())
+    if kind == "python_function":
+        return -(_KINDS.index("annotation") + 1)
+    return None if kind is None else _KINDS.index(kind)
+
+
+def native_available() -> bool:
+    """Whether the compiled scanner is importable (``TRACEINSPECT_NATIVE=0`` turns it off)."""
+    return _native is not None and os.environ.get("TRACEINSPECT_NATIVE", "1") != "0"
+
+
+def native_module() -> Any:
+    """The compiled module (None when it is not built)."""
+    return _native
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def _open(path: Path):  # noqa: ANN202 - a binary file object
+    try:
+        return path.open("rb")
+    except FileNotFoundError:
+        raise TraceInputError("no such file", path) from None
+    except OSError as e:
+        raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
+
+
+def _read(f: Any, n: int, path: Path) -> bytes:
+    try:
+        return f.read(n)
+    except OSError as e:
+        raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
+
+
+def _truncated(path: Path) -> TraceInputError:
+    return TraceInputError("truncated gzip (the file ends before the end-of-stream marker; was the "
+                           "capture still being written?)", path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except FileNotFoundError:
+        raise TraceInputError("no such file", path) from None
+    except OSError as e:
+        raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
+    return h.hexdigest()
+
+
+def _blocks(path: Path, tap: Callable[[bytes], None] | None = None) -> Iterator[bytes]:
+    """The decompressed text of a ``.json`` or ``.json.gz`` file, in blocks of about PIECE bytes
+    (``tap`` is given every byte read from the file, in order)."""
+    with _open(path) as f:
+        if tap is not None:
+            f = _Tapped(f, tap)
+        first = _read(f, BLOCK, path)
+        if first[:2] != b"\x1f\x8b":
+            data = first
+            while data:
+                yield data
+                data = _read(f, PIECE, path)
+            return
+        d = _zlib.decompressobj(31)
+        data = first
+        while True:
+            try:
+                while data:
+                    out = d.decompress(data, PIECE)
+                    data = d.unconsumed_tail
+                    if out:
+                        yield out
+                    if d.eof:
+                        break
+                if d.eof:
+                    rest = d.unused_data + _read(f, BLOCK, path)
+                    tail = rest + _read(f, BLOCK, path) if len(rest) < 2 else rest
+                    if not tail.strip(b"\0"):  # end of file (trailing zero padding is allowed)
+                        if not _read(f, BLOCK, path).strip(b"\0"):
+                            return
+                        raise TraceInputError("corrupt gzip: trailing garbage after the compressed data", path)
+                    if tail[:2] != b"\x1f\x8b":
+                        raise TraceInputError("corrupt gzip: Not a gzipped file", path)
+                    d, data = _zlib.decompressobj(31), tail  # another gzip member follows
+                    continue
+            except _ZLIB_ERRORS as e:
+                raise TraceInputError(f"corrupt gzip: {e}", path) from None
+            data = _read(f, BLOCK, path)
+            if not data:
+                raise _truncated(path)
+
+
+class _Tapped:
+    """A file whose reads are also handed to ``tap``."""
+
+    def __init__(self, f: Any, tap: Callable[[bytes], None]) -> None:
+        self.f, self.tap = f, tap
+
+    def read(self, n: int) -> bytes:
+        b = self.f.read(n)
+        if b:
+            self.tap(b)
+        return b
+
+
+class Sha256Beside:
+    """SHA-256 of the bytes given to it, computed on a thread of its own (hashlib releases the GIL),
+    so that a file is hashed while it is parsed instead of before."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._t = threading.Thread(target=self._run, name="traceinspect-sha256", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while (b := self._q.get()) is not None:
+            self._h.update(b)
+
+    def __call__(self, b: bytes) -> None:
+        self._q.put(b)
+
+    def hexdigest(self) -> str:
+        self._q.put(None)
+        self._t.join()
+        return self._h.hexdigest()
+
+
+def _threaded(blocks: Iterator[bytes], depth: int = 3) -> Iterator[bytes]:
+    """Run ``blocks`` on a second thread, ``depth`` blocks ahead of the consumer."""
+    q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for b in blocks:
+                if not put(b):
+                    return
+            put(end)
+        except BaseException as e:  # handed to the consumer
+            put(e)
+
+    t = threading.Thread(target=produce, name="traceinspect-inflate", daemon=True)
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        t.join()
+
+
+# ---------------------------------------------------------------------------------------------
+# scanning
+
+
+class Stopped(Exception):
+    """A read given up because its ``stop`` event was set."""
+
+
+def _until(blocks: Iterator[bytes], stop: threading.Event) -> Iterator[bytes]:
+    for b in blocks:
+        if stop.is_set():
+            raise Stopped
+        yield b
+
+
+def scan(blocks: Iterator[bytes], path: Path) -> dict[str, Any]:
+    """Feed a document's blocks to the native scanner; its result (column buffers, strings, counts and
+    the top-level keys' raw text). Malformed text raises TraceInputError."""
+    assert _native is not None
+    s = _native.Scanner([_NATIVE_COLUMNS[k] for k in _KINDS], _route,
+                        [_KINDS.index(k) for k in GPU_KINDS], _py_marker)
+    try:
+        for block in blocks:
+            s.feed(block)
+        s.feed(b"", final=True)
+    except _native.ScanError as e:
+        kind, msg = e.args
+        raise TraceInputError(f"not valid JSON: {msg}" if kind == "json" else f"not a Kineto trace: {msg}",
+                              path) from None
+    return s.result()
+
+
+def read_scan(path: Path, tap: Callable[[bytes], None] | None = None,
+              stop: threading.Event | None = None) -> dict[str, Any]:
+    """Read one rank file and :func:`scan` it (``tap``: see :func:`_blocks`); a large file is inflated on
+    a second thread. Once ``stop`` is set, the read ends at the next block with :class:`Stopped`."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    blocks = _blocks(path, tap)
+    if size >= THREAD_MIN:
+        blocks = _threaded(blocks)
+    try:
+        return scan(blocks if stop is None else _until(blocks, stop), path)
+    finally:
+        blocks.close()
