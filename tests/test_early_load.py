@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -101,12 +102,16 @@ def test_cli_analysis_is_the_same_with_and_without_the_early_read(tmp_path: Path
     assert with_early == plain
 
 
-def test_no_early_read_when_ranks_are_parsed_in_other_processes() -> None:
+def test_no_early_read_when_ranks_are_parsed_in_other_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     d = fixture_dir("kv-full-cast-eager")  # two rank files
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # by default, a parse process per two CPUs
     for kw in ({"jobs": None, "executor": "local"}, {"jobs": 2, "executor": "local"},
                {"jobs": 1, "executor": "dask"}):
         early.start([d], use_cache=False, **kw)
         assert early._plan is None, kw
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # one process parses both: they are read early
+    early.start([d], use_cache=False, jobs=None, executor="local")
+    assert early._plan is not None
     early.start([d], use_cache=False, jobs=1, executor="local")
     assert early._plan is not None
     early.start([d / "nothing-here"], use_cache=False, jobs=1, executor="local")  # discovery fails: nothing
@@ -233,3 +238,12 @@ def test_the_early_read_imports_no_heavy_module() -> None:
              or m.startswith("traceinspect.model")}
     assert "traceinspect.load.raw" in mods and not heavy
 
+
+
+def test_parse_processes() -> None:
+    from traceinspect.load.raw import parse_processes
+
+    assert parse_processes(8, 3) == 3 and parse_processes(2, 8) == 2 and parse_processes(1, None) == 1
+    assert parse_processes(8, 0) == 1
+    cpus = os.cpu_count() or 1
+    assert parse_processes(64, None) == max(1, cpus // 2)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from traceinspect.errors import TraceInputError
 from traceinspect.load.discover import RankFile, discover, read_server_info
-from traceinspect.load.raw import _sha256
+from traceinspect.load.raw import _sha256, parse_processes
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -115,7 +115,7 @@ def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool, advance: 
                  prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[str, int, ParsedRank]]:
     import multiprocessing as mp
 
-    jobs = jobs if jobs is not None else min(len(paths), max(1, (os.cpu_count() or 1) // 2))
+    jobs = parse_processes(len(paths), jobs)
     if mp.current_process().daemon:  # a daemon (a pool worker, say) may not start processes
         jobs = 1
     if jobs <= 1 or len(paths) <= 1:

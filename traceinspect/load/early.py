@@ -3,7 +3,7 @@
 ``analyze``, ``report`` and ``gate`` spend a good part of a second importing pandas, numpy and the
 pipeline on one core before the loader reads a byte. :func:`start`, called first by those commands,
 finds the rank files as the loader will and, when the loader will read them in this process (the local
-executor, and one file or ``--jobs 1``), reads them on one daemon thread, file by file in the loader's
+executor, one parse process: see :func:`~traceinspect.load.raw.parse_processes`), reads them on one daemon thread, file by file in the loader's
 order and at most one file ahead of it: with the cache on, it hashes a file first and stops there when the cache holds its tables;
 otherwise it reads, hashes (beside the read) and scans it with the native scanner. The loader then
 :func:`take` s each file's (digest, size, scanner result), or the error its read raised, and does the
@@ -21,7 +21,7 @@ from typing import Any
 
 from traceinspect.load import cache
 from traceinspect.load.discover import discover
-from traceinspect.load.raw import Sha256Beside, Stopped, _sha256, native_available, read_scan
+from traceinspect.load.raw import Sha256Beside, Stopped, _sha256, native_available, parse_processes, read_scan
 
 Read = tuple[str, int, dict[str, Any] | None]  # digest, size, scanner result (None: in the cache)
 
@@ -103,7 +103,7 @@ def start(paths: Sequence[str | Path], *, use_cache: bool, jobs: int | None, exe
         files = [f.path for f in discover(list(paths), phase=phase).files]
     except Exception:  # noqa: BLE001 - the loader finds the same problem and reports it
         return
-    if not files or (len(files) > 1 and not (jobs is not None and jobs <= 1)):
+    if not files or parse_processes(len(files), jobs) > 1:
         return  # several files on several processes: nothing runs beside the imports
     _plan = _Plan(files, cache.cache_dir() if use_cache else None)
     _plan.thread.start()

@@ -70,6 +70,15 @@ _NATIVE_COLUMNS = {
 }
 
 
+def parse_processes(n_files: int, jobs: int | None) -> int:
+    """How many processes parse ``n_files`` rank files: ``jobs`` when given, else one per two CPUs (a
+    parse keeps about two cores busy already: the scanner, and the inflate and hash threads beside it),
+    never more than there are files."""
+    if jobs is None:
+        jobs = max(1, (os.cpu_count() or 1) // 2)
+    return max(1, min(jobs, n_files))
+
+
 def _py_marker(name: str) -> bool:
     return name.rpartition("): ")[2] in PY_FORWARD_FUNCTIONS
 
