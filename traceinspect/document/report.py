@@ -42,8 +42,10 @@ def launching_ops(kernels: Any) -> dict[str, str]:
     # counted on integer codes of the two text columns; ties go to the op name that sorts first
     nc, nu = factorize_text(kernels["name"].to_numpy(dtype=object)[linked])
     oc, ou = factorize_text(ops[linked])
-    pair = combine_codes(nc, oc)
-    _, first, n = np.unique(pair, return_index=True, return_counts=True)
+    pair = combine_codes(nc, oc)  # numbered in order of first appearance: a new code exceeds all before it
+    n = np.bincount(pair)
+    seen = np.maximum.accumulate(pair)
+    first = np.flatnonzero(np.r_[True, seen[1:] > seen[:-1]]) if len(pair) else np.zeros(0, dtype=np.int64)
     best: dict[str, tuple[int, str]] = {}
     for i, c in zip(first.tolist(), n.tolist(), strict=True):
         name, op = str(nu[nc[i]]), str(ou[oc[i]])
@@ -91,11 +93,22 @@ def op_rows(a: Analysis) -> dict[str, list[Any]]:
     op = inverse.reshape(-1)[np.where(linked, oc, unlinked)]
     name, _ = sorted_text_codes(k["name"])
     cls, cls_labels = sorted_text_codes(k["cls"])
-    d = pd.DataFrame({"op": op, "name": name, "cls": cls, "dur": k["dur"].to_numpy()})
-    g = d.groupby("op").agg(kernels=("name", "nunique"), calls=("dur", "size"), total_us=("dur", "sum")).reset_index()
-    by_cls = (d.groupby(["op", "cls"])["dur"].sum().reset_index().sort_values(["op", "dur"], ascending=[True, False])
-              .groupby("op")["cls"].agg(lambda s: ", ".join(cls_labels[s.to_numpy()].tolist())))
-    g["classes"] = g["op"].map(by_cls).fillna("")
+    dur = pd.Series(k["dur"].to_numpy())
+    g = dur.groupby(op).agg(["size", "sum"]).rename(columns={"size": "calls", "sum": "total_us"})
+    # distinct kernel names per op: the distinct (op, name) pairs, counted per op
+    pairs = np.unique(op.astype(np.int64) * (int(name.max(initial=0)) + 1) + name)
+    n_names = np.bincount(pairs // (int(name.max(initial=0)) + 1), minlength=len(labels))
+    g.insert(0, "kernels", n_names[g.index.to_numpy()])
+    # each op's classes, most time first (ties: class order), from the time per distinct (op, class)
+    n_cls = len(cls_labels) + 1
+    per = dur.groupby(op.astype(np.int64) * n_cls + cls).sum()
+    p_op, p_cls, p_us = per.index.to_numpy() // n_cls, per.index.to_numpy() % n_cls, per.to_numpy()
+    o = np.lexsort((-p_us, p_op))
+    texts: dict[int, list[str]] = {}
+    for q, c in zip(p_op[o].tolist(), cls_labels[p_cls[o]].tolist(), strict=True):
+        texts.setdefault(q, []).append(c)
+    g["classes"] = [", ".join(texts.get(q, ())) for q in g.index.tolist()]
+    g = g.reset_index(names="op")
     g["op"] = labels[g["op"].to_numpy()]
     return _columns(g.sort_values("total_us", ascending=False), cols)
 
