@@ -66,10 +66,19 @@ def kernel_rows(a: Analysis) -> dict[str, list[Any]]:
     cols = ["name", "cls", "launched_by", "calls", "total_us", "mean_us"]
     if not len(k):
         return {c: [] for c in cols}
-    g = k.groupby("name", observed=True).agg(cls=("cls", "first"), calls=("dur", "size"), total_us=("dur", "sum"),
-                                             mean_us=("dur", "mean")).reset_index()
-    g["name"] = g["name"].astype(str)
-    g["cls"] = g["cls"].astype(str)
+    # grouped on codes numbered in the names' sort order: the groups and their order are those of grouping
+    # the name column, without hashing a string per kernel
+    codes, names = sorted_text_codes(k["name"])
+    g = pd.Series(k["dur"].to_numpy()).groupby(codes).agg(["size", "sum", "mean"])
+    g.columns = ["calls", "total_us", "mean_us"]
+    cls = k["cls"]
+    known = cls.notna().to_numpy()  # a group's class: its first row that has one ("first" skips missing)
+    first = np.full(len(names), -1, dtype=np.int64)
+    u, at = np.unique(codes[known], return_index=True)
+    first[u] = np.flatnonzero(known)[at]
+    ctext = np.append(text_values(cls), "nan")  # "nan": no row of the name has a class
+    g.insert(0, "cls", ctext[first[g.index.to_numpy()]])
+    g.insert(0, "name", names[g.index.to_numpy()])
     ops = launching_ops(k)
     g["launched_by"] = [ops.get(n, "") for n in g["name"]]
     return _columns(g.sort_values("total_us", ascending=False), cols)
