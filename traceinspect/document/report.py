@@ -73,10 +73,10 @@ def kernel_rows(a: Analysis) -> dict[str, list[Any]]:
     g.columns = ["calls", "total_us", "mean_us"]
     cls = k["cls"]
     known = cls.notna().to_numpy()  # a group's class: its first row that has one ("first" skips missing)
-    first = np.full(len(names), -1, dtype=np.int64)
-    u, at = np.unique(codes[known], return_index=True)
-    first[u] = np.flatnonzero(known)[at]
-    ctext = np.append(text_values(cls), "nan")  # "nan": no row of the name has a class
+    rows = np.flatnonzero(known)
+    first = np.full(len(names), len(k), dtype=np.int64)
+    np.minimum.at(first, codes[rows], rows)
+    ctext = np.append(text_values(cls), "nan")  # the last slot, "nan": no row of the name has a class
     g.insert(0, "cls", ctext[first[g.index.to_numpy()]])
     g.insert(0, "name", names[g.index.to_numpy()])
     ops = launching_ops(k)
