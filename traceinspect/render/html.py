@@ -74,6 +74,7 @@ def build_context(doc: dict[str, Any]) -> dict[str, Any]:
     gemm, gemm_reason, gemm_classes, gemm_note = gemm_scatter_svg(doc)
     coll, coll_reason = collectives_svg(doc)
     cpath, cpath_reason, cpath_classes = critical_path_svg(doc)
+    memory, moe = memory_view(doc), moe_view(doc)
     busy = [r.get("gpu_busy_us") for r in doc.get("ranks") or [] if isnum(r.get("gpu_busy_us"))]
     idle = [r.get("idle_us") for r in doc.get("ranks") or [] if isnum(r.get("idle_us"))]
     top_cls = max((doc.get("classes") or {}).items(), key=lambda kv: kv[1].get("us_per_step") or 0, default=None)
@@ -111,8 +112,7 @@ def build_context(doc: dict[str, Any]) -> dict[str, Any]:
         "coll_svg": coll, "coll_reason": coll_reason, "coll_notes": coll_notes(doc),
         "cpath_svg": cpath, "cpath_reason": cpath_reason,
         "cpath_legend": legend_html(cpath_classes, color=path_color), "cpath_notes": cpath_notes(doc),
-        "memory": memory_view(doc)[0], "memory_reason": memory_view(doc)[1],
-        "moe": moe_view(doc)[0], "moe_reason": moe_view(doc)[1],
+        "memory": memory[0], "memory_reason": memory[1], "moe": moe[0], "moe_reason": moe[1],
         "data_tables": data_tables(doc),
         "coverage": coverage_view(doc),
         "warnings": [str(w) for w in doc.get("warnings") or []],

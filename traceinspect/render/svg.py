@@ -43,7 +43,10 @@ def coord(v: float) -> str:
 def script_json(obj: Any) -> Markup:
     """JSON that is safe inside a ``<script>`` element: no ``</script>``, no HTML comment openers, no
     line separators that end a JavaScript string."""
-    text = json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, default=str, separators=(",", ":"))
+    try:  # most documents hold no NaN or infinity: only those are copied with them made null
+        text = json.dumps(obj, ensure_ascii=False, allow_nan=False, default=str, separators=(",", ":"))
+    except ValueError:
+        text = json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, default=str, separators=(",", ":"))
     for raw, esc in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"),
                      ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
         text = text.replace(raw, esc)
