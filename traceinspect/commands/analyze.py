@@ -23,7 +23,7 @@ def analysis_options(f: Any) -> Any:
         click.option("--rules", "rules", multiple=True, type=click.Path(), help="Extra rule file or directory."),
         click.option("--only", multiple=True, help="Run only this rule id (repeatable)."),
         click.option("--disable", multiple=True, help="Disable this rule id (repeatable)."),
-        click.option("--jobs", "-j", type=int, default=None, help="Parallel rank parsers (default: CPUs)."),
+        click.option("--jobs", "-j", type=int, default=None, help="Rank-file parse processes (default: one per two CPUs; 1: this process)."),
         click.option("--executor", default="local", show_default=True,
                      help="Where rank files are parsed: local, dask (a local cluster) or dask://HOST:PORT."),
         click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-table cache."),

@@ -192,7 +192,7 @@ def _planted(path: Path) -> set[str]:
 @click.option("--no-shipped", is_flag=True, help="Test only the rules of --rules, not the shipped ones.")
 @click.option("--allow-missing", is_flag=True,
               help="Skip (instead of fail) fixtures that are not present and rules without fixtures.")
-@click.option("--jobs", "-j", type=int, default=None, help="Parallel rank parsers (default: CPUs).")
+@click.option("--jobs", "-j", type=int, default=None, help="Rank-file parse processes (default: one per two CPUs; 1: this process).")
 def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, allow_missing: bool,
              jobs: int | None) -> None:
     """Run every rule on every trace set the rules name: a rule must fire on each of its `tests.fires`

@@ -318,8 +318,9 @@ def load_trace_set(
 
     Raises :class:`TraceInputError` for a missing path, a corrupt or truncated file, a file
     that is not a Kineto trace, two files claiming one rank, or (unless ``require_kernels`` is
-    false) a trace with no GPU kernels. ``executor`` is ``local`` (a process per rank file),
-    ``dask`` (a local dask.distributed cluster) or ``dask://HOST:PORT`` (an existing scheduler whose
+    false) a trace with no GPU kernels. ``executor`` is ``local`` (``jobs`` parse processes, by
+    default one per two CPUs: :func:`~traceinspect.load.raw.parse_processes`), ``dask`` (a local
+    dask.distributed cluster) or ``dask://HOST:PORT`` (an existing scheduler whose
     workers can read the same paths); parsed tables are cached by content hash unless ``use_cache``
     is false or ``$TRACEINSPECT_CACHE`` is ``off``. ``prepare`` runs on each rank's tables where they were
     parsed (the pipeline passes :func:`traceinspect.link.link_parsed`).
