@@ -128,3 +128,12 @@ def name_mask(names: pd.Series, include: Any, exclude: Any) -> np.ndarray:
         return bool((include is None or search(include, s)) and not (exclude is not None and search(exclude, s)))
 
     return per_distinct(names, good)
+
+
+def groups(*codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's group (one per distinct combination of the integer code columns, each >= 0, numbered in
+    order of first appearance) and the first row of every group: a per-row memo evaluated once per
+    group, on the row that would have filled it."""
+    key = combine_codes(*codes)
+    _, first = np.unique(key, return_index=True)
+    return key, first

@@ -15,11 +15,7 @@ from traceinspect.classify.table import ClassTable, default_table
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel
 from traceinspect.model.shapes import OpInputs, ShapeCache
-from traceinspect.tables import (
-    set_object_column,
-    text_values,
-    unique_text,
-)
+from traceinspect.tables import factorize_text, groups, set_object_column, text_values, unique_text
 
 if TYPE_CHECKING:
     from traceinspect.classify.graphs import GraphOps
@@ -113,28 +109,28 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel 
     op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
     inputs = OpInputs(ts.cpu_ops) if len(ts.cpu_ops) else None
     pow2 = 1 << max(n_exp - 1, 0).bit_length()
-    memo: dict[tuple[Any, ...], tuple[str, str] | None] = {}
-    shaped: dict[Any, bool] = {}  # per distinct recorded chain (ops recorded alike answer alike)
-    for r in rows:
-        o = int(op_idx[r])
-        recorded: Any = None  # the op's recorded chain, None without recorded shapes
-        if inputs is not None and o >= 0:
-            sig = inputs.signature(o, 4)
-            sig = o if sig is None else sig
-            if sig not in shaped:
-                shaped[sig] = inputs.has_shapes(o)
-            recorded = sig if shaped[sig] else None
-        key = (names[r], recorded)
-        if key not in memo:
-            size, how = _routing_size(names[r], o if recorded is not None else -1, inputs)
-            if size is None:
-                memo[key] = None
-            elif size == n_exp or (how.startswith("softmax_warp") and size == pow2):
-                memo[key] = (cls[r], f"{how} matches {n_exp} experts ({exp_src})")
-            else:
-                new = "sampling" if vocab and size >= vocab else "elementwise"
-                memo[key] = (new, f"{how} is not the {n_exp} experts ({exp_src}): not MoE routing")
-        res = memo[key]
+    # one answer per (name, recorded chain of the op; None without recorded shapes), on its first row
+    o = op_idx[rows].astype(np.int64)
+    recorded = np.zeros(len(rows), dtype=np.int64)  # 0: no recorded shapes, else 1 + chain code
+    at = np.nonzero(o >= 0)[0] if inputs is not None else np.zeros(0, dtype=np.int64)
+    if len(at):
+        sig, first = groups(inputs.signature_codes(o[at], 4))
+        shaped = np.array([inputs.has_shapes(int(o[i])) for i in at[first].tolist()], dtype=bool)[sig]
+        recorded[at[shaped]] = 1 + sig[shaped]
+    key, first = groups(factorize_text(names[rows])[0], recorded)
+    memo: list[tuple[str, str] | None] = []
+    for i in first.tolist():
+        r = int(rows[i])
+        size, how = _routing_size(names[r], int(o[i]) if recorded[i] else -1, inputs)
+        if size is None:
+            memo.append(None)
+        elif size == n_exp or (how.startswith("softmax_warp") and size == pow2):
+            memo.append((cls[r], f"{how} matches {n_exp} experts ({exp_src})"))
+        else:
+            new = "sampling" if vocab and size >= vocab else "elementwise"
+            memo.append((new, f"{how} is not the {n_exp} experts ({exp_src}): not MoE routing"))
+    for r, g in zip(rows.tolist(), key.tolist(), strict=True):
+        res = memo[g]
         if res is not None:
             ev[r] = f"{ev[r]}; {res[1]}" if res[0] == cls[r] else f"{res[0]}: {res[1]}; was {cls[r]} by {ev[r]}"
             cls[r] = res[0]

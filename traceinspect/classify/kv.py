@@ -16,10 +16,7 @@ from traceinspect.classify.table import ATTENTION_OP, ClassTable, Promotion, def
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel
 from traceinspect.model.shapes import OpInputs, decode_json, op_tensors
-from traceinspect.tables import (
-    per_distinct,
-    set_object_column,
-)
+from traceinspect.tables import factorize_text, groups, per_distinct, set_object_column
 
 if TYPE_CHECKING:
     from traceinspect.classify.graphs import GraphOps
@@ -167,40 +164,12 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
         rows = np.nonzero(cand)[0]
         if not len(rows):
             continue
-        recur = _recurrence(k, rows, ctx)
-        attn_cache: dict[tuple[int, int], bool] = {}
-        memo: dict[tuple[Any, str, bool, bool], str | None] = {}
-        # ops that recorded the same chain of names and shapes get the same answer: judged once
-        shaped: dict[tuple[Any, ...], str | None] = {}
-        has: dict[tuple[int, Any], bool] = {}
-        for r in rows:
-            rec = recur.get((ranks[r], names[r]))
-            if captured[r] and cap_op[r] >= 0:
-                inputs, o, src, how = cap_inputs.get(int(ranks[r])), int(cap_op[r]), int(ranks[r]), \
-                    f"graph replay, {CAPTURED_NOTE}: "
-            else:
-                inputs, o, src, how = eager, int(op_idx[r]), -1, ""
-            shapes = False
-            if inputs is not None and o >= 0:
-                sig = inputs.signature(o)
-                skey = (src, sig if sig is not None else o)
-                shapes = has.get(skey)
-                if shapes is None:
-                    shapes = has[skey] = inputs.has_shapes(o)
-            if shapes:
-                key3 = (*skey, rec)
-                if key3 not in shaped:
-                    shaped[key3] = _shape_evidence(inputs, o, src, ctx, target, rec, attn_cache, pool_shapes)
-                reason = shaped[key3]
-                reason = how + reason if reason is not None else None
-            else:
-                key = (ranks[r], names[r], int(op_idx[r]) < 0, bool(captured[r]))
-                if key not in memo:
-                    memo[key] = _recurrence_evidence(names[r], rec, key[2], target, ctx, captured=key[3])
-                reason = memo[key]
-            if reason is not None:
-                ev[r] = f"{target}: {reason}; was {cls[r]} by {ev[r]}"
-                cls[r] = target
+        reason = _candidate_evidence(rows, target, _recurrence(k, rows, ctx), ctx, eager, captured, cap_op,
+                                     cap_inputs, op_idx, names, ranks, pool_shapes)
+        for i in np.flatnonzero(reason != None).tolist():  # noqa: E711 - elementwise
+            r = int(rows[i])
+            ev[r] = f"{target}: {reason[i]}; was {cls[r]} by {ev[r]}"
+            cls[r] = target
     consumer = table.promote.get("consumer")
     if consumer is not None:
         _promote_consumers(k, consumer, ctx, eager, cls, ev, is_kernel)
@@ -209,6 +178,65 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
 
 
 _NOCAST = re.compile(r"_nocast<")  # PyTorch's same-dtype elementwise path: no dtype change
+
+
+def _candidate_evidence(rows: np.ndarray, target: str, recur: dict[tuple[int, str], str], ctx: _KvContext,
+                        eager: OpInputs | None, captured: np.ndarray, cap_op: np.ndarray,
+                        cap_inputs: dict[int, OpInputs], op_idx: np.ndarray, names: np.ndarray,
+                        ranks: np.ndarray, pool_shapes: dict[int, set[tuple[int, ...]]]) -> np.ndarray:
+    """Per candidate row of ``target``, the evidence that it reads (kv_cast) or writes (kv_write) the KV
+    pool, else None: from the recorded shapes of its op (a graph replay: of the op recovered from the
+    capture trace), else from its recurrence. Ops that recorded the same chain of names and shapes get
+    the same answer, and so do kernels without shapes of one (rank, name): each judged once."""
+    n = len(rows)
+    rank = ranks[rows]
+    use_cap = captured[rows] & (cap_op[rows] >= 0)
+    src = np.where(use_cap, rank, -1).astype(np.int64)
+    o = np.where(use_cap, cap_op[rows], op_idx[rows]).astype(np.int64)
+
+    def inputs_of(s: int) -> OpInputs | None:
+        return eager if s < 0 else cap_inputs.get(s)
+
+    # the recurrence text of each row's (rank, name)
+    pair, first = groups(pd.factorize(rank)[0], factorize_text(names[rows])[0])
+    rec = np.empty(len(first), dtype=object)
+    rec[:] = [recur.get((rank[i], names[rows[i]])) for i in first.tolist()]
+    rec_code = factorize_text(rec)[0][pair]
+    rec = rec[pair]
+    # the recorded chain of each row's op, where there is one
+    sig = np.full(n, -1, dtype=np.int64)
+    for s in np.unique(src).tolist():
+        inputs = inputs_of(s)
+        at = np.nonzero((src == s) & (o >= 0))[0]
+        if inputs is not None and len(at):
+            sig[at] = inputs.signature_codes(o[at])
+    src_code = pd.factorize(src)[0]
+    shapes = np.zeros(n, dtype=bool)
+    at = np.nonzero(sig >= 0)[0]
+    if len(at):
+        g, first = groups(src_code[at], sig[at])
+        has = np.array([inputs_of(int(src[i])).has_shapes(int(o[i])) for i in at[first].tolist()], dtype=bool)
+        shapes[at] = has[g]
+    reason = np.full(n, None, dtype=object)
+    attn_cache: dict[tuple[int, int], bool] = {}
+    at = np.nonzero(shapes)[0]
+    if len(at):
+        g, first = groups(src_code[at], sig[at], rec_code[at])
+        per = np.empty(len(first), dtype=object)
+        for n_, i in enumerate(at[first].tolist()):
+            s = int(src[i])
+            why = _shape_evidence(inputs_of(s), int(o[i]), s, ctx, target, rec[i], attn_cache, pool_shapes)
+            per[n_] = None if why is None else (f"graph replay, {CAPTURED_NOTE}: " if s >= 0 else "") + why
+        reason[at] = per[g]
+    at = np.nonzero(~shapes)[0]
+    if len(at):
+        graph, cap = op_idx[rows[at]] < 0, captured[rows[at]]
+        g, first = groups(pair[at], graph, cap)
+        per = np.empty(len(first), dtype=object)
+        per[:] = [_recurrence_evidence(names[rows[i]], rec[i], bool(graph[j]), target, ctx, captured=bool(cap[j]))
+                  for i, j in zip(at[first].tolist(), first.tolist(), strict=True)]
+        reason[at] = per[g]
+    return reason
 
 
 def _shape_evidence(inputs: OpInputs, o: int, src: int, ctx: _KvContext, target: str, rec: str | None,
