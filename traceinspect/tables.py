@@ -135,5 +135,14 @@ def groups(*codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     order of first appearance) and the first row of every group: a per-row memo evaluated once per
     group, on the row that would have filled it."""
     key = combine_codes(*codes)
-    _, first = np.unique(key, return_index=True)
-    return key, first
+    return key, first_rows(key)
+
+
+def first_rows(codes: np.ndarray) -> np.ndarray:
+    """The first row of each code of a column numbered in order of first appearance (0, 1, ...): where
+    the running maximum grows (what ``np.unique(codes, return_index=True)[1]`` gives, without sorting)."""
+    codes = np.asarray(codes, dtype=np.int64)
+    if not len(codes):
+        return np.zeros(0, dtype=np.int64)
+    top = np.maximum.accumulate(codes)
+    return np.flatnonzero(np.concatenate([[True], top[1:] > top[:-1]]))

@@ -3,9 +3,10 @@ casts to 8/4-bit floats before a quantized GEMM ``quantize``."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -33,6 +34,7 @@ _NAME_DST = [  # (regex over a cast kernel's name, torch dtype it writes)
 ]
 
 
+@functools.lru_cache(maxsize=4096)
 def _cast_destination(name: str) -> str | None:
     """The dtype a PyTorch cast kernel writes, read from its name (None if unknown)."""
     for pat, dst in _NAME_DST:
@@ -87,45 +89,50 @@ def _recurrence(k: pd.DataFrame, rows: np.ndarray, ctx: _KvContext) -> dict[tupl
     sel = rows[ctx.included[rows]]
     if not len(sel):
         return out
-    sub = k.iloc[sel]
-    counts = sub.groupby(["rank", "name", "step"]).size()
-    adjacent = _adjacent(k, sub)
-    for (rank, name), c in counts.groupby(level=[0, 1]):
-        n_steps = ctx.steps_per_rank.get(int(rank), 0)
-        exact = int((c == ctx.layers).sum())
-        if n_steps == 0 or exact * 2 < n_steps or (c > ctx.layers).any():
+    rank, name = k["rank"].to_numpy()[sel], k["name"].to_numpy(dtype=object)[sel]
+    step = k["step"].to_numpy()[sel]
+    pair, first = groups(pd.factorize(rank)[0], factorize_text(name)[0])
+    in_step, at = groups(pair, pd.factorize(step)[0])  # the rows of each (rank, name, step)
+    calls = np.bincount(in_step)
+    step_pair = pair[at]
+    exact = np.bincount(step_pair, weights=calls == ctx.layers, minlength=len(first)).astype(np.int64)
+    over = np.bincount(step_pair, weights=calls > ctx.layers, minlength=len(first)) > 0
+    adjacent = _adjacent(k, sel, pair, step)
+    for p, i in enumerate(first.tolist()):
+        n_steps = ctx.steps_per_rank.get(int(rank[i]), 0)
+        if n_steps == 0 or exact[p] * 2 < n_steps or over[p] or p in adjacent:
             continue
-        if (rank, name) in adjacent:
-            continue
-        out[(rank, name)] = (f"{ctx.layers} per step in {exact}/{n_steps} included steps = once per layer, "
-                             f"with other kernels between (layers: {ctx.layers_src})")
+        out[(rank[i], name[i])] = (f"{ctx.layers} per step in {exact[p]}/{n_steps} included steps = once per "
+                                   f"layer, with other kernels between (layers: {ctx.layers_src})")
     return out
+
+
+def _in_rank_time_order(rank: np.ndarray, ts: np.ndarray) -> bool:
+    """Whether the rows are ordered by (rank, start time), as the loader leaves them."""
+    return len(rank) < 2 or bool(np.all(rank[1:] >= rank[:-1])
+                                 and np.all((ts[1:] >= ts[:-1]) | (rank[1:] != rank[:-1])))
 
 
 def _rank_time_order(rank: np.ndarray, ts: np.ndarray) -> np.ndarray:
     """Row order by (rank, start time), equal keys in row order: ``np.lexsort((ts, rank))``, skipped
-    when the rows are already in that order (as the loader leaves them)."""
-    if len(rank) < 2 or (np.all(rank[1:] >= rank[:-1])
-                         and np.all((ts[1:] >= ts[:-1]) | (rank[1:] != rank[:-1]))):
-        return np.arange(len(rank))
-    return np.lexsort((ts, rank))
+    when the rows are already in that order."""
+    return np.arange(len(rank)) if _in_rank_time_order(rank, ts) else np.lexsort((ts, rank))
 
 
-def _adjacent(k: pd.DataFrame, sub: pd.DataFrame) -> set[tuple[Any, Any]]:
-    """(rank, name) pairs of ``sub`` (rows of ``k``) with two occurrences in one step and no other kernel
-    of the rank between them on its GPU timeline (ordered by start time)."""
-    order = _rank_time_order(k["rank"].to_numpy(), k["ts"].to_numpy())
-    pos = np.empty(len(k), dtype=np.int64)
-    pos[order] = np.arange(len(k))  # rank boundaries never make two positions of one rank adjacent
-    rows = k.index.get_indexer(sub.index)
-    codes, uniq = pd.factorize(pd.MultiIndex.from_arrays([sub["rank"].to_numpy(), sub["name"].to_numpy(dtype=object)]))
-    step = sub["step"].to_numpy()
-    p = pos[rows]
-    o = np.lexsort((p, step, codes))
-    c, st, pp = codes[o], step[o], p[o]
+def _adjacent(k: pd.DataFrame, rows: np.ndarray, pair: np.ndarray, step: np.ndarray) -> set[int]:
+    """The ``pair`` codes of ``rows`` (of ``k``) with two occurrences in one step and no other kernel of
+    the rank between them on its GPU timeline (ordered by start time)."""
+    rank, ts = k["rank"].to_numpy(), k["ts"].to_numpy()
+    if _in_rank_time_order(rank, ts):
+        p = rows
+    else:
+        pos = np.empty(len(k), dtype=np.int64)
+        pos[np.lexsort((ts, rank))] = np.arange(len(k))  # rank boundaries never make two positions adjacent
+        p = pos[rows]
+    o = np.lexsort((p, step, pair))
+    c, st, pp = pair[o], step[o], p[o]
     same = (c[1:] == c[:-1]) & (st[1:] == st[:-1])
-    bad = np.unique(c[1:][same & (np.diff(pp) < 2)])
-    return {tuple(uniq[i]) for i in bad}
+    return set(np.unique(c[1:][same & (np.diff(pp) < 2)]).tolist())
 
 
 def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None,
@@ -308,16 +315,17 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     where[order] = np.arange(len(order))
     op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
     rows = np.nonzero(cand)[0]
-    # Python lists: the loop reads single elements, and a numpy scalar read costs ~10x more
-    pos = where[rows].tolist()
-    order_l, rank_l, stream_l = order.tolist(), rank_s.tolist(), stream_s.tolist()
-    n_lane = len(order_l)
-    for r, i in zip(rows.tolist(), pos, strict=True):
-        for step in (1, 2):
-            j = i + step
-            if j >= n_lane or rank_l[j] != rank_l[i] or stream_l[j] != stream_l[i]:
+    # the next two kernels of each candidate's lane (-1 past its end): lanes are runs of ``order``
+    pos = where[rows]
+    after = []
+    for step in (1, 2):
+        j = np.minimum(pos + step, len(order) - 1)
+        same = (pos + step < len(order)) & (rank_s[j] == rank_s[pos]) & (stream_s[j] == stream_s[pos])
+        after.append(np.where(same, order[j], -1).tolist())
+    for r, n1, n2 in zip(rows.tolist(), *after, strict=True):
+        for nxt in (n1, n2):
+            if nxt < 0:
                 break
-            nxt = order_l[j]
             target = promo.next.get(cls[nxt])
             if target is None:
                 continue
