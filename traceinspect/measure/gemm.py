@@ -26,7 +26,7 @@ from traceinspect.model.shapes import (  # noqa: F401 - importable from here
     dtype_of,
     op_handler,
 )
-from traceinspect.tables import combine_codes, factorize_text, per_distinct, text_values
+from traceinspect.tables import combine_codes, factorize_text, first_rows, per_distinct, text_values
 from traceinspect.units import json_num
 
 if TYPE_CHECKING:
@@ -244,13 +244,13 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
     k_reason = np.zeros(0, dtype=object)
     if has.any():
         codes, uniq = pd.factorize(inst[has])
-        _, first = np.unique(codes, return_index=True)
+        first = first_rows(codes)
         fi = np.nonzero(has)[0][first]
         # instances recorded with the same op and shapes (every replay of a captured op, every layer)
         # are modelled once
         parts = [factorize_text(col[c][fi]) for c in ("op_name", "dims", "types", "conc")]
         key_codes = combine_codes(*(c for c, _ in parts))
-        _, at = np.unique(key_codes, return_index=True)  # the first call of each distinct key
+        at = first_rows(key_codes)  # the first call of each distinct key
         keys = [tuple(u[c[i]] for c, u in parts) for i in at.tolist()]
         cache = ShapeCache()
         k_hk = np.zeros(len(keys), dtype=np.int8)
@@ -272,18 +272,21 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
     sel = ((hk == 1) & ~per_distinct(cls, ("memcpy", "comm").__contains__)) | (hk == 2)
     if sel.any():
         pi = np.nonzero(sel)[0]
-        f = pd.DataFrame({"inst": inst[pi], "dur": dur[pi], "pos": pi, "g": gemm_cls[pi], "moe": moe[pi]})
-        f = f.sort_values(["inst", "dur"], ascending=[True, False], kind="stable")
-        g = f.groupby("inst", sort=False)
-        agg = g.agg(pos=("pos", "first"), us=("dur", "sum"), any_gemm=("g", "any"), moe=("moe", "any"))
-        pos = agg["pos"].to_numpy()
+        # by instance, the longest kernel first (ties in row order, NaN last: a stable sort on -dur)
+        pi = pi[np.lexsort((-dur[pi], inst[pi]))]
+        si = inst[pi]
+        new_inst = np.concatenate([[True], si[1:] != si[:-1]])
+        start = np.flatnonzero(new_inst)
+        pos = pi[start]
+        us = pd.Series(dur[pi]).groupby(np.cumsum(new_inst) - 1, sort=False).sum()  # as grouping by inst sums
+        any_gemm, any_moe = np.logical_or.reduceat(gemm_cls[pi], start), np.logical_or.reduceat(moe[pi], start)
         k_known = np.array([bool(s) for s in k_shapes] + [False], dtype=bool)
-        keep = (hk[pos] == 2) | k_known[row_key[pos]] | agg["any_gemm"].to_numpy()
+        keep = (hk[pos] == 2) | k_known[row_key[pos]] | any_gemm
         pos = pos[keep]
         # the call's shape: the first of its op's shapes (one distinct Shape per key)
         first_shape = [s[0] if s else None for s in k_shapes] + [None]
         parts.append(_rows(src, col, pos, first_shape, np.where(row_key[pos] >= 0, row_key[pos], len(k_shapes)),
-                           reason[pos], agg["us"].to_numpy()[keep], agg["moe"].to_numpy()[keep]))
+                           reason[pos], us.to_numpy()[keep], any_moe[keep]))
 
     # fused MoE ops: their GEMM kernels in launch order <-> the op's GEMM shapes in order
     sel = (hk == 3) & gemm_cls
@@ -383,8 +386,7 @@ def _rates(calls: pd.DataFrame, spec: GpuSpec | None) -> None:
     if not len(calls):
         return
     us = calls["us"].astype(float).to_numpy()
-    fl = pd.to_numeric(calls["flops"], errors="coerce").to_numpy(dtype=float)
-    by = pd.to_numeric(calls["bytes"], errors="coerce").to_numpy(dtype=float)
+    fl, by = _floats(calls["flops"]), _floats(calls["bytes"])
     with np.errstate(divide="ignore", invalid="ignore"):
         tf = np.where(us > 0, fl / us / 1e6, np.nan)
         gb = np.where(us > 0, by / us / 1e3, np.nan)
@@ -403,6 +405,18 @@ def _rates(calls: pd.DataFrame, spec: GpuSpec | None) -> None:
     bw = spec.mem_bw_gbps if spec and spec.mem_bw_gbps else np.nan
     host = per_distinct(calls["name"], lambda n: _HOST_LINK.search(str(n)))
     calls["pct_bw"] = np.where(host, np.nan, 100.0 * gb / bw)
+
+
+def _floats(col: pd.Series) -> np.ndarray:
+    """``pd.to_numeric(col, errors="coerce")`` as floats: a column of numbers and None (what the Shape
+    attributes hold) converts directly, None becoming NaN; anything else goes through pandas."""
+    v = col.to_numpy()
+    if v.dtype == object:
+        try:
+            return np.asarray(v, dtype=float)
+        except (TypeError, ValueError):
+            pass
+    return pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
 
 
 def _peak(spec: GpuSpec | None, dtype: Any) -> float:
@@ -432,7 +446,7 @@ def _gemm_keys(g: pd.DataFrame) -> pd.DataFrame:
 
 
 def _gemm_table(calls: pd.DataFrame) -> pd.DataFrame:
-    g = calls[calls["kind"] == "gemm"]
+    g = calls[calls["kind"].to_numpy() == "gemm"]
     if not len(g):
         return pd.DataFrame(columns=GEMM_TABLE_COLUMNS)
     # the keys are prepared once per distinct combination of their columns (a few per shape), the sums
@@ -462,7 +476,7 @@ MEMORY_TABLE_COLUMNS = ["family", "cls", "dtypes", "calls", "bytes", "us", "gbps
 
 
 def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
-    mcalls = calls[(calls["kind"] == "memory") & calls["bytes"].notna()]
+    mcalls = calls[(calls["kind"].to_numpy() == "memory") & calls["bytes"].notna().to_numpy()]
     if not len(mcalls):
         return pd.DataFrame(columns=MEMORY_TABLE_COLUMNS)
     m = mcalls.copy()
@@ -500,7 +514,7 @@ def _moe(a: Analysis, calls: pd.DataFrame) -> dict[str, Any]:
     tokens = float(np.median(toks)) if len(toks) else None
     out: dict[str, Any] = {"experts": experts, "topk": topk, "tokens": tokens,
                            "experts_key": ekey, "topk_key": tkey}
-    mc = calls[(calls["kind"] == "gemm") & calls["moe"].astype(bool)] if len(calls) else calls
+    mc = calls[(calls["kind"].to_numpy() == "gemm") & calls["moe"].to_numpy().astype(bool)] if len(calls) else calls
     known = mc[mc["m"].notna()] if len(mc) else mc
     if len(known):
         m = known["m"].astype(float) / known["groups"].astype(float)
@@ -528,7 +542,7 @@ def _moe(a: Analysis, calls: pd.DataFrame) -> dict[str, Any]:
         return out
     missing = [n for n, v in (("token count (bs= in step names)", tokens), ("experts", experts),
                               ("top-k", topk)) if v is None]
-    g = calls[calls["kind"] == "gemm"] if len(calls) else calls
+    g = calls[calls["kind"].to_numpy() == "gemm"] if len(calls) else calls
     blind = g[g["shape_source"] == "unknown"] if len(g) else g
     if not len(mc) and not len(blind) and experts is None:
         why = "no MoE GEMM kernels in the analysed steps and no expert count (server_info or --experts)"

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.tables import combine_codes, factorize_text
+from traceinspect.tables import combine_codes, factorize_text, first_rows
 
 _type_of = np.frompyfunc(type, 1, 1)
 _ONE_KIND = ("string", "integer", "floating", "empty")
@@ -30,8 +30,7 @@ def distinct_rows(frame: pd.DataFrame, cols: list[str]) -> tuple[np.ndarray, np.
         else:
             parts.append(pd.factorize(v, use_na_sentinel=False)[0])
     code = combine_codes(*parts)
-    _, first = np.unique(code, return_index=True)
-    return code, first
+    return code, first_rows(code)
 
 
 def key_groups(frame: pd.DataFrame, cols: list[str], prepare: Callable[[pd.DataFrame], pd.DataFrame],
