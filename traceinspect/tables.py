@@ -146,3 +146,9 @@ def first_rows(codes: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     top = np.maximum.accumulate(codes)
     return np.flatnonzero(np.concatenate([[True], top[1:] > top[:-1]]))
+
+
+def text_isin(values: np.ndarray, options: Any) -> np.ndarray:
+    """``np.isin(values, options)`` for an object array of text and a few options (class names): one
+    hash-table pass, where numpy compares every row with every option."""
+    return pd.Series(values, dtype=object, copy=False).isin(list(options)).to_numpy(dtype=bool, copy=True)

@@ -15,7 +15,7 @@ from traceinspect.classify.table import ClassTable, default_table
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel
 from traceinspect.model.shapes import OpInputs, ShapeCache
-from traceinspect.tables import factorize_text, groups, set_object_column, text_values, unique_text
+from traceinspect.tables import factorize_text, groups, set_object_column, text_isin, text_values, unique_text
 
 if TYPE_CHECKING:
     from traceinspect.classify.graphs import GraphOps
@@ -86,11 +86,11 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel 
         return
     run = run if run is not None else decide_run(ts)
     ev = k["cls_evidence"].to_numpy(dtype=object)
-    uniq = unique_text(ev)
-    hit = {e for e in uniq if (m := _RULE_ID.match(str(e))) and m.group(1) in ids}
-    if not hit:
+    ev_codes, uniq = factorize_text(ev)
+    hit = np.array([bool((m := _RULE_ID.match(str(e))) and m.group(1) in ids) for e in uniq.tolist()], dtype=bool)
+    if not hit.any():
         return
-    rows = np.nonzero(np.isin(ev, list(hit)))[0]
+    rows = np.nonzero(hit[ev_codes])[0]
     cls = k["cls"].to_numpy(dtype=object).copy()
     ev = ev.copy()
     has, why = model_has_experts(ts, table, run)
@@ -155,7 +155,7 @@ def mark_experts(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, graph_
     if not len(k) or "cls" not in k or layers is None:
         return
     cls = k["cls"].to_numpy(dtype=object)
-    cand = np.isin(cls, DENSE_GEMM_CLASSES)
+    cand = text_isin(cls, DENSE_GEMM_CLASSES)
     if "kind" in k:
         cand &= (k["kind"] == "kernel").to_numpy()
     if "step" in k:

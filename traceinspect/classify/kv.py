@@ -17,7 +17,7 @@ from traceinspect.classify.table import ATTENTION_OP, ClassTable, Promotion, def
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel
 from traceinspect.model.shapes import OpInputs, decode_json, op_tensors
-from traceinspect.tables import factorize_text, groups, per_distinct, set_object_column
+from traceinspect.tables import factorize_text, groups, per_distinct, set_object_column, text_isin
 
 if TYPE_CHECKING:
     from traceinspect.classify.graphs import GraphOps
@@ -161,7 +161,7 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
         promo = table.promote.get(target)
         if promo is None:
             continue
-        cand = np.isin(cls, promo.sources) & is_kernel
+        cand = text_isin(cls, promo.sources) & is_kernel
         if promo.name is not None and cand.any():
             at = np.nonzero(cand)[0]  # the name test only where the class test passed
             cand[at] = per_distinct(names[at], promo.name.search)
@@ -295,7 +295,7 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     its stream is of a class in ``promo.next`` (a quantized GEMM: quantize; a KV write of the KV
     dtype: kv_write)."""
     names = k["name"].to_numpy(dtype=object)
-    cand = np.isin(cls, promo.sources) & is_kernel
+    cand = text_isin(cls, promo.sources) & is_kernel
     if promo.name is not None and cand.any():
         at = np.nonzero(cand)[0]
         cand[at] = per_distinct(names[at], promo.name.search)
