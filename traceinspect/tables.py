@@ -59,6 +59,18 @@ def text_values(col: pd.Series) -> np.ndarray:
     return np.asarray(col.astype(str).to_numpy(dtype=object), dtype=object)
 
 
+def text_codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, texts) with ``texts[codes]`` equal to :func:`text_values` of the column: a categorical's
+    own codes (missing: a last slot, "nan"), else the texts factorized; a test of every row can run
+    once per text."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        texts = np.array([str(c) for c in col.cat.categories] + ["nan"], dtype=object)
+        codes = col.cat.codes.to_numpy().astype(np.int64)
+        codes[codes < 0] = len(texts) - 1
+        return codes, texts
+    return factorize_text(text_values(col))
+
+
 def sorted_text_codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
     """Integer codes of a text column numbered in the sort order of its texts, and those sorted distinct
     texts: grouping by the codes orders groups as grouping the ``.astype(str)`` column does, without
@@ -82,12 +94,19 @@ def unique_text(values: Any) -> list[Any]:
 
 def combine_codes(*codes: np.ndarray) -> np.ndarray:
     """One code per distinct combination of several integer code columns (each >= 0), numbered in order
-    of first appearance; combined pairwise, so the intermediate keys never outgrow the row count."""
+    of first appearance: the columns mixed into one integer key (renumbered whenever it could overflow)
+    and that key factorized."""
     key = np.zeros(len(codes[0]) if codes else 0, dtype=np.int64)
+    top = 0  # the largest key so far
     for c in codes:
         c = np.asarray(c, dtype=np.int64)
-        key = pd.factorize(key * (int(c.max(initial=0)) + 1) + c)[0].astype(np.int64, copy=False)
-    return key
+        width = int(c.max(initial=0)) + 1
+        if (top + 1) * width > 1 << 62:  # renumber before the mixed key could overflow
+            key = pd.factorize(key)[0].astype(np.int64, copy=False)
+            top = int(key.max(initial=0))
+        key = key * width + c
+        top = top * width + width - 1
+    return pd.factorize(key)[0].astype(np.int64, copy=False)
 
 
 def per_distinct(values: Any, test: Callable[[Any], Any]) -> np.ndarray:

@@ -26,7 +26,14 @@ from traceinspect.model.shapes import (  # noqa: F401 - importable from here
     dtype_of,
     op_handler,
 )
-from traceinspect.tables import combine_codes, factorize_text, first_rows, per_distinct, text_values
+from traceinspect.tables import (
+    combine_codes,
+    factorize_text,
+    first_rows,
+    per_distinct,
+    text_codes,
+    text_values,
+)
 from traceinspect.units import json_num
 
 if TYPE_CHECKING:
@@ -155,10 +162,11 @@ def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
 
     if replay.any():
         _replay_sources(a, kk, replay, inst, source, why, op_name, op_path, dims, types, conc)
+    cls_code, cls_text = text_codes(kk["cls"])
     return {
         "kernel": kk.index.to_numpy(), "rank": kk["rank"].to_numpy(), "step": kk["step"].to_numpy(),
         "ts": kk["ts"].to_numpy(dtype=float), "name": kk["name"].to_numpy(dtype=object),
-        "cls": text_values(kk["cls"]), "dur": kk["dur"].to_numpy(dtype=float),
+        "cls": cls_text[cls_code], "cls_code": cls_code, "cls_text": cls_text, "dur": kk["dur"].to_numpy(dtype=float),
         "inst": inst, "source": source, "why": why, "op_name": op_name, "op_path": op_path, "dims": dims,
         "types": types, "conc": conc,
     }
@@ -263,13 +271,12 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         row_key[has] = key_codes[codes]
     hk = np.where(row_key >= 0, np.append(k_hk, 0)[row_key], 0)
     reason = np.append(k_reason, "")[row_key]  # row_key -1 -> the last slot, ""
-    cls = col["cls"]
-    gemm_cls = per_distinct(cls, GEMM_CLASSES.__contains__)
-    moe = per_distinct(col["op_path"], MOE_PATH.search) | (cls == "moe_gemm")
+    gemm_cls = col["gemm_cls"] = _class_test(col, GEMM_CLASSES.__contains__)
+    moe = per_distinct(col["op_path"], MOE_PATH.search) | _class_test(col, lambda c: c == "moe_gemm")
     parts = []
 
     # ops with one model for the whole call: time of all their kernels, the longest one stands for it
-    sel = ((hk == 1) & ~per_distinct(cls, ("memcpy", "comm").__contains__)) | (hk == 2)
+    sel = ((hk == 1) & ~_class_test(col, ("memcpy", "comm").__contains__)) | (hk == 2)
     if sel.any():
         pi = np.nonzero(sel)[0]
         # by instance, the longest kernel first (ties in row order, NaN last: a stable sort on -dur)
@@ -315,6 +322,12 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=CALL_COLUMNS)
 
 
+def _class_test(col: dict[str, np.ndarray], test: Any) -> np.ndarray:
+    """``test`` of each kernel's class, called once per distinct class."""
+    texts = col["cls_text"]
+    return np.fromiter((bool(test(c)) for c in texts.tolist()), dtype=bool, count=len(texts))[col["cls_code"]]
+
+
 def _obj(values: Any) -> pd.Series:
     """A text column kept object: the calls table has a row per GEMM / memory call (~1e6 under graph
     replay) and pandas 3 would convert every string of it to its own string type."""
@@ -349,7 +362,7 @@ def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarra
 
     cls = col["cls"][pos]
     known = np.array([s is not None for s in distinct], dtype=bool)[codes]
-    kind = np.where(known, attr("kind"), np.where(per_distinct(cls, GEMM_CLASSES.__contains__), "gemm", "memory"))
+    kind = np.where(known, attr("kind"), np.where(col["gemm_cls"][pos], "gemm", "memory"))
     rs = np.asarray(reason, dtype=object)
     rs = np.where(rs.astype(bool), rs, attr("note", ""))
     out = pd.DataFrame({
