@@ -35,17 +35,12 @@ def factorize_text(values: Any) -> tuple[np.ndarray, np.ndarray]:
     if _factorize is not None and isinstance(arr, (np.ndarray, list)):
         items = arr.tolist() if isinstance(arr, np.ndarray) and arr.dtype == object else list(arr)
         buf, uniq = _factorize(items)
-        uniques = np.empty(len(uniq), dtype=object)
-        for i, v in enumerate(uniq):  # one by one: tuples must stay elements, not become rows
-            uniques[i] = v
-        return np.frombuffer(buf, dtype=np.int64), uniques
+        # element by element: tuples must stay elements, not become rows
+        return np.frombuffer(buf, dtype=np.int64), np.fromiter(uniq, dtype=object, count=len(uniq))
     seen: dict[Any, int] = {}
     setdefault = seen.setdefault
     codes = np.fromiter((setdefault(v, len(seen)) for v in arr), dtype=np.int64, count=len(arr))
-    uniques = np.empty(len(seen), dtype=object)
-    for i, v in enumerate(seen):  # one by one: tuples must stay elements, not become rows
-        uniques[i] = v
-    return codes, uniques
+    return codes, np.fromiter(seen, dtype=object, count=len(seen))  # tuples stay elements
 
 
 def text_values(col: pd.Series) -> np.ndarray:

@@ -33,6 +33,7 @@ from traceinspect.tables import (
     per_distinct,
     text_codes,
     text_values,
+    unique_text,
 )
 from traceinspect.units import json_num
 
@@ -489,16 +490,16 @@ MEMORY_TABLE_COLUMNS = ["family", "cls", "dtypes", "calls", "bytes", "us", "gbps
 
 
 def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
-    mcalls = calls[(calls["kind"].to_numpy() == "memory") & calls["bytes"].notna().to_numpy()]
-    if not len(mcalls):
+    m = calls.loc[(calls["kind"].to_numpy() == "memory") & calls["bytes"].notna().to_numpy(),
+                  ["name", "cls", "dtype", "bytes", "us"]]
+    if not len(m):
         return pd.DataFrame(columns=MEMORY_TABLE_COLUMNS)
-    m = mcalls.copy()
     # a family is one full kernel name: kernels that differ only in template arguments (the dtype a copy
     # casts to, tile sizes) are different kernels and keep their own rows
     codes, names = factorize_text(m["name"].to_numpy(dtype=object))  # converted once per distinct name
     m["family"] = pd.Series(pd.Series(names, dtype=object).astype(str).array.take(codes), index=m.index)
     m["bytes"] = m["bytes"].astype(float)
-    m["host"] = per_distinct(m["name"], lambda n: _HOST_LINK.search(str(n)))
+    m["host"] = np.array([bool(_HOST_LINK.search(str(n))) for n in names.tolist()], dtype=bool)[codes]
     agg = m.groupby(["family", "cls"], sort=False).agg(
         calls=("us", "size"), bytes=("bytes", "sum"), us=("us", "sum"), host=("host", "any")).reset_index()
     # the dtypes of each family from one row per distinct (family, class, dtype): the groups come out
@@ -527,12 +528,14 @@ def _moe(a: Analysis, calls: pd.DataFrame) -> dict[str, Any]:
     tokens = float(np.median(toks)) if len(toks) else None
     out: dict[str, Any] = {"experts": experts, "topk": topk, "tokens": tokens,
                            "experts_key": ekey, "topk_key": tkey}
-    mc = calls[(calls["kind"].to_numpy() == "gemm") & calls["moe"].to_numpy().astype(bool)] if len(calls) else calls
+    mc = calls.loc[(calls["kind"].to_numpy() == "gemm") & calls["moe"].to_numpy().astype(bool),
+                   ["m", "groups", "shape_source", "reason"]] if len(calls) else calls
     known = mc[mc["m"].notna()] if len(mc) else mc
     if len(known):
-        m = known["m"].astype(float) / known["groups"].astype(float)
-        sources = sorted(set(known["shape_source"]))
-        grouped = bool((known["groups"].astype(float) > 1).any())
+        groups = known["groups"].astype(float)
+        m = known["m"].astype(float) / groups
+        sources = sorted(unique_text(known["shape_source"]))
+        grouped = bool((groups > 1).any())
         dist = m.round(2).value_counts().sort_index()
         out["per_expert_m"] = {
             "value": round(float(m.mean()), 2), "min": round(float(m.min()), 2), "max": round(float(m.max()), 2),
