@@ -135,14 +135,15 @@ def measure_efficiency(a: Analysis) -> Efficiency:
 
 def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
     """Per kernel: the op instance whose shapes describe it (``inst``, -1 if none) with that op's name,
-    path and raw shape args, where they came from (``source``) and, without an op, why (``why``)."""
+    raw shape args and whether its op path names a MoE op (``moe_path``), where they came from
+    (``source``) and, without an op, why (``why``)."""
     n = len(kk)
     ops = a.trace.cpu_ops
     inst = np.full(n, -1, dtype=np.int64)
     source = np.full(n, "", dtype=object)
     why = np.full(n, "", dtype=object)
     op_name = np.full(n, "", dtype=object)
-    op_path = np.full(n, "", dtype=object)
+    moe_path = np.zeros(n, dtype=bool)  # the op path names a MoE op (no op: the empty path, no)
     dims = np.full(n, None, dtype=object)
     types = np.full(n, None, dtype=object)
     conc = np.full(n, None, dtype=object)
@@ -155,20 +156,21 @@ def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
         inst[live] = oi
         source[live] = "shapes"
         op_name[live] = ops["name"].to_numpy(dtype=object)[oi]
-        op_path[live] = kk["op_path"].to_numpy(dtype=object)[live]
+        path_code, paths = text_codes(kk["op_path"])
+        moe_path[live] = np.array([bool(MOE_PATH.search(p)) for p in paths.tolist()], dtype=bool)[path_code[live]]
         dims[live] = ops["input_dims"].to_numpy(dtype=object)[oi]
         types[live] = ops["input_types"].to_numpy(dtype=object)[oi]
         conc[live] = ops["concrete"].to_numpy(dtype=object)[oi]
     why[~replay & (op_idx < 0)] = "no CPU op linked to this kernel (no shapes)"
 
     if replay.any():
-        _replay_sources(a, kk, replay, inst, source, why, op_name, op_path, dims, types, conc)
+        _replay_sources(a, kk, replay, inst, source, why, op_name, moe_path, dims, types, conc)
     cls_code, cls_text = text_codes(kk["cls"])
     return {
         "kernel": kk.index.to_numpy(), "rank": kk["rank"].to_numpy(), "step": kk["step"].to_numpy(),
         "ts": kk["ts"].to_numpy(dtype=float), "name": kk["name"].to_numpy(dtype=object),
         "cls": cls_text[cls_code], "cls_code": cls_code, "cls_text": cls_text, "dur": kk["dur"].to_numpy(dtype=float),
-        "inst": inst, "source": source, "why": why, "op_name": op_name, "op_path": op_path, "dims": dims,
+        "inst": inst, "source": source, "why": why, "op_name": op_name, "moe_path": moe_path, "dims": dims,
         "types": types, "conc": conc,
     }
 
@@ -198,7 +200,7 @@ def _model_ops(ops: pd.DataFrame, idx: np.ndarray, levels: int = 2) -> np.ndarra
 
 
 def _replay_sources(a: Analysis, kk: pd.DataFrame, replay: np.ndarray, inst: np.ndarray, source: np.ndarray,
-                    why: np.ndarray, op_name: np.ndarray, op_path: np.ndarray, dims: np.ndarray,
+                    why: np.ndarray, op_name: np.ndarray, moe_path: np.ndarray, dims: np.ndarray,
                     types: np.ndarray, conc: np.ndarray) -> None:
     """Fill the op columns of graph-replayed kernels from the ops the graphs stage recovered from the
     capture trace (one op instance per captured op and replay)."""
@@ -227,7 +229,7 @@ def _replay_sources(a: Analysis, kk: pd.DataFrame, replay: np.ndarray, inst: np.
         inst[p] = (1 << 40) + replays[sel] * width + c
         source[p] = "graph_capture"
         op_name[p] = cap.names[c]
-        op_path[p] = paths[sel]
+        moe_path[p] = per_distinct(paths[sel], MOE_PATH.search)
         dims[p] = cap.dims[c]
         types[p] = cap.types[c]
         conc[p] = cap.conc[c]
@@ -273,7 +275,7 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
     hk = np.where(row_key >= 0, np.append(k_hk, 0)[row_key], 0)
     reason = np.append(k_reason, "")[row_key]  # row_key -1 -> the last slot, ""
     gemm_cls = col["gemm_cls"] = _class_test(col, GEMM_CLASSES.__contains__)
-    moe = per_distinct(col["op_path"], MOE_PATH.search) | _class_test(col, lambda c: c == "moe_gemm")
+    moe = col["moe_path"] | _class_test(col, lambda c: c == "moe_gemm")
     parts = []
 
     # ops with one model for the whole call: time of all their kernels, the longest one stands for it
