@@ -383,7 +383,8 @@ def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarra
 
 def _copy_events(k: pd.DataFrame) -> pd.DataFrame:
     """memcpy/memset events: their byte count is in the trace."""
-    mc = k[k["kind"].isin(("memcpy", "memset")).to_numpy() & (k["bytes"].to_numpy() >= 0)]
+    mc = k.loc[k["kind"].isin(("memcpy", "memset")).to_numpy() & (k["bytes"].to_numpy() >= 0),
+               ["rank", "step", "name", "cls", "op_name", "bytes", "dur"]]
     n = len(mc)
     return pd.DataFrame({
         "rank": mc["rank"].to_numpy(), "step": mc["step"].to_numpy(), "kernel": mc.index.to_numpy(),
