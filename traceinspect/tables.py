@@ -166,3 +166,13 @@ def text_isin(values: np.ndarray, options: Any) -> np.ndarray:
     """``np.isin(values, options)`` for an object array of text and a few options (class names): one
     hash-table pass, where numpy compares every row with every option."""
     return pd.Series(values, dtype=object, copy=False).isin(list(options)).to_numpy(dtype=bool, copy=True)
+
+
+def per_combination(fn: Callable[..., Any], *cols: np.ndarray) -> np.ndarray:
+    """``fn(*row)`` for every row of the columns (object arrays of hashable values, or integer codes),
+    called once per distinct combination of their values: an evidence text built from a row's class,
+    its old evidence and the reason, over thousands of rows that hold a few distinct ones."""
+    if not len(cols) or not len(cols[0]):
+        return np.zeros(0, dtype=object)
+    key, first = groups(*(factorize_text(c)[0] if c.dtype == object else pd.factorize(c)[0] for c in cols))
+    return np.fromiter((fn(*(c[i] for c in cols)) for i in first.tolist()), dtype=object, count=len(first))[key]

@@ -15,7 +15,15 @@ from traceinspect.classify.table import ClassTable, default_table
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel
 from traceinspect.model.shapes import OpInputs, ShapeCache
-from traceinspect.tables import factorize_text, groups, set_object_column, text_isin, text_values, unique_text
+from traceinspect.tables import (
+    factorize_text,
+    groups,
+    per_combination,
+    set_object_column,
+    text_isin,
+    text_values,
+    unique_text,
+)
 
 if TYPE_CHECKING:
     from traceinspect.classify.graphs import GraphOps
@@ -95,9 +103,9 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel 
     ev = ev.copy()
     has, why = model_has_experts(ts, table, run)
     if not has:
-        for r in rows:
-            ev[r] = f"elementwise: not MoE routing, the model has no experts ({why}); was {cls[r]} by {ev[r]}"
-            cls[r] = "elementwise"
+        ev[rows] = per_combination(lambda was, old: f"elementwise: not MoE routing, the model has no experts "
+                                   f"({why}); was {was} by {old}", cls[rows], ev[rows])
+        cls[rows] = "elementwise"
         set_object_column(k, "cls", cls)
         set_object_column(k, "cls_evidence", ev)
         return
@@ -127,13 +135,16 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel 
         elif size == n_exp or (how.startswith("softmax_warp") and size == pow2):
             memo.append((cls[r], f"{how} matches {n_exp} experts ({exp_src})"))
         else:
-            new = "sampling" if vocab and size >= vocab else "elementwise"
-            memo.append((new, f"{how} is not the {n_exp} experts ({exp_src}): not MoE routing"))
-    for r, g in zip(rows.tolist(), key.tolist(), strict=True):
-        res = memo[g]
-        if res is not None:
-            ev[r] = f"{ev[r]}; {res[1]}" if res[0] == cls[r] else f"{res[0]}: {res[1]}; was {cls[r]} by {ev[r]}"
-            cls[r] = res[0]
+            label = "sampling" if vocab and size >= vocab else "elementwise"
+            memo.append((label, f"{how} is not the {n_exp} experts ({exp_src}): not MoE routing"))
+    # the answer of each row's group, spread: rows with equal (group, class, evidence) read alike
+    hit = np.array([m is not None for m in memo], dtype=bool)[key]
+    rows, key = rows[hit], key[hit]
+    to = [m[0] if m is not None else "" for m in memo]
+    said = [m[1] if m is not None else "" for m in memo]
+    ev[rows] = per_combination(lambda g, was, old: f"{old}; {said[g]}" if to[g] == was else
+                               f"{to[g]}: {said[g]}; was {was} by {old}", key, cls[rows], ev[rows])
+    cls[rows] = np.array(to, dtype=object)[key]
     set_object_column(k, "cls", cls)
     set_object_column(k, "cls_evidence", ev)
 

@@ -17,7 +17,14 @@ from traceinspect.classify.table import ATTENTION_OP, ClassTable, Promotion, def
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel
 from traceinspect.model.shapes import OpInputs, decode_json, op_tensors
-from traceinspect.tables import factorize_text, groups, per_distinct, set_object_column, text_isin
+from traceinspect.tables import (
+    factorize_text,
+    groups,
+    per_combination,
+    per_distinct,
+    set_object_column,
+    text_isin,
+)
 
 if TYPE_CHECKING:
     from traceinspect.classify.graphs import GraphOps
@@ -173,10 +180,11 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
             continue
         reason = _candidate_evidence(rows, target, _recurrence(k, rows, ctx), ctx, eager, captured, cap_op,
                                      cap_inputs, op_idx, names, ranks, pool_shapes)
-        for i in np.flatnonzero(reason != None).tolist():  # noqa: E711 - elementwise
-            r = int(rows[i])
-            ev[r] = f"{target}: {reason[i]}; was {cls[r]} by {ev[r]}"
-            cls[r] = target
+        hit = np.array([x is not None for x in reason.tolist()], dtype=bool)
+        at, why = rows[hit], reason[hit]
+        if len(at):
+            ev[at] = per_combination(lambda w, c, e, t=target: f"{t}: {w}; was {c} by {e}", why, cls[at], ev[at])
+            cls[at] = target
     consumer = table.promote.get("consumer")
     if consumer is not None:
         _promote_consumers(k, consumer, ctx, eager, cls, ev, is_kernel)
