@@ -331,23 +331,53 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     for step in (1, 2):
         j = np.minimum(pos + step, len(order) - 1)
         same = (pos + step < len(order)) & (rank_s[j] == rank_s[pos]) & (stream_s[j] == stream_s[pos])
-        after.append(np.where(same, order[j], -1).tolist())
-    for r, n1, n2 in zip(rows.tolist(), *after, strict=True):
-        for nxt in (n1, n2):
-            if nxt < 0:
-                break
-            target = promo.next.get(cls[nxt])
-            if target is None:
-                continue
-            dst = _written_dtype(names[r], int(op_idx[r]), inputs)
-            if dst is None or not dst.startswith(_LOW_FLOAT):
-                break
-            if target == "kv_write" and ctx.kv_dtype is not None and not ctx.kv_dtype.startswith(dst):
-                break
-            ev[r] = (f"{target}: casts to {dst} right before {cls[nxt]} kernel {str(names[nxt])[:60]!r}; "
-                     f"was {cls[r]} by {ev[r]}")
-            cls[r] = target
-            break
+        after.append(np.where(same, order[j], -1))
+    n1, n2 = after
+    # rows are judged in row order: one whose next kernels hold a candidate judged before it reads that
+    # candidate's new class, so then row by row
+    earlier = ((n1 >= 0) & cand[np.maximum(n1, 0)] & (n1 < rows)) | ((n2 >= 0) & cand[np.maximum(n2, 0)] & (n2 < rows))
+    if earlier.any():
+        for i in range(len(rows)):
+            _consume(rows[i:i + 1], n1[i:i + 1], n2[i:i + 1], promo, ctx, inputs, names, op_idx, cls, ev)
+    else:
+        _consume(rows, n1, n2, promo, ctx, inputs, names, op_idx, cls, ev)
+
+
+def _consume(rows: np.ndarray, n1: np.ndarray, n2: np.ndarray, promo: Promotion, ctx: _KvContext,
+             inputs: OpInputs | None, names: np.ndarray, op_idx: np.ndarray, cls: np.ndarray,
+             ev: np.ndarray) -> None:
+    """Promote (in place) the casts ``rows`` whose next kernel ``n1`` or, when that one's class is not in
+    ``promo.next``, second-next ``n2`` (-1: none in the lane) is of a class in ``promo.next``, if they
+    write an 8/4-bit float (for a KV write: the KV dtype)."""
+    def target_of(nxt: np.ndarray) -> np.ndarray:
+        out = np.full(len(nxt), None, dtype=object)
+        ok = nxt >= 0
+        if ok.any():
+            codes, uniq = factorize_text(cls[nxt[ok]])
+            out[ok] = np.fromiter((promo.next.get(u) for u in uniq.tolist()), dtype=object, count=len(uniq))[codes]
+        return out
+
+    t1 = target_of(n1)
+    t2 = target_of(np.where(n1 >= 0, n2, -1))
+    first = np.array([t is not None for t in t1.tolist()], dtype=bool)
+    nxt, target = np.where(first, n1, n2), np.where(first, t1, t2)
+    at = np.flatnonzero([t is not None for t in target.tolist()])
+    if not len(at):
+        return
+    r, nxt, target = rows[at], nxt[at], target[at]
+    dst = per_combination(_cast_destination, names[r])
+    for i in np.flatnonzero([d is None for d in dst.tolist()]).tolist():  # not in the name: the copy_ op's
+        dst[i] = _written_dtype(names[r[i]], int(op_idx[r[i]]), inputs)
+    kv = ctx.kv_dtype
+    ok = np.array([d is not None and d.startswith(_LOW_FLOAT) and not (t == "kv_write" and kv is not None
+                                                                        and not kv.startswith(d))
+                   for d, t in zip(dst.tolist(), target.tolist(), strict=True)], dtype=bool)
+    r, nxt, target, dst = r[ok], nxt[ok], target[ok], dst[ok]
+    if not len(r):
+        return
+    ev[r] = per_combination(lambda t, d, c, nm, was, old: f"{t}: casts to {d} right before {c} kernel "
+                            f"{str(nm)[:60]!r}; was {was} by {old}", target, dst, cls[nxt], names[nxt], cls[r], ev[r])
+    cls[r] = target
 
 
 def _recurrence_evidence(name: str, rec: str | None, graph: bool, target: str, ctx: _KvContext,
