@@ -335,7 +335,9 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     n1, n2 = after
     # rows are judged in row order: one whose next kernels hold a candidate judged before it reads that
     # candidate's new class, so then row by row
-    earlier = ((n1 >= 0) & cand[np.maximum(n1, 0)] & (n1 < rows)) | ((n2 >= 0) & cand[np.maximum(n2, 0)] & (n2 < rows))
+    earlier = np.zeros(len(rows), dtype=bool)
+    for nxt in (n1, n2):
+        earlier |= (nxt >= 0) & cand[np.maximum(nxt, 0)] & (nxt < rows)
     if earlier.any():
         for i in range(len(rows)):
             _consume(rows[i:i + 1], n1[i:i + 1], n2[i:i + 1], promo, ctx, inputs, names, op_idx, cls, ev)
