@@ -322,7 +322,14 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         rs = np.where(col["why"][pi] != "", col["why"][pi], reason[pi])
         parts.append(_rows(src, col, pi, [None], np.zeros(len(pi), dtype=np.int64), rs, dur[pi], moe[pi]))
     parts = [p for p in parts if len(p)]
+    if len(parts) == 1:  # built with a fresh range index: as concatenating it alone would give
+        return parts[0]
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=CALL_COLUMNS)
+
+
+def _in_order(f: pd.DataFrame) -> pd.DataFrame:
+    """The calls frame with its columns in CALL_COLUMNS order (built in that order: no copy)."""
+    return f if list(f.columns) == CALL_COLUMNS else f[CALL_COLUMNS]
 
 
 def _class_test(col: dict[str, np.ndarray], test: Any) -> np.ndarray:
@@ -378,7 +385,7 @@ def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarra
         "shape_source": _obj(np.where(known, col["source"][pos], "unknown")), "reason": _obj(rs),
         "moe": np.asarray(moe, dtype=bool), "peak_tflops": np.nan,
     })
-    return out[CALL_COLUMNS]
+    return _in_order(out)
 
 
 def _copy_events(k: pd.DataFrame) -> pd.DataFrame:
@@ -386,7 +393,7 @@ def _copy_events(k: pd.DataFrame) -> pd.DataFrame:
     mc = k.loc[k["kind"].isin(("memcpy", "memset")).to_numpy() & (k["bytes"].to_numpy() >= 0),
                ["rank", "step", "name", "cls", "op_name", "bytes", "dur"]]
     n = len(mc)
-    return pd.DataFrame({
+    return _in_order(pd.DataFrame({
         "rank": mc["rank"].to_numpy(), "step": mc["step"].to_numpy(), "kernel": mc.index.to_numpy(),
         "name": _obj(mc["name"].to_numpy(dtype=object)), "cls": _obj(text_values(mc["cls"])),
         "op_name": _obj(mc["op_name"].to_numpy(dtype=object)), "kind": _obj(["memory"] * n), "batch": [None] * n,
@@ -396,7 +403,7 @@ def _copy_events(k: pd.DataFrame) -> pd.DataFrame:
         "pct_bw": np.nan, "shape_source": _obj(["shapes"] * n), "reason": _obj([""] * n),
         "moe": np.zeros(n, dtype=bool),
         "peak_tflops": np.nan,
-    })[CALL_COLUMNS]
+    }))
 
 
 def _rates(calls: pd.DataFrame, spec: GpuSpec | None) -> None:
