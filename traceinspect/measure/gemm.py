@@ -470,7 +470,7 @@ def _gemm_keys(g: pd.DataFrame) -> pd.DataFrame:
 
 
 def _gemm_table(calls: pd.DataFrame) -> pd.DataFrame:
-    g = calls[calls["kind"].to_numpy() == "gemm"]
+    g = calls.loc[calls["kind"].to_numpy() == "gemm", [*_GEMM_KEYS, "us", "flops", "bytes", "peak_tflops"]]
     if not len(g):
         return pd.DataFrame(columns=GEMM_TABLE_COLUMNS)
     # the keys are prepared once per distinct combination of their columns (a few per shape), the sums
