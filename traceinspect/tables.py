@@ -35,17 +35,12 @@ def factorize_text(values: Any) -> tuple[np.ndarray, np.ndarray]:
     if _factorize is not None and isinstance(arr, (np.ndarray, list)):
         items = arr.tolist() if isinstance(arr, np.ndarray) and arr.dtype == object else list(arr)
         buf, uniq = _factorize(items)
-        uniques = np.empty(len(uniq), dtype=object)
-        for i, v in enumerate(uniq):  # one by one: tuples must stay elements, not become rows
-            uniques[i] = v
-        return np.frombuffer(buf, dtype=np.int64), uniques
+        # element by element: tuples must stay elements, not become rows
+        return np.frombuffer(buf, dtype=np.int64), np.fromiter(uniq, dtype=object, count=len(uniq))
     seen: dict[Any, int] = {}
     setdefault = seen.setdefault
     codes = np.fromiter((setdefault(v, len(seen)) for v in arr), dtype=np.int64, count=len(arr))
-    uniques = np.empty(len(seen), dtype=object)
-    for i, v in enumerate(seen):  # one by one: tuples must stay elements, not become rows
-        uniques[i] = v
-    return codes, uniques
+    return codes, np.fromiter(seen, dtype=object, count=len(seen))  # tuples stay elements
 
 
 def text_values(col: pd.Series) -> np.ndarray:
@@ -57,6 +52,18 @@ def text_values(col: pd.Series) -> np.ndarray:
     if col.dtype == object and not col.isna().any():  # already Python strings (the loader's columns)
         return col.to_numpy(dtype=object)
     return np.asarray(col.astype(str).to_numpy(dtype=object), dtype=object)
+
+
+def text_codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, texts) with ``texts[codes]`` equal to :func:`text_values` of the column: a categorical's
+    own codes (missing: a last slot, "nan"), else the texts factorized; a test of every row can run
+    once per text."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        texts = np.array([str(c) for c in col.cat.categories] + ["nan"], dtype=object)
+        codes = col.cat.codes.to_numpy().astype(np.int64)
+        codes[codes < 0] = len(texts) - 1
+        return codes, texts
+    return factorize_text(text_values(col))
 
 
 def sorted_text_codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
@@ -82,12 +89,19 @@ def unique_text(values: Any) -> list[Any]:
 
 def combine_codes(*codes: np.ndarray) -> np.ndarray:
     """One code per distinct combination of several integer code columns (each >= 0), numbered in order
-    of first appearance; combined pairwise, so the intermediate keys never outgrow the row count."""
+    of first appearance: the columns mixed into one integer key (renumbered whenever it could overflow)
+    and that key factorized."""
     key = np.zeros(len(codes[0]) if codes else 0, dtype=np.int64)
+    top = 0  # the largest key so far
     for c in codes:
         c = np.asarray(c, dtype=np.int64)
-        key = pd.factorize(key * (int(c.max(initial=0)) + 1) + c)[0].astype(np.int64, copy=False)
-    return key
+        width = int(c.max(initial=0)) + 1
+        if (top + 1) * width > 1 << 62:  # renumber before the mixed key could overflow
+            key = pd.factorize(key)[0].astype(np.int64, copy=False)
+            top = int(key.max(initial=0))
+        key = key * width + c
+        top = top * width + width - 1
+    return pd.factorize(key)[0].astype(np.int64, copy=False)
 
 
 def per_distinct(values: Any, test: Callable[[Any], Any]) -> np.ndarray:
@@ -128,3 +142,37 @@ def name_mask(names: pd.Series, include: Any, exclude: Any) -> np.ndarray:
         return bool((include is None or search(include, s)) and not (exclude is not None and search(exclude, s)))
 
     return per_distinct(names, good)
+
+
+def groups(*codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's group (one per distinct combination of the integer code columns, each >= 0, numbered in
+    order of first appearance) and the first row of every group: a per-row memo evaluated once per
+    group, on the row that would have filled it."""
+    key = combine_codes(*codes)
+    return key, first_rows(key)
+
+
+def first_rows(codes: np.ndarray) -> np.ndarray:
+    """The first row of each code of a column numbered in order of first appearance (0, 1, ...): where
+    the running maximum grows (what ``np.unique(codes, return_index=True)[1]`` gives, without sorting)."""
+    codes = np.asarray(codes, dtype=np.int64)
+    if not len(codes):
+        return np.zeros(0, dtype=np.int64)
+    top = np.maximum.accumulate(codes)
+    return np.flatnonzero(np.concatenate([[True], top[1:] > top[:-1]]))
+
+
+def text_isin(values: np.ndarray, options: Any) -> np.ndarray:
+    """``np.isin(values, options)`` for an object array of text and a few options (class names): one
+    hash-table pass, where numpy compares every row with every option."""
+    return pd.Series(values, dtype=object, copy=False).isin(list(options)).to_numpy(dtype=bool, copy=True)
+
+
+def per_combination(fn: Callable[..., Any], *cols: np.ndarray) -> np.ndarray:
+    """``fn(*row)`` for every row of the columns (object arrays of hashable values, or integer codes),
+    called once per distinct combination of their values: an evidence text built from a row's class,
+    its old evidence and the reason, over thousands of rows that hold a few distinct ones."""
+    if not len(cols) or not len(cols[0]):
+        return np.zeros(0, dtype=object)
+    key, first = groups(*(factorize_text(c)[0] if c.dtype == object else pd.factorize(c)[0] for c in cols))
+    return np.fromiter((fn(*(c[i] for c in cols)) for i in first.tolist()), dtype=object, count=len(first))[key]

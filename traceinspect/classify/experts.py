@@ -16,7 +16,11 @@ from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel
 from traceinspect.model.shapes import OpInputs, ShapeCache
 from traceinspect.tables import (
+    factorize_text,
+    groups,
+    per_combination,
     set_object_column,
+    text_isin,
     text_values,
     unique_text,
 )
@@ -90,18 +94,18 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel 
         return
     run = run if run is not None else decide_run(ts)
     ev = k["cls_evidence"].to_numpy(dtype=object)
-    uniq = unique_text(ev)
-    hit = {e for e in uniq if (m := _RULE_ID.match(str(e))) and m.group(1) in ids}
-    if not hit:
+    ev_codes, uniq = factorize_text(ev)
+    hit = np.array([bool((m := _RULE_ID.match(str(e))) and m.group(1) in ids) for e in uniq.tolist()], dtype=bool)
+    if not hit.any():
         return
-    rows = np.nonzero(np.isin(ev, list(hit)))[0]
+    rows = np.nonzero(hit[ev_codes])[0]
     cls = k["cls"].to_numpy(dtype=object).copy()
     ev = ev.copy()
     has, why = model_has_experts(ts, table, run)
     if not has:
-        for r in rows:
-            ev[r] = f"elementwise: not MoE routing, the model has no experts ({why}); was {cls[r]} by {ev[r]}"
-            cls[r] = "elementwise"
+        ev[rows] = per_combination(lambda was, old: f"elementwise: not MoE routing, the model has no experts "
+                                   f"({why}); was {was} by {old}", cls[rows], ev[rows])
+        cls[rows] = "elementwise"
         set_object_column(k, "cls", cls)
         set_object_column(k, "cls_evidence", ev)
         return
@@ -113,31 +117,34 @@ def verify_experts(ts: TraceSet, table: ClassTable | None = None, run: RunModel 
     op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
     inputs = OpInputs(ts.cpu_ops) if len(ts.cpu_ops) else None
     pow2 = 1 << max(n_exp - 1, 0).bit_length()
-    memo: dict[tuple[Any, ...], tuple[str, str] | None] = {}
-    shaped: dict[Any, bool] = {}  # per distinct recorded chain (ops recorded alike answer alike)
-    for r in rows:
-        o = int(op_idx[r])
-        recorded: Any = None  # the op's recorded chain, None without recorded shapes
-        if inputs is not None and o >= 0:
-            sig = inputs.signature(o, 4)
-            sig = o if sig is None else sig
-            if sig not in shaped:
-                shaped[sig] = inputs.has_shapes(o)
-            recorded = sig if shaped[sig] else None
-        key = (names[r], recorded)
-        if key not in memo:
-            size, how = _routing_size(names[r], o if recorded is not None else -1, inputs)
-            if size is None:
-                memo[key] = None
-            elif size == n_exp or (how.startswith("softmax_warp") and size == pow2):
-                memo[key] = (cls[r], f"{how} matches {n_exp} experts ({exp_src})")
-            else:
-                new = "sampling" if vocab and size >= vocab else "elementwise"
-                memo[key] = (new, f"{how} is not the {n_exp} experts ({exp_src}): not MoE routing")
-        res = memo[key]
-        if res is not None:
-            ev[r] = f"{ev[r]}; {res[1]}" if res[0] == cls[r] else f"{res[0]}: {res[1]}; was {cls[r]} by {ev[r]}"
-            cls[r] = res[0]
+    # one answer per (name, recorded chain of the op; None without recorded shapes), on its first row
+    o = op_idx[rows].astype(np.int64)
+    recorded = np.zeros(len(rows), dtype=np.int64)  # 0: no recorded shapes, else 1 + chain code
+    at = np.nonzero(o >= 0)[0] if inputs is not None else np.zeros(0, dtype=np.int64)
+    if len(at):
+        sig, first = groups(inputs.signature_codes(o[at], 4))
+        shaped = np.array([inputs.has_shapes(int(o[i])) for i in at[first].tolist()], dtype=bool)[sig]
+        recorded[at[shaped]] = 1 + sig[shaped]
+    key, first = groups(factorize_text(names[rows])[0], recorded)
+    memo: list[tuple[str, str] | None] = []
+    for i in first.tolist():
+        r = int(rows[i])
+        size, how = _routing_size(names[r], int(o[i]) if recorded[i] else -1, inputs)
+        if size is None:
+            memo.append(None)
+        elif size == n_exp or (how.startswith("softmax_warp") and size == pow2):
+            memo.append((cls[r], f"{how} matches {n_exp} experts ({exp_src})"))
+        else:
+            label = "sampling" if vocab and size >= vocab else "elementwise"
+            memo.append((label, f"{how} is not the {n_exp} experts ({exp_src}): not MoE routing"))
+    # the answer of each row's group, spread: rows with equal (group, class, evidence) read alike
+    hit = np.array([m is not None for m in memo], dtype=bool)[key]
+    rows, key = rows[hit], key[hit]
+    to = [m[0] if m is not None else "" for m in memo]
+    said = [m[1] if m is not None else "" for m in memo]
+    ev[rows] = per_combination(lambda g, was, old: f"{old}; {said[g]}" if to[g] == was else
+                               f"{to[g]}: {said[g]}; was {was} by {old}", key, cls[rows], ev[rows])
+    cls[rows] = np.array(to, dtype=object)[key]
     set_object_column(k, "cls", cls)
     set_object_column(k, "cls_evidence", ev)
 
@@ -159,7 +166,7 @@ def mark_experts(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, graph_
     if not len(k) or "cls" not in k or layers is None:
         return
     cls = k["cls"].to_numpy(dtype=object)
-    cand = np.isin(cls, DENSE_GEMM_CLASSES)
+    cand = text_isin(cls, DENSE_GEMM_CLASSES)
     if "kind" in k:
         cand &= (k["kind"] == "kernel").to_numpy()
     if "step" in k:
@@ -172,7 +179,6 @@ def mark_experts(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, graph_
     op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
     captured, cap_op, _ = captured_ops(k, graph_ops)
     rows = np.nonzero(cand)[0]
-    cache = ShapeCache()
     frames: dict[int, pd.DataFrame] = {-1: ts.cpu_ops}
     if graph_ops is not None:
         frames.update({int(r): c.ops.reset_index(drop=True) for r, c in graph_ops.captures.items()
@@ -192,33 +198,21 @@ def mark_experts(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, graph_
     span = int(o_col.max(initial=0)) - o0 + 1
     uniq, inverse = np.unique((src_col - s0) * span + (o_col - o0), return_inverse=True)
     pairs = np.stack([uniq // span + s0, uniq % span + o0], axis=1)
-    pair_key: list[tuple[Any, ...] | None] = []  # one shape decode per distinct (source, op)
-    for src, o in pairs.tolist():
-        c = cols.get(src)
-        if c is None or o < 0 or o >= len(c[0]):
-            pair_key.append(None)
-            continue
-        shapes, _ = cache.get(str(c[0][o]), c[1][o], c[2][o], c[3][o])
-        sh = shapes[0] if len(shapes) == 1 and shapes[0].kind == "gemm" else None
-        pair_key.append(None if sh is None else (str(c[0][o]), sh.n, sh.k, sh.batch, sh.dtype))
-    # the rows of each shape key, keys in order of their first row
-    ids: dict[tuple[Any, ...], int] = {}
-    pair_id = np.array([-1 if t is None else ids.setdefault(t, len(ids)) for t in pair_key], dtype=np.int64)
+    pair_id, keys = _shape_ids(pairs, cols)
     row_id = pair_id[inverse.reshape(-1)] if len(pair_id) else np.zeros(0, dtype=np.int64)
     on = row_id >= 0
     kr, ki = rows[on], row_id[on]
     order = np.argsort(ki, kind="stable")
-    cut = np.searchsorted(ki[order], np.arange(len(ids) + 1))
+    cut = np.searchsorted(ki[order], np.arange(len(keys) + 1))
     _, first = np.unique(ki, return_index=True)
-    keys = list(ids)
     by_key = {keys[i]: kr[order[cut[i]:cut[i + 1]]].tolist() for i in np.argsort(first, kind="stable").tolist()}
     ev = k["cls_evidence"].to_numpy(dtype=object).copy()
     new_cls = cls.copy()
     exp_src = run.describe("experts")
     for (op, n, kk, batch, _dtype), members in by_key.items():
         m = np.asarray(members)
-        per_step = pd.Series(1, index=pd.MultiIndex.from_arrays([ranks[m], step[m]])).groupby(level=[0, 1]).size()
-        per_layer = float(per_step.median()) / layers
+        per_step = np.bincount(groups(pd.factorize(ranks[m])[0], pd.factorize(step[m])[0])[0])  # calls per step
+        per_layer = float(np.median(per_step)) / layers
         hid = hidden is None or hidden in (n, kk)
         why = None
         if batch and batch > 1:
@@ -229,7 +223,7 @@ def mark_experts(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, graph_
             if 0.5 * local <= per_layer <= local + 1e-9 and hid:
                 why = (f"{per_layer:g} {op} calls per layer with N={n} K={kk} = one per expert "
                        f"({local} on this rank: {exp_src}; {layers} layers)")
-        elif per_layer >= MIN_EXPERTS and float(per_layer).is_integer() and hid and per_step.nunique() == 1:
+        elif per_layer >= MIN_EXPERTS and float(per_layer).is_integer() and hid and len(np.unique(per_step)) == 1:
             why = (f"{per_layer:g} {op} calls per layer with N={n} K={kk} in every step: one per expert "
                    f"(expert count unknown; {layers} layers)")
         if why is None:
@@ -239,3 +233,39 @@ def mark_experts(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, graph_
             new_cls[r] = "moe_gemm"
     set_object_column(k, "cls", new_cls)
     set_object_column(k, "cls_evidence", ev)
+
+
+def _shape_ids(pairs: np.ndarray, cols: dict[int, tuple[np.ndarray, ...]]
+               ) -> tuple[np.ndarray, list[tuple[Any, ...]]]:
+    """Per (source, op) pair, the number of its GEMM shape key (op, N, K, batch, dtype), -1 for an op
+    that is not one GEMM, and the keys in order of their first pair. Each distinct recorded (name,
+    dims, types, concrete) is decoded once."""
+    n = len(pairs)
+    raw = [np.full(n, None, dtype=object) for _ in range(4)]  # name, dims, types, concrete
+    valid = np.zeros(n, dtype=bool)
+    for src in np.unique(pairs[:, 0]).tolist() if n else []:
+        c = cols.get(src)
+        if c is None:
+            continue
+        at = np.nonzero(pairs[:, 0] == src)[0]
+        o = pairs[at, 1]
+        ok = (o >= 0) & (o < len(c[0]))
+        at, o = at[ok], o[ok]
+        valid[at] = True
+        for dst, col in zip(raw, c, strict=True):
+            dst[at] = col[o]
+    pair_id = np.full(n, -1, dtype=np.int64)
+    ids: dict[tuple[Any, ...], int] = {}
+    vi = np.nonzero(valid)[0]
+    if len(vi):
+        code, first = groups(*(factorize_text(v[vi])[0] for v in raw))
+        cache = ShapeCache()
+        code_id = np.full(len(first), -1, dtype=np.int64)
+        for j, i in enumerate(vi[first].tolist()):  # in order of first pair: keys numbered as they appear
+            name = str(raw[0][i])
+            shapes, _ = cache.get(name, raw[1][i], raw[2][i], raw[3][i])
+            sh = shapes[0] if len(shapes) == 1 and shapes[0].kind == "gemm" else None
+            if sh is not None:
+                code_id[j] = ids.setdefault((name, sh.n, sh.k, sh.batch, sh.dtype), len(ids))
+        pair_id[vi] = code_id[code]
+    return pair_id, list(ids)

@@ -3,9 +3,10 @@ casts to 8/4-bit floats before a quantized GEMM ``quantize``."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -17,8 +18,12 @@ from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel
 from traceinspect.model.shapes import OpInputs, decode_json, op_tensors
 from traceinspect.tables import (
+    factorize_text,
+    groups,
+    per_combination,
     per_distinct,
     set_object_column,
+    text_isin,
 )
 
 if TYPE_CHECKING:
@@ -36,6 +41,7 @@ _NAME_DST = [  # (regex over a cast kernel's name, torch dtype it writes)
 ]
 
 
+@functools.lru_cache(maxsize=4096)
 def _cast_destination(name: str) -> str | None:
     """The dtype a PyTorch cast kernel writes, read from its name (None if unknown)."""
     for pat, dst in _NAME_DST:
@@ -90,45 +96,50 @@ def _recurrence(k: pd.DataFrame, rows: np.ndarray, ctx: _KvContext) -> dict[tupl
     sel = rows[ctx.included[rows]]
     if not len(sel):
         return out
-    sub = k.iloc[sel]
-    counts = sub.groupby(["rank", "name", "step"]).size()
-    adjacent = _adjacent(k, sub)
-    for (rank, name), c in counts.groupby(level=[0, 1]):
-        n_steps = ctx.steps_per_rank.get(int(rank), 0)
-        exact = int((c == ctx.layers).sum())
-        if n_steps == 0 or exact * 2 < n_steps or (c > ctx.layers).any():
+    rank, name = k["rank"].to_numpy()[sel], k["name"].to_numpy(dtype=object)[sel]
+    step = k["step"].to_numpy()[sel]
+    pair, first = groups(pd.factorize(rank)[0], factorize_text(name)[0])
+    in_step, at = groups(pair, pd.factorize(step)[0])  # the rows of each (rank, name, step)
+    calls = np.bincount(in_step)
+    step_pair = pair[at]
+    exact = np.bincount(step_pair, weights=calls == ctx.layers, minlength=len(first)).astype(np.int64)
+    over = np.bincount(step_pair, weights=calls > ctx.layers, minlength=len(first)) > 0
+    adjacent = _adjacent(k, sel, pair, step)
+    for p, i in enumerate(first.tolist()):
+        n_steps = ctx.steps_per_rank.get(int(rank[i]), 0)
+        if n_steps == 0 or exact[p] * 2 < n_steps or over[p] or p in adjacent:
             continue
-        if (rank, name) in adjacent:
-            continue
-        out[(rank, name)] = (f"{ctx.layers} per step in {exact}/{n_steps} included steps = once per layer, "
-                             f"with other kernels between (layers: {ctx.layers_src})")
+        out[(rank[i], name[i])] = (f"{ctx.layers} per step in {exact[p]}/{n_steps} included steps = once per "
+                                   f"layer, with other kernels between (layers: {ctx.layers_src})")
     return out
+
+
+def _in_rank_time_order(rank: np.ndarray, ts: np.ndarray) -> bool:
+    """Whether the rows are ordered by (rank, start time), as the loader leaves them."""
+    return len(rank) < 2 or bool(np.all(rank[1:] >= rank[:-1])
+                                 and np.all((ts[1:] >= ts[:-1]) | (rank[1:] != rank[:-1])))
 
 
 def _rank_time_order(rank: np.ndarray, ts: np.ndarray) -> np.ndarray:
     """Row order by (rank, start time), equal keys in row order: ``np.lexsort((ts, rank))``, skipped
-    when the rows are already in that order (as the loader leaves them)."""
-    if len(rank) < 2 or (np.all(rank[1:] >= rank[:-1])
-                         and np.all((ts[1:] >= ts[:-1]) | (rank[1:] != rank[:-1]))):
-        return np.arange(len(rank))
-    return np.lexsort((ts, rank))
+    when the rows are already in that order."""
+    return np.arange(len(rank)) if _in_rank_time_order(rank, ts) else np.lexsort((ts, rank))
 
 
-def _adjacent(k: pd.DataFrame, sub: pd.DataFrame) -> set[tuple[Any, Any]]:
-    """(rank, name) pairs of ``sub`` (rows of ``k``) with two occurrences in one step and no other kernel
-    of the rank between them on its GPU timeline (ordered by start time)."""
-    order = _rank_time_order(k["rank"].to_numpy(), k["ts"].to_numpy())
-    pos = np.empty(len(k), dtype=np.int64)
-    pos[order] = np.arange(len(k))  # rank boundaries never make two positions of one rank adjacent
-    rows = k.index.get_indexer(sub.index)
-    codes, uniq = pd.factorize(pd.MultiIndex.from_arrays([sub["rank"].to_numpy(), sub["name"].to_numpy(dtype=object)]))
-    step = sub["step"].to_numpy()
-    p = pos[rows]
-    o = np.lexsort((p, step, codes))
-    c, st, pp = codes[o], step[o], p[o]
+def _adjacent(k: pd.DataFrame, rows: np.ndarray, pair: np.ndarray, step: np.ndarray) -> set[int]:
+    """The ``pair`` codes of ``rows`` (of ``k``) with two occurrences in one step and no other kernel of
+    the rank between them on its GPU timeline (ordered by start time)."""
+    rank, ts = k["rank"].to_numpy(), k["ts"].to_numpy()
+    if _in_rank_time_order(rank, ts):
+        p = rows
+    else:
+        pos = np.empty(len(k), dtype=np.int64)
+        pos[np.lexsort((ts, rank))] = np.arange(len(k))  # rank boundaries never make two positions adjacent
+        p = pos[rows]
+    o = np.lexsort((p, step, pair))
+    c, st, pp = pair[o], step[o], p[o]
     same = (c[1:] == c[:-1]) & (st[1:] == st[:-1])
-    bad = np.unique(c[1:][same & (np.diff(pp) < 2)])
-    return {tuple(uniq[i]) for i in bad}
+    return set(np.unique(c[1:][same & (np.diff(pp) < 2)]).tolist())
 
 
 def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = None,
@@ -157,7 +168,7 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
         promo = table.promote.get(target)
         if promo is None:
             continue
-        cand = np.isin(cls, promo.sources) & is_kernel
+        cand = text_isin(cls, promo.sources) & is_kernel
         if promo.name is not None and cand.any():
             at = np.nonzero(cand)[0]  # the name test only where the class test passed
             cand[at] = per_distinct(names[at], promo.name.search)
@@ -167,40 +178,13 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
         rows = np.nonzero(cand)[0]
         if not len(rows):
             continue
-        recur = _recurrence(k, rows, ctx)
-        attn_cache: dict[tuple[int, int], bool] = {}
-        memo: dict[tuple[Any, str, bool, bool], str | None] = {}
-        # ops that recorded the same chain of names and shapes get the same answer: judged once
-        shaped: dict[tuple[Any, ...], str | None] = {}
-        has: dict[tuple[int, Any], bool] = {}
-        for r in rows:
-            rec = recur.get((ranks[r], names[r]))
-            if captured[r] and cap_op[r] >= 0:
-                inputs, o, src, how = cap_inputs.get(int(ranks[r])), int(cap_op[r]), int(ranks[r]), \
-                    f"graph replay, {CAPTURED_NOTE}: "
-            else:
-                inputs, o, src, how = eager, int(op_idx[r]), -1, ""
-            shapes = False
-            if inputs is not None and o >= 0:
-                sig = inputs.signature(o)
-                skey = (src, sig if sig is not None else o)
-                shapes = has.get(skey)
-                if shapes is None:
-                    shapes = has[skey] = inputs.has_shapes(o)
-            if shapes:
-                key3 = (*skey, rec)
-                if key3 not in shaped:
-                    shaped[key3] = _shape_evidence(inputs, o, src, ctx, target, rec, attn_cache, pool_shapes)
-                reason = shaped[key3]
-                reason = how + reason if reason is not None else None
-            else:
-                key = (ranks[r], names[r], int(op_idx[r]) < 0, bool(captured[r]))
-                if key not in memo:
-                    memo[key] = _recurrence_evidence(names[r], rec, key[2], target, ctx, captured=key[3])
-                reason = memo[key]
-            if reason is not None:
-                ev[r] = f"{target}: {reason}; was {cls[r]} by {ev[r]}"
-                cls[r] = target
+        reason = _candidate_evidence(rows, target, _recurrence(k, rows, ctx), ctx, eager, captured, cap_op,
+                                     cap_inputs, op_idx, names, ranks, pool_shapes)
+        hit = np.array([x is not None for x in reason.tolist()], dtype=bool)
+        at, why = rows[hit], reason[hit]
+        if len(at):
+            ev[at] = per_combination(lambda w, c, e, t=target: f"{t}: {w}; was {c} by {e}", why, cls[at], ev[at])
+            cls[at] = target
     consumer = table.promote.get("consumer")
     if consumer is not None:
         _promote_consumers(k, consumer, ctx, eager, cls, ev, is_kernel)
@@ -209,6 +193,65 @@ def promote_kv(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None = Non
 
 
 _NOCAST = re.compile(r"_nocast<")  # PyTorch's same-dtype elementwise path: no dtype change
+
+
+def _candidate_evidence(rows: np.ndarray, target: str, recur: dict[tuple[int, str], str], ctx: _KvContext,
+                        eager: OpInputs | None, captured: np.ndarray, cap_op: np.ndarray,
+                        cap_inputs: dict[int, OpInputs], op_idx: np.ndarray, names: np.ndarray,
+                        ranks: np.ndarray, pool_shapes: dict[int, set[tuple[int, ...]]]) -> np.ndarray:
+    """Per candidate row of ``target``, the evidence that it reads (kv_cast) or writes (kv_write) the KV
+    pool, else None: from the recorded shapes of its op (a graph replay: of the op recovered from the
+    capture trace), else from its recurrence. Ops that recorded the same chain of names and shapes get
+    the same answer, and so do kernels without shapes of one (rank, name): each judged once."""
+    n = len(rows)
+    rank = ranks[rows]
+    use_cap = captured[rows] & (cap_op[rows] >= 0)
+    src = np.where(use_cap, rank, -1).astype(np.int64)
+    o = np.where(use_cap, cap_op[rows], op_idx[rows]).astype(np.int64)
+
+    def inputs_of(s: int) -> OpInputs | None:
+        return eager if s < 0 else cap_inputs.get(s)
+
+    # the recurrence text of each row's (rank, name)
+    pair, first = groups(pd.factorize(rank)[0], factorize_text(names[rows])[0])
+    rec = np.empty(len(first), dtype=object)
+    rec[:] = [recur.get((rank[i], names[rows[i]])) for i in first.tolist()]
+    rec_code = factorize_text(rec)[0][pair]
+    rec = rec[pair]
+    # the recorded chain of each row's op, where there is one
+    sig = np.full(n, -1, dtype=np.int64)
+    for s in np.unique(src).tolist():
+        inputs = inputs_of(s)
+        at = np.nonzero((src == s) & (o >= 0))[0]
+        if inputs is not None and len(at):
+            sig[at] = inputs.signature_codes(o[at])
+    src_code = pd.factorize(src)[0]
+    shapes = np.zeros(n, dtype=bool)
+    at = np.nonzero(sig >= 0)[0]
+    if len(at):
+        g, first = groups(src_code[at], sig[at])
+        has = np.array([inputs_of(int(src[i])).has_shapes(int(o[i])) for i in at[first].tolist()], dtype=bool)
+        shapes[at] = has[g]
+    reason = np.full(n, None, dtype=object)
+    attn_cache: dict[tuple[int, int], bool] = {}
+    at = np.nonzero(shapes)[0]
+    if len(at):
+        g, first = groups(src_code[at], sig[at], rec_code[at])
+        per = np.empty(len(first), dtype=object)
+        for n_, i in enumerate(at[first].tolist()):
+            s = int(src[i])
+            why = _shape_evidence(inputs_of(s), int(o[i]), s, ctx, target, rec[i], attn_cache, pool_shapes)
+            per[n_] = None if why is None else (f"graph replay, {CAPTURED_NOTE}: " if s >= 0 else "") + why
+        reason[at] = per[g]
+    at = np.nonzero(~shapes)[0]
+    if len(at):
+        graph, cap = op_idx[rows[at]] < 0, captured[rows[at]]
+        g, first = groups(pair[at], graph, cap)
+        per = np.empty(len(first), dtype=object)
+        per[:] = [_recurrence_evidence(names[rows[i]], rec[i], bool(graph[j]), target, ctx, captured=bool(cap[j]))
+                  for i, j in zip(at[first].tolist(), first.tolist(), strict=True)]
+        reason[at] = per[g]
+    return reason
 
 
 def _shape_evidence(inputs: OpInputs, o: int, src: int, ctx: _KvContext, target: str, rec: str | None,
@@ -260,7 +303,7 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     its stream is of a class in ``promo.next`` (a quantized GEMM: quantize; a KV write of the KV
     dtype: kv_write)."""
     names = k["name"].to_numpy(dtype=object)
-    cand = np.isin(cls, promo.sources) & is_kernel
+    cand = text_isin(cls, promo.sources) & is_kernel
     if promo.name is not None and cand.any():
         at = np.nonzero(cand)[0]
         cand[at] = per_distinct(names[at], promo.name.search)
@@ -272,36 +315,71 @@ def _promote_consumers(k: pd.DataFrame, promo: Promotion, ctx: _KvContext, input
     # by (rank, stream, ts): a stable sort by (rank, stream) of the rows in (rank, ts) order
     by_time = _rank_time_order(rank, k["ts"].to_numpy()[idx])
     s_codes = pd.factorize(stream[by_time], sort=True)[0]
-    lane = by_time[np.argsort(rank[by_time].astype(np.int64) * (int(s_codes.max(initial=0)) + 1) + s_codes,
-                              kind="stable")]
+    key = rank[by_time].astype(np.int64) * (int(s_codes.max(initial=0)) + 1) + s_codes
+    if len(key) and key.min() >= 0 and key.max() < 1 << 15:
+        key = key.astype(np.int16)  # numpy sorts 16-bit integers stably by radix, in linear time
+    lane = by_time[np.argsort(key, kind="stable")]
     order = idx[lane]
     rank_s, stream_s = rank[lane], stream[lane]
     where = np.full(len(k), -1, dtype=np.int64)
     where[order] = np.arange(len(order))
     op_idx = k["op_idx"].to_numpy() if "op_idx" in k else np.full(len(k), -1)
     rows = np.nonzero(cand)[0]
-    # Python lists: the loop reads single elements, and a numpy scalar read costs ~10x more
-    pos = where[rows].tolist()
-    order_l, rank_l, stream_l = order.tolist(), rank_s.tolist(), stream_s.tolist()
-    n_lane = len(order_l)
-    for r, i in zip(rows.tolist(), pos, strict=True):
-        for step in (1, 2):
-            j = i + step
-            if j >= n_lane or rank_l[j] != rank_l[i] or stream_l[j] != stream_l[i]:
-                break
-            nxt = order_l[j]
-            target = promo.next.get(cls[nxt])
-            if target is None:
-                continue
-            dst = _written_dtype(names[r], int(op_idx[r]), inputs)
-            if dst is None or not dst.startswith(_LOW_FLOAT):
-                break
-            if target == "kv_write" and ctx.kv_dtype is not None and not ctx.kv_dtype.startswith(dst):
-                break
-            ev[r] = (f"{target}: casts to {dst} right before {cls[nxt]} kernel {str(names[nxt])[:60]!r}; "
-                     f"was {cls[r]} by {ev[r]}")
-            cls[r] = target
-            break
+    # the next two kernels of each candidate's lane (-1 past its end): lanes are runs of ``order``
+    pos = where[rows]
+    after = []
+    for step in (1, 2):
+        j = np.minimum(pos + step, len(order) - 1)
+        same = (pos + step < len(order)) & (rank_s[j] == rank_s[pos]) & (stream_s[j] == stream_s[pos])
+        after.append(np.where(same, order[j], -1))
+    n1, n2 = after
+    # rows are judged in row order: one whose next kernels hold a candidate judged before it reads that
+    # candidate's new class, so then row by row
+    earlier = np.zeros(len(rows), dtype=bool)
+    for nxt in (n1, n2):
+        earlier |= (nxt >= 0) & cand[np.maximum(nxt, 0)] & (nxt < rows)
+    if earlier.any():
+        for i in range(len(rows)):
+            _consume(rows[i:i + 1], n1[i:i + 1], n2[i:i + 1], promo, ctx, inputs, names, op_idx, cls, ev)
+    else:
+        _consume(rows, n1, n2, promo, ctx, inputs, names, op_idx, cls, ev)
+
+
+def _consume(rows: np.ndarray, n1: np.ndarray, n2: np.ndarray, promo: Promotion, ctx: _KvContext,
+             inputs: OpInputs | None, names: np.ndarray, op_idx: np.ndarray, cls: np.ndarray,
+             ev: np.ndarray) -> None:
+    """Promote (in place) the casts ``rows`` whose next kernel ``n1`` or, when that one's class is not in
+    ``promo.next``, second-next ``n2`` (-1: none in the lane) is of a class in ``promo.next``, if they
+    write an 8/4-bit float (for a KV write: the KV dtype)."""
+    def target_of(nxt: np.ndarray) -> np.ndarray:
+        out = np.full(len(nxt), None, dtype=object)
+        ok = nxt >= 0
+        if ok.any():
+            codes, uniq = factorize_text(cls[nxt[ok]])
+            out[ok] = np.fromiter((promo.next.get(u) for u in uniq.tolist()), dtype=object, count=len(uniq))[codes]
+        return out
+
+    t1 = target_of(n1)
+    t2 = target_of(np.where(n1 >= 0, n2, -1))
+    first = np.array([t is not None for t in t1.tolist()], dtype=bool)
+    nxt, target = np.where(first, n1, n2), np.where(first, t1, t2)
+    at = np.flatnonzero([t is not None for t in target.tolist()])
+    if not len(at):
+        return
+    r, nxt, target = rows[at], nxt[at], target[at]
+    dst = per_combination(_cast_destination, names[r])
+    for i in np.flatnonzero([d is None for d in dst.tolist()]).tolist():  # not in the name: the copy_ op's
+        dst[i] = _written_dtype(names[r[i]], int(op_idx[r[i]]), inputs)
+    kv = ctx.kv_dtype
+    ok = np.array([d is not None and d.startswith(_LOW_FLOAT) and not (t == "kv_write" and kv is not None
+                                                                        and not kv.startswith(d))
+                   for d, t in zip(dst.tolist(), target.tolist(), strict=True)], dtype=bool)
+    r, nxt, target, dst = r[ok], nxt[ok], target[ok], dst[ok]
+    if not len(r):
+        return
+    ev[r] = per_combination(lambda t, d, c, nm, was, old: f"{t}: casts to {d} right before {c} kernel "
+                            f"{str(nm)[:60]!r}; was {was} by {old}", target, dst, cls[nxt], names[nxt], cls[r], ev[r])
+    cls[r] = target
 
 
 def _recurrence_evidence(name: str, rec: str | None, graph: bool, target: str, ctx: _KvContext,

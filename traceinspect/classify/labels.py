@@ -16,8 +16,8 @@ from traceinspect.classify.table import ClassTable, Label, default_table
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel
 from traceinspect.tables import (
-    combine_codes,
     factorize_text,
+    groups,
     set_object_column,
     string_column,
     text_values,
@@ -61,10 +61,8 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
     else:
         captured = None
         op_codes, op_uniq = np.zeros(n, dtype=np.int64), np.array([""], dtype=object)
-    kinds = k["kind"].astype(object).fillna("kernel") if "kind" in k else pd.Series("kernel", index=k.index)
-    kind_codes, kind_uniq = pd.factorize(kinds.to_numpy(dtype=object))
-    codes = combine_codes(name_codes, op_codes, kind_codes)
-    _, first = np.unique(codes, return_index=True)
+    kind_codes, kind_uniq = _kinds(k)
+    codes, first = groups(name_codes, op_codes, kind_codes)
     op_uniq, kind_uniq = np.asarray(op_uniq, dtype=object), np.asarray(kind_uniq, dtype=object)
     labels = [table.classify(names[i], str(op_uniq[op_codes[i]]), str(kind_uniq[kind_codes[i]])) for i in first]
     per_label = {"cls": np.array([lb.cls for lb in labels], dtype=object),
@@ -86,6 +84,21 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
     for c, uniq in per_label.items():
         k[c] = _categorical(k[c].to_numpy(dtype=object), codes, uniq)
     return run
+
+
+def _kinds(k: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, texts) of the rows' event kinds, a missing kind read as ``kernel``; a categorical column
+    by its codes (a missing one: a code of its own, for the same text)."""
+    if "kind" not in k:
+        return np.zeros(len(k), dtype=np.int64), np.array(["kernel"], dtype=object)
+    col = k["kind"]
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        codes = col.cat.codes.to_numpy().astype(np.int64)
+        uniq = np.array([*col.cat.categories.tolist(), "kernel"], dtype=object)
+        codes[codes < 0] = len(uniq) - 1
+        return codes, uniq
+    kind_codes, kind_uniq = pd.factorize(col.astype(object).fillna("kernel").to_numpy(dtype=object))
+    return kind_codes, np.asarray(kind_uniq, dtype=object)
 
 
 def _categorical(values: np.ndarray, codes: np.ndarray, uniq: np.ndarray) -> pd.Categorical:

@@ -94,7 +94,7 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
         else:
             f["layers"] = layers_from_structure(ts.kernels, sel)
 
-    routing = _routing(ts, steps, graph_ops, f["layers"].value)
+    routing: dict[str, Fact] | None = None  # read from the shapes only when a fact needs it
     for name, keys in (("experts", EXPERT_KEYS), ("top_k", TOPK_KEYS), ("hidden_size", HIDDEN_KEYS),
                        ("vocab_size", VOCAB_KEYS)):
         if name in user:
@@ -103,7 +103,10 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
         v, how = si.model_int(keys)
         if v is not None:
             f[name] = Fact(v, "server_info", "high", how)
-        elif name in routing:
+            continue
+        if routing is None and name != "vocab_size":  # the router's shapes say all but the vocabulary
+            routing = _routing(ts, steps, graph_ops, f["layers"].value)
+        if routing is not None and name in routing:
             f[name] = routing[name]
         else:
             f[name] = undecided(f"no {' / '.join(keys[:3])} in server_info.json (model_info / model_config)"

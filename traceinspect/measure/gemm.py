@@ -26,7 +26,15 @@ from traceinspect.model.shapes import (  # noqa: F401 - importable from here
     dtype_of,
     op_handler,
 )
-from traceinspect.tables import combine_codes, factorize_text, per_distinct, text_values
+from traceinspect.tables import (
+    combine_codes,
+    factorize_text,
+    first_rows,
+    per_distinct,
+    text_codes,
+    text_values,
+    unique_text,
+)
 from traceinspect.units import json_num
 
 if TYPE_CHECKING:
@@ -127,14 +135,15 @@ def measure_efficiency(a: Analysis) -> Efficiency:
 
 def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
     """Per kernel: the op instance whose shapes describe it (``inst``, -1 if none) with that op's name,
-    path and raw shape args, where they came from (``source``) and, without an op, why (``why``)."""
+    raw shape args and whether its op path names a MoE op (``moe_path``), where they came from
+    (``source``) and, without an op, why (``why``)."""
     n = len(kk)
     ops = a.trace.cpu_ops
     inst = np.full(n, -1, dtype=np.int64)
     source = np.full(n, "", dtype=object)
     why = np.full(n, "", dtype=object)
     op_name = np.full(n, "", dtype=object)
-    op_path = np.full(n, "", dtype=object)
+    moe_path = np.zeros(n, dtype=bool)  # the op path names a MoE op (no op: the empty path, no)
     dims = np.full(n, None, dtype=object)
     types = np.full(n, None, dtype=object)
     conc = np.full(n, None, dtype=object)
@@ -147,19 +156,21 @@ def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
         inst[live] = oi
         source[live] = "shapes"
         op_name[live] = ops["name"].to_numpy(dtype=object)[oi]
-        op_path[live] = kk["op_path"].to_numpy(dtype=object)[live]
+        path_code, paths = text_codes(kk["op_path"])
+        moe_path[live] = np.array([bool(MOE_PATH.search(p)) for p in paths.tolist()], dtype=bool)[path_code[live]]
         dims[live] = ops["input_dims"].to_numpy(dtype=object)[oi]
         types[live] = ops["input_types"].to_numpy(dtype=object)[oi]
         conc[live] = ops["concrete"].to_numpy(dtype=object)[oi]
     why[~replay & (op_idx < 0)] = "no CPU op linked to this kernel (no shapes)"
 
     if replay.any():
-        _replay_sources(a, kk, replay, inst, source, why, op_name, op_path, dims, types, conc)
+        _replay_sources(a, kk, replay, inst, source, why, op_name, moe_path, dims, types, conc)
+    cls_code, cls_text = text_codes(kk["cls"])
     return {
         "kernel": kk.index.to_numpy(), "rank": kk["rank"].to_numpy(), "step": kk["step"].to_numpy(),
         "ts": kk["ts"].to_numpy(dtype=float), "name": kk["name"].to_numpy(dtype=object),
-        "cls": text_values(kk["cls"]), "dur": kk["dur"].to_numpy(dtype=float),
-        "inst": inst, "source": source, "why": why, "op_name": op_name, "op_path": op_path, "dims": dims,
+        "cls": cls_text[cls_code], "cls_code": cls_code, "cls_text": cls_text, "dur": kk["dur"].to_numpy(dtype=float),
+        "inst": inst, "source": source, "why": why, "op_name": op_name, "moe_path": moe_path, "dims": dims,
         "types": types, "conc": conc,
     }
 
@@ -189,7 +200,7 @@ def _model_ops(ops: pd.DataFrame, idx: np.ndarray, levels: int = 2) -> np.ndarra
 
 
 def _replay_sources(a: Analysis, kk: pd.DataFrame, replay: np.ndarray, inst: np.ndarray, source: np.ndarray,
-                    why: np.ndarray, op_name: np.ndarray, op_path: np.ndarray, dims: np.ndarray,
+                    why: np.ndarray, op_name: np.ndarray, moe_path: np.ndarray, dims: np.ndarray,
                     types: np.ndarray, conc: np.ndarray) -> None:
     """Fill the op columns of graph-replayed kernels from the ops the graphs stage recovered from the
     capture trace (one op instance per captured op and replay)."""
@@ -218,7 +229,7 @@ def _replay_sources(a: Analysis, kk: pd.DataFrame, replay: np.ndarray, inst: np.
         inst[p] = (1 << 40) + replays[sel] * width + c
         source[p] = "graph_capture"
         op_name[p] = cap.names[c]
-        op_path[p] = paths[sel]
+        moe_path[p] = per_distinct(paths[sel], MOE_PATH.search)
         dims[p] = cap.dims[c]
         types[p] = cap.types[c]
         conc[p] = cap.conc[c]
@@ -244,13 +255,13 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
     k_reason = np.zeros(0, dtype=object)
     if has.any():
         codes, uniq = pd.factorize(inst[has])
-        _, first = np.unique(codes, return_index=True)
+        first = first_rows(codes)
         fi = np.nonzero(has)[0][first]
         # instances recorded with the same op and shapes (every replay of a captured op, every layer)
         # are modelled once
         parts = [factorize_text(col[c][fi]) for c in ("op_name", "dims", "types", "conc")]
         key_codes = combine_codes(*(c for c, _ in parts))
-        _, at = np.unique(key_codes, return_index=True)  # the first call of each distinct key
+        at = first_rows(key_codes)  # the first call of each distinct key
         keys = [tuple(u[c[i]] for c, u in parts) for i in at.tolist()]
         cache = ShapeCache()
         k_hk = np.zeros(len(keys), dtype=np.int8)
@@ -263,27 +274,29 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         row_key[has] = key_codes[codes]
     hk = np.where(row_key >= 0, np.append(k_hk, 0)[row_key], 0)
     reason = np.append(k_reason, "")[row_key]  # row_key -1 -> the last slot, ""
-    cls = col["cls"]
-    gemm_cls = per_distinct(cls, GEMM_CLASSES.__contains__)
-    moe = per_distinct(col["op_path"], MOE_PATH.search) | (cls == "moe_gemm")
+    gemm_cls = col["gemm_cls"] = _class_test(col, GEMM_CLASSES.__contains__)
+    moe = col["moe_path"] | _class_test(col, lambda c: c == "moe_gemm")
     parts = []
 
     # ops with one model for the whole call: time of all their kernels, the longest one stands for it
-    sel = ((hk == 1) & ~per_distinct(cls, ("memcpy", "comm").__contains__)) | (hk == 2)
+    sel = ((hk == 1) & ~_class_test(col, ("memcpy", "comm").__contains__)) | (hk == 2)
     if sel.any():
         pi = np.nonzero(sel)[0]
-        f = pd.DataFrame({"inst": inst[pi], "dur": dur[pi], "pos": pi, "g": gemm_cls[pi], "moe": moe[pi]})
-        f = f.sort_values(["inst", "dur"], ascending=[True, False], kind="stable")
-        g = f.groupby("inst", sort=False)
-        agg = g.agg(pos=("pos", "first"), us=("dur", "sum"), any_gemm=("g", "any"), moe=("moe", "any"))
-        pos = agg["pos"].to_numpy()
+        # by instance, the longest kernel first (ties in row order, NaN last: a stable sort on -dur)
+        pi = pi[np.lexsort((-dur[pi], inst[pi]))]
+        si = inst[pi]
+        new_inst = np.concatenate([[True], si[1:] != si[:-1]])
+        start = np.flatnonzero(new_inst)
+        pos = pi[start]
+        us = pd.Series(dur[pi]).groupby(np.cumsum(new_inst) - 1, sort=False).sum()  # as grouping by inst sums
+        any_gemm, any_moe = np.logical_or.reduceat(gemm_cls[pi], start), np.logical_or.reduceat(moe[pi], start)
         k_known = np.array([bool(s) for s in k_shapes] + [False], dtype=bool)
-        keep = (hk[pos] == 2) | k_known[row_key[pos]] | agg["any_gemm"].to_numpy()
+        keep = (hk[pos] == 2) | k_known[row_key[pos]] | any_gemm
         pos = pos[keep]
         # the call's shape: the first of its op's shapes (one distinct Shape per key)
         first_shape = [s[0] if s else None for s in k_shapes] + [None]
         parts.append(_rows(src, col, pos, first_shape, np.where(row_key[pos] >= 0, row_key[pos], len(k_shapes)),
-                           reason[pos], agg["us"].to_numpy()[keep], agg["moe"].to_numpy()[keep]))
+                           reason[pos], us.to_numpy()[keep], any_moe[keep]))
 
     # fused MoE ops: their GEMM kernels in launch order <-> the op's GEMM shapes in order
     sel = (hk == 3) & gemm_cls
@@ -309,7 +322,20 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         rs = np.where(col["why"][pi] != "", col["why"][pi], reason[pi])
         parts.append(_rows(src, col, pi, [None], np.zeros(len(pi), dtype=np.int64), rs, dur[pi], moe[pi]))
     parts = [p for p in parts if len(p)]
+    if len(parts) == 1:  # built with a fresh range index: as concatenating it alone would give
+        return parts[0]
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=CALL_COLUMNS)
+
+
+def _in_order(f: pd.DataFrame) -> pd.DataFrame:
+    """The calls frame with its columns in CALL_COLUMNS order (built in that order: no copy)."""
+    return f if list(f.columns) == CALL_COLUMNS else f[CALL_COLUMNS]
+
+
+def _class_test(col: dict[str, np.ndarray], test: Any) -> np.ndarray:
+    """``test`` of each kernel's class, called once per distinct class."""
+    texts = col["cls_text"]
+    return np.fromiter((bool(test(c)) for c in texts.tolist()), dtype=bool, count=len(texts))[col["cls_code"]]
 
 
 def _obj(values: Any) -> pd.Series:
@@ -346,7 +372,7 @@ def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarra
 
     cls = col["cls"][pos]
     known = np.array([s is not None for s in distinct], dtype=bool)[codes]
-    kind = np.where(known, attr("kind"), np.where(per_distinct(cls, GEMM_CLASSES.__contains__), "gemm", "memory"))
+    kind = np.where(known, attr("kind"), np.where(col["gemm_cls"][pos], "gemm", "memory"))
     rs = np.asarray(reason, dtype=object)
     rs = np.where(rs.astype(bool), rs, attr("note", ""))
     out = pd.DataFrame({
@@ -359,14 +385,15 @@ def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarra
         "shape_source": _obj(np.where(known, col["source"][pos], "unknown")), "reason": _obj(rs),
         "moe": np.asarray(moe, dtype=bool), "peak_tflops": np.nan,
     })
-    return out[CALL_COLUMNS]
+    return _in_order(out)
 
 
 def _copy_events(k: pd.DataFrame) -> pd.DataFrame:
     """memcpy/memset events: their byte count is in the trace."""
-    mc = k[k["kind"].isin(("memcpy", "memset")).to_numpy() & (k["bytes"].to_numpy() >= 0)]
+    mc = k.loc[k["kind"].isin(("memcpy", "memset")).to_numpy() & (k["bytes"].to_numpy() >= 0),
+               ["rank", "step", "name", "cls", "op_name", "bytes", "dur"]]
     n = len(mc)
-    return pd.DataFrame({
+    return _in_order(pd.DataFrame({
         "rank": mc["rank"].to_numpy(), "step": mc["step"].to_numpy(), "kernel": mc.index.to_numpy(),
         "name": _obj(mc["name"].to_numpy(dtype=object)), "cls": _obj(text_values(mc["cls"])),
         "op_name": _obj(mc["op_name"].to_numpy(dtype=object)), "kind": _obj(["memory"] * n), "batch": [None] * n,
@@ -376,15 +403,14 @@ def _copy_events(k: pd.DataFrame) -> pd.DataFrame:
         "pct_bw": np.nan, "shape_source": _obj(["shapes"] * n), "reason": _obj([""] * n),
         "moe": np.zeros(n, dtype=bool),
         "peak_tflops": np.nan,
-    })[CALL_COLUMNS]
+    }))
 
 
 def _rates(calls: pd.DataFrame, spec: GpuSpec | None) -> None:
     if not len(calls):
         return
     us = calls["us"].astype(float).to_numpy()
-    fl = pd.to_numeric(calls["flops"], errors="coerce").to_numpy(dtype=float)
-    by = pd.to_numeric(calls["bytes"], errors="coerce").to_numpy(dtype=float)
+    fl, by = _floats(calls["flops"]), _floats(calls["bytes"])
     with np.errstate(divide="ignore", invalid="ignore"):
         tf = np.where(us > 0, fl / us / 1e6, np.nan)
         gb = np.where(us > 0, by / us / 1e3, np.nan)
@@ -403,6 +429,18 @@ def _rates(calls: pd.DataFrame, spec: GpuSpec | None) -> None:
     bw = spec.mem_bw_gbps if spec and spec.mem_bw_gbps else np.nan
     host = per_distinct(calls["name"], lambda n: _HOST_LINK.search(str(n)))
     calls["pct_bw"] = np.where(host, np.nan, 100.0 * gb / bw)
+
+
+def _floats(col: pd.Series) -> np.ndarray:
+    """``pd.to_numeric(col, errors="coerce")`` as floats: a column of numbers and None (what the Shape
+    attributes hold) converts directly, None becoming NaN; anything else goes through pandas."""
+    v = col.to_numpy()
+    if v.dtype == object:
+        try:
+            return np.asarray(v, dtype=float)
+        except (TypeError, ValueError):
+            pass
+    return pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
 
 
 def _peak(spec: GpuSpec | None, dtype: Any) -> float:
@@ -432,7 +470,7 @@ def _gemm_keys(g: pd.DataFrame) -> pd.DataFrame:
 
 
 def _gemm_table(calls: pd.DataFrame) -> pd.DataFrame:
-    g = calls[calls["kind"] == "gemm"]
+    g = calls.loc[calls["kind"].to_numpy() == "gemm", [*_GEMM_KEYS, "us", "flops", "bytes", "peak_tflops"]]
     if not len(g):
         return pd.DataFrame(columns=GEMM_TABLE_COLUMNS)
     # the keys are prepared once per distinct combination of their columns (a few per shape), the sums
@@ -462,16 +500,16 @@ MEMORY_TABLE_COLUMNS = ["family", "cls", "dtypes", "calls", "bytes", "us", "gbps
 
 
 def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
-    mcalls = calls[(calls["kind"] == "memory") & calls["bytes"].notna()]
-    if not len(mcalls):
+    m = calls.loc[(calls["kind"].to_numpy() == "memory") & calls["bytes"].notna().to_numpy(),
+                  ["name", "cls", "dtype", "bytes", "us"]]
+    if not len(m):
         return pd.DataFrame(columns=MEMORY_TABLE_COLUMNS)
-    m = mcalls.copy()
     # a family is one full kernel name: kernels that differ only in template arguments (the dtype a copy
     # casts to, tile sizes) are different kernels and keep their own rows
     codes, names = factorize_text(m["name"].to_numpy(dtype=object))  # converted once per distinct name
     m["family"] = pd.Series(pd.Series(names, dtype=object).astype(str).array.take(codes), index=m.index)
     m["bytes"] = m["bytes"].astype(float)
-    m["host"] = per_distinct(m["name"], lambda n: _HOST_LINK.search(str(n)))
+    m["host"] = np.array([bool(_HOST_LINK.search(str(n))) for n in names.tolist()], dtype=bool)[codes]
     agg = m.groupby(["family", "cls"], sort=False).agg(
         calls=("us", "size"), bytes=("bytes", "sum"), us=("us", "sum"), host=("host", "any")).reset_index()
     # the dtypes of each family from one row per distinct (family, class, dtype): the groups come out
@@ -500,12 +538,14 @@ def _moe(a: Analysis, calls: pd.DataFrame) -> dict[str, Any]:
     tokens = float(np.median(toks)) if len(toks) else None
     out: dict[str, Any] = {"experts": experts, "topk": topk, "tokens": tokens,
                            "experts_key": ekey, "topk_key": tkey}
-    mc = calls[(calls["kind"] == "gemm") & calls["moe"].astype(bool)] if len(calls) else calls
+    mc = calls.loc[(calls["kind"].to_numpy() == "gemm") & calls["moe"].to_numpy().astype(bool),
+                   ["m", "groups", "shape_source", "reason"]] if len(calls) else calls
     known = mc[mc["m"].notna()] if len(mc) else mc
     if len(known):
-        m = known["m"].astype(float) / known["groups"].astype(float)
-        sources = sorted(set(known["shape_source"]))
-        grouped = bool((known["groups"].astype(float) > 1).any())
+        groups = known["groups"].astype(float)
+        m = known["m"].astype(float) / groups
+        sources = sorted(unique_text(known["shape_source"]))
+        grouped = bool((groups > 1).any())
         dist = m.round(2).value_counts().sort_index()
         out["per_expert_m"] = {
             "value": round(float(m.mean()), 2), "min": round(float(m.min()), 2), "max": round(float(m.max()), 2),
@@ -528,7 +568,7 @@ def _moe(a: Analysis, calls: pd.DataFrame) -> dict[str, Any]:
         return out
     missing = [n for n, v in (("token count (bs= in step names)", tokens), ("experts", experts),
                               ("top-k", topk)) if v is None]
-    g = calls[calls["kind"] == "gemm"] if len(calls) else calls
+    g = calls[calls["kind"].to_numpy() == "gemm"] if len(calls) else calls
     blind = g[g["shape_source"] == "unknown"] if len(g) else g
     if not len(mc) and not len(blind) and experts is None:
         why = "no MoE GEMM kernels in the analysed steps and no expert count (server_info or --experts)"

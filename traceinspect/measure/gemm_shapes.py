@@ -9,10 +9,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.tables import combine_codes, factorize_text
+from traceinspect.tables import combine_codes, factorize_text, first_rows
 
 _type_of = np.frompyfunc(type, 1, 1)
 _ONE_KIND = ("string", "integer", "floating", "empty")
+
+
+def _texts(values: np.ndarray) -> bool:
+    """Whether every value is text or missing (None, NaN)."""
+    return all(isinstance(u, str) or u is None or (isinstance(u, float) and u != u) for u in values.tolist())
 
 
 def distinct_rows(frame: pd.DataFrame, cols: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -22,16 +27,17 @@ def distinct_rows(frame: pd.DataFrame, cols: list[str]) -> tuple[np.ndarray, np.
     for c in cols:
         v = frame[c].to_numpy()
         if v.dtype == object:
-            parts.append(factorize_text(v)[0])
+            codes, uniq = factorize_text(v)
+            parts.append(codes)
             # equal values of different types (1, 1.0, True) share a dictionary slot but may convert
-            # differently; a column of one kind of value (besides missing ones) has no such pairs
-            if pd.api.types.infer_dtype(v, skipna=True) not in _ONE_KIND:
+            # differently; a column of one kind of value (besides missing ones) has no such pairs, and
+            # only texts equal texts
+            if not _texts(uniq) and pd.api.types.infer_dtype(v, skipna=True) not in _ONE_KIND:
                 parts.append(factorize_text(_type_of(v))[0])
         else:
             parts.append(pd.factorize(v, use_na_sentinel=False)[0])
     code = combine_codes(*parts)
-    _, first = np.unique(code, return_index=True)
-    return code, first
+    return code, first_rows(code)
 
 
 def key_groups(frame: pd.DataFrame, cols: list[str], prepare: Callable[[pd.DataFrame], pd.DataFrame],

@@ -417,6 +417,21 @@ def op_tensors(dims: Any, types: Any) -> list[tuple[int, list[int], str]]:
     return out
 
 
+def _equality_codes(values: np.ndarray) -> np.ndarray | None:
+    """Codes (>= 0) of an object array, equal where the values are equal, None its own value; None when a
+    value is not hashable or is a missing value other than None (NaN equals nothing, not even NaN)."""
+    try:
+        codes = pd.factorize(values)[0].astype(np.int64, copy=True)
+    except TypeError:
+        return None
+    na = codes < 0
+    if na.any():
+        if any(v is not None for v in values[na].tolist()):
+            return None
+        codes[na] = int(codes.max()) + 1
+    return codes
+
+
 class OpInputs:
     """Decoded recorded shapes of CPU ops (lazily, per op row)."""
 
@@ -464,6 +479,51 @@ class OpInputs:
         except TypeError:
             return None
         return sig
+
+    def signature_codes(self, ops: np.ndarray, depth: int = 8) -> np.ndarray:
+        """One integer per op of ``ops`` (op indices >= 0), equal where :meth:`signature` is equal; an
+        op whose signature is None has a code of its own per op index. The chains are walked for all ops
+        at once and each op on them is hashed once."""
+        ops = np.asarray(ops, dtype=np.int64)
+        if not len(ops):
+            return np.zeros(0, dtype=np.int64)
+        levels = [ops]
+        for _ in range(depth):
+            cur = levels[-1]
+            levels.append(np.where(cur >= 0, self.parent[np.maximum(cur, 0)], -1))
+        chain = np.stack(levels, axis=1)  # -1 past the end of a chain
+        on_chain, at = np.unique(chain, return_inverse=True)
+        at = at.reshape(chain.shape)
+        op_code = np.full(len(on_chain), -1, dtype=np.int64)  # -1: past the end of a chain
+        live = on_chain >= 0
+        op_code[live] = self._op_codes(on_chain[live])
+        codes = op_code[at]
+        sig = np.zeros(len(ops), dtype=np.int64)
+        for c in codes.T + 2:  # one code per distinct row of ``codes``, combined level by level
+            sig = pd.factorize(sig * (int(c.max()) + 1) + c)[0].astype(np.int64, copy=False)
+        unhashable = (codes == -2).any(axis=1)
+        if unhashable.any():
+            _, own = np.unique(ops[unhashable], return_inverse=True)
+            sig[unhashable] = int(sig.max()) + 1 + own.reshape(-1)
+        return sig
+
+    def _op_codes(self, ops: np.ndarray) -> np.ndarray:
+        """One code per distinct recorded (name, dims, types) of the ops; -2 where one is not hashable."""
+        cols = [self.names[ops], *(v[ops] for v in (self.dims, self.types) if v is not None)]
+        key = np.zeros(len(ops), dtype=np.int64)
+        for col in cols:
+            c = _equality_codes(col)
+            if c is None:  # an unhashable value, or a missing one other than None: op by op
+                seen: dict[tuple[Any, ...], int] = {}
+                out = np.empty(len(ops), dtype=np.int64)
+                for n, item in enumerate(zip(*(v.tolist() for v in cols), strict=True)):
+                    try:
+                        out[n] = seen.setdefault(item, len(seen))
+                    except TypeError:
+                        out[n] = -2
+                return out
+            key = pd.factorize(key * (int(c.max(initial=0)) + 1) + c)[0].astype(np.int64, copy=False)
+        return key
 
     def has_shapes(self, i: int) -> bool:
         return any(self.tensors(j) for j in self.chain(i))
