@@ -165,6 +165,13 @@ def test_any_cut_into_pieces(size: int) -> None:
     (b'{"traceEvents": []} x', "not valid JSON"),
     (b'{"traceEvents": [{"name": "\xff"}]}', "not valid JSON"),
     (b'{"traceEvents": [{"name": "\\ud800"}]}', "not valid JSON"),
+    # a surrogate escape not in a high-low pair, in strings the scanner only skips (the typed decoder
+    # refuses them anywhere)
+    (b'{"traceEvents": ["\\ud800X"]}', "not valid JSON"),
+    (b'{"traceEvents": [["\\udfff"]]}', "not valid JSON"),
+    (b'{"traceEvents": [{"args": {"x": "\\udc00"}}]}', "not valid JSON"),
+    (b'{"traceEvents": [{"args": {"grid": ["\\ud800\\u0041"]}}]}', "not valid JSON"),
+    (b'{"traceEvents": [], "x": "\\ud800"}', "not valid JSON"),
     (b'{"traceEvents": [{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}", "not valid JSON"),
     (b'{"traceEvents": [{"a": ' + b'{"b":' * 100_000 + b"}" * 100_000 + b"}]}", "not valid JSON"),
     (b'{"traceEvents": [{"ts": 01}]}', "not valid JSON"),
@@ -179,6 +186,13 @@ def test_broken_documents_are_one_clean_error(text: bytes, message: str) -> None
             _native_pieces(text, size)
     with pytest.raises(TraceInputError):
         parse.parse_bytes_whole(text, Path("x.json"))
+
+
+def test_a_surrogate_pair_in_a_skipped_string_is_read() -> None:
+    text = b'{"traceEvents": [["\\ud83d\\ude00"], {"args": {"x": "a\\udbff\\udfffb"}}]}'
+    want = parse.parse_bytes_whole(text, Path("x.json"))
+    for size in (1, 5, 1 << 30):
+        assert_same(_native_pieces(text, size), want)
 
 
 def test_every_truncation_is_an_error() -> None:

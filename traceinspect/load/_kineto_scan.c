@@ -238,6 +238,8 @@ static inline const char *skip_ws(const char *p, const char *end) {
     return p;
 }
 
+static int hexv(char d);
+
 /* A string token starting at p ('"'). Sets [*s0, *s1) to its contents (escapes not decoded),
  * *esc when it has a backslash, *hi when it has a byte >= 0x80. */
 static const char *scan_string(Ctx *c, const char *p, const char **s0, const char **s1, int *esc, int *hi) {
@@ -286,6 +288,22 @@ static const char *scan_string(Ctx *c, const char *p, const char **s0, const cha
                 char d = q[k];
                 if (!((d >= '0' && d <= '9') || (d >= 'a' && d <= 'f') || (d >= 'A' && d <= 'F')))
                     return fail(c, EJSON, q, "invalid escape in a string");
+            }
+            /* a UTF-16 surrogate must come as a high-low pair, in every string (a skipped one too), as
+             * the typed decoder requires */
+            uint32_t cp = (uint32_t)(hexv(q[2]) << 12 | hexv(q[3]) << 8 | hexv(q[4]) << 4 | hexv(q[5]));
+            if (cp >= 0xDC00 && cp <= 0xDFFF) return fail(c, EJSON, q, "invalid surrogate in a string");
+            if (cp >= 0xD800 && cp <= 0xDBFF) {
+                if (q + 12 > end) return need(c, q);
+                if (q[6] != '\\' || q[7] != 'u') return fail(c, EJSON, q, "invalid surrogate in a string");
+                for (int k = 8; k < 12; k++) {
+                    char d = q[k];
+                    if (!((d >= '0' && d <= '9') || (d >= 'a' && d <= 'f') || (d >= 'A' && d <= 'F')))
+                        return fail(c, EJSON, q, "invalid escape in a string");
+                }
+                uint32_t lo = (uint32_t)(hexv(q[8]) << 12 | hexv(q[9]) << 8 | hexv(q[10]) << 4 | hexv(q[11]));
+                if (lo < 0xDC00 || lo > 0xDFFF) return fail(c, EJSON, q, "invalid surrogate in a string");
+                q += 6;
             }
             q += 6;
         } else if (x == '"' || x == '\\' || x == '/' || x == 'b' || x == 'f' || x == 'n' || x == 'r' ||
