@@ -147,6 +147,8 @@ def _lookup(table: pd.DataFrame, id_col: str, queries: pd.DataFrame, query_col: 
     if len(sel) and ids.max() < (1 << 43) and ranks.max() < (1 << 19) and ranks.min() >= 0:
         keys = (ranks.astype(np.int64) << 43) | ids
         qkeys = np.where((qi >= 0) & (qi < (1 << 43)), (qr.astype(np.int64) << 43) | np.maximum(qi, 0), -1)
+        if (keys[1:] >= keys[:-1]).all():  # ids in row order (Kineto numbers them so): a binary search
+            return _sorted_lookup(keys, sel, qkeys, keep)
         index = pd.Index(keys)
     else:
         index = pd.MultiIndex.from_arrays([ranks, ids])
@@ -157,6 +159,18 @@ def _lookup(table: pd.DataFrame, id_col: str, queries: pd.DataFrame, query_col: 
         index, sel = index[~dup], sel[~dup]
     pos = index.get_indexer(qkeys)
     return np.where(pos >= 0, sel[np.maximum(pos, 0)] if len(sel) else -1, -1).astype(np.int64), n_dup
+
+
+def _sorted_lookup(keys: np.ndarray, sel: np.ndarray, qkeys: np.ndarray, keep: str) -> tuple[np.ndarray, int]:
+    """:func:`_lookup` on non-decreasing ``keys`` (>= 0; a query key < 0 finds nothing)."""
+    n_dup = int((keys[1:] == keys[:-1]).sum())
+    if keep == "first":
+        pos = np.searchsorted(keys, qkeys, side="left")
+    else:
+        pos = np.searchsorted(keys, qkeys, side="right") - 1
+    pos = np.clip(pos, 0, len(keys) - 1)
+    hit = keys[pos] == qkeys
+    return np.where(hit, sel[pos], -1).astype(np.int64), n_dup
 
 
 def link(ts: TraceSet) -> TraceSet:
@@ -197,11 +211,11 @@ def link_tables(k: pd.DataFrame, rt: pd.DataFrame, ops: pd.DataFrame) -> int:
     # runtime row per (rank, correlation); duplicated ids keep the first and are reported
     rt_idx, n_dup = _lookup(rt, "correlation", k, "correlation", keep="first")
     k["rt_idx"] = rt_idx
-    names = rt["name"].to_numpy(dtype=object)
-    k["rt_name"] = _names_at(rt_idx, names)
+    rt_names = factorize_text(rt["name"].to_numpy(dtype=object))
+    k["rt_name"] = _names_at(rt_idx, rt_names)
     replay = np.zeros(len(k), dtype=bool)
     if len(rt):
-        is_launch = np.isin(names, list(GRAPH_LAUNCH))
+        is_launch = np.isin(rt_names[1], list(GRAPH_LAUNCH))[rt_names[0]]
         replay = (rt_idx >= 0) & is_launch[np.maximum(rt_idx, 0)]
     k["graph_replay"] = replay
 
@@ -220,33 +234,39 @@ def link_tables(k: pd.DataFrame, rt: pd.DataFrame, ops: pd.DataFrame) -> int:
     op_idx = np.where((rt_idx >= 0) & ~k["graph_replay"].to_numpy(), rt_op[np.maximum(rt_idx, 0)] if len(rt)
                       else -1, -1)
     k["op_idx"] = op_idx.astype(np.int64)
-    k["op_name"] = _names_at(op_idx, ops["name"].to_numpy(dtype=object))
-    k["op_path"] = _paths(op_idx, ops)
+    op_names = factorize_text(ops["name"].to_numpy(dtype=object))
+    k["op_name"] = _names_at(op_idx, op_names)
+    k["op_path"] = _paths(op_idx, ops, op_names)
     return n_dup
 
 
-def _names_at(idx: np.ndarray, names: np.ndarray) -> Any:
-    """Column of ``names[idx]``, '' where idx < 0."""
+def _names_at(idx: np.ndarray, names: tuple[np.ndarray, np.ndarray]) -> Any:
+    """Column of ``names[idx]``, '' where idx < 0; ``names`` as (codes, uniques) of
+    :func:`~traceinspect.tables.factorize_text`. Its categories are only the names taken."""
+    codes, uniq = names
     ok = idx >= 0
-    if not len(names) or not ok.any():
+    if not len(codes) or not ok.any():
         return string_column(np.zeros(len(idx), dtype=np.int64), np.array([""], dtype=object))
-    codes, uniq = factorize_text(names[idx[ok]])
+    taken = codes[idx[ok]]
+    used = np.zeros(len(uniq), dtype=bool)
+    used[taken] = True
     full = np.zeros(len(idx), dtype=np.int64)
-    full[ok] = codes + 1
-    return string_column(full, np.concatenate([np.array([""], dtype=object), np.asarray(uniq, dtype=object)]))
+    full[ok] = np.cumsum(used)[taken]  # 1..: the names taken, in code order
+    return string_column(full, np.concatenate([np.array([""], dtype=object), np.asarray(uniq, dtype=object)[used]]))
 
 
-def _paths(op_idx: np.ndarray, ops: pd.DataFrame) -> Any:
+def _paths(op_idx: np.ndarray, ops: pd.DataFrame, names: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
     """Names of the enclosing ops, outermost first, joined by ' > ' (at most the innermost 64).
 
     Paths are built level by level: an op's path is its parent's path plus its name, so each distinct
-    path string is made once, however many ops (and kernels) share it.
+    path string is made once, however many ops (and kernels) share it. ``names``: the ops' names as
+    (codes, uniques) of :func:`~traceinspect.tables.factorize_text`, when already made.
     """
     n = len(op_idx)
     if not len(ops) or not n or not (op_idx >= 0).any():
         return string_column(np.zeros(n, dtype=np.int64), np.array([""], dtype=object))
     parent = ops["parent"].to_numpy()
-    name_codes, name_uniq = factorize_text(ops["name"].to_numpy(dtype=object))
+    name_codes, name_uniq = names if names is not None else factorize_text(ops["name"].to_numpy(dtype=object))
     # the ops on the kernels' chains
     mark = np.zeros(len(parent), dtype=bool)
     frontier = pd.unique(op_idx[op_idx >= 0])
