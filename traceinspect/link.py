@@ -255,6 +255,18 @@ def _names_at(idx: np.ndarray, names: tuple[np.ndarray, np.ndarray]) -> Any:
     return string_column(full, np.concatenate([np.array([""], dtype=object), np.asarray(uniq, dtype=object)[used]]))
 
 
+def _factorize_small(keys: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, uniques) of integer keys in [0, bound), uniques in increasing order (a table of ``bound``
+    flags where that is small, else hashing)."""
+    if bound > 4 * len(keys) + (1 << 16):
+        uniq, inv = np.unique(keys, return_inverse=True)
+        return inv.astype(np.int64, copy=False), uniq
+    seen = np.zeros(bound, dtype=bool)
+    seen[keys] = True
+    rank = np.cumsum(seen) - 1
+    return rank[keys], np.nonzero(seen)[0]
+
+
 def _paths(op_idx: np.ndarray, ops: pd.DataFrame, names: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
     """Names of the enclosing ops, outermost first, joined by ' > ' (at most the innermost 64).
 
@@ -269,7 +281,8 @@ def _paths(op_idx: np.ndarray, ops: pd.DataFrame, names: tuple[np.ndarray, np.nd
     name_codes, name_uniq = names if names is not None else factorize_text(ops["name"].to_numpy(dtype=object))
     # the ops on the kernels' chains
     mark = np.zeros(len(parent), dtype=bool)
-    frontier = pd.unique(op_idx[op_idx >= 0])
+    mark[op_idx[op_idx >= 0]] = True
+    frontier = np.nonzero(mark)[0]
     while frontier.size:
         mark[frontier] = True
         up = parent[frontier]
@@ -286,10 +299,12 @@ def _paths(op_idx: np.ndarray, ops: pd.DataFrame, names: tuple[np.ndarray, np.nd
     pid_name: list[int] = []
     texts: list[str] = []
     m = len(name_uniq) + 1
-    for lvl in range(int(d.max()) + 1):
-        rows = ops_all[d == lvl]
+    by_depth = ops_all[np.argsort(d, kind="stable")]
+    bounds = np.cumsum(np.bincount(d)).tolist()
+    for lvl in range(len(bounds)):
+        rows = by_depth[bounds[lvl - 1] if lvl else 0:bounds[lvl]]
         pp = np.where(parent[rows] >= 0, path_id[np.maximum(parent[rows], 0)], -1)
-        inv, uniq_pairs = pd.factorize((pp + 1) * m + name_codes[rows])
+        inv, uniq_pairs = _factorize_small((pp + 1) * m + name_codes[rows], (len(texts) + 1) * m)
         path_id[rows] = len(texts) + inv
         for q, c in zip((uniq_pairs // m - 1).tolist(), (uniq_pairs % m).tolist(), strict=True):
             pid_parent.append(q)
