@@ -23,6 +23,7 @@ from traceinspect.tables import factorize_text, string_column
 
 GRAPH_LAUNCH = {"cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch", "hipGraphLaunch"}
 _MAX_PATH = 64  # names kept in an op_path (innermost ones)
+_MAX_THREAD_LOOP = 512  # threads searched one by one; more: one merge sort of ops and events
 
 
 def _thread_key(df: pd.DataFrame) -> np.ndarray:
@@ -101,13 +102,26 @@ class _OpTree:
         out[self.order] = np.where(p >= 0, self.order[np.maximum(p, 0)], -1)
         return out
 
-    def enclosing(self, key: np.ndarray, ts: np.ndarray) -> np.ndarray:
-        """For events (thread key, ts): the row of the innermost op containing ``ts``, or -1."""
+    def _last_started(self, key: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        """For events (thread key, ts): the last sorted position of an op of that thread starting at or
+        before ``ts``, or -1."""
         m, n = len(ts), len(self.order)
-        out = np.full(m, -1, dtype=np.int64)
-        if not m or not n:
-            return out
-        # merge ops and events; at equal (thread, ts) ops come first (an op starting at ts counts)
+        start = np.concatenate([[0], np.nonzero(self.key[1:] != self.key[:-1])[0] + 1])  # a run per thread
+        uk = self.key[start]
+        if len(uk) <= _MAX_THREAD_LOOP:
+            stop = np.append(start[1:], n).tolist()
+            g = np.searchsorted(uk, key)
+            found = (g < len(uk)) & (uk[np.minimum(g, len(uk) - 1)] == key)
+            cand = np.full(m, -1, dtype=np.int64)
+            by_g = np.argsort(np.where(found, g, len(uk)), kind="stable")
+            bounds = np.searchsorted(np.where(found, g, len(uk))[by_g], np.arange(len(uk) + 1)).tolist()
+            for j, (lo, hi) in enumerate(zip(start.tolist(), stop, strict=True)):
+                ev = by_g[bounds[j]:bounds[j + 1]]
+                if len(ev):  # an op starting at ts counts
+                    cand[ev] = lo + np.searchsorted(self.ts[lo:hi], ts[ev], side="right") - 1
+            cand[cand < np.append(start, n)[np.minimum(g, len(uk))]] = -1  # no op of the thread before ts
+            return cand
+        # merge ops and events; at equal (thread, ts) ops come first
         k = np.concatenate([self.key, key])
         t = np.concatenate([self.ts, ts])
         is_ev = np.concatenate([np.zeros(n, dtype=np.int8), np.ones(m, dtype=np.int8)])
@@ -120,6 +134,15 @@ class _OpTree:
         ok = cand >= 0
         ok[ok] = self.key[cand[ok]] == key[ok]
         cand[~ok] = -1
+        return cand
+
+    def enclosing(self, key: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        """For events (thread key, ts): the row of the innermost op containing ``ts``, or -1."""
+        m, n = len(ts), len(self.order)
+        out = np.full(m, -1, dtype=np.int64)
+        if not m or not n:
+            return out
+        cand = self._last_started(key, ts)
         active = np.nonzero(cand >= 0)[0]
         while active.size:
             c = cand[active]
