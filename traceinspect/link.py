@@ -164,9 +164,17 @@ def _lookup(table: pd.DataFrame, id_col: str, queries: pd.DataFrame, query_col: 
     """Row of ``table`` with the same (rank, id) as each query row, or -1; and the number of
     duplicated (rank, id) pairs in ``table`` (``keep`` says which one is used)."""
     ids = table[id_col].to_numpy()
-    sel = np.nonzero(ids >= 0)[0]
-    ranks, ids = table["rank"].to_numpy()[sel], ids[sel]
+    ranks = table["rank"].to_numpy()
+    valid = ids >= 0
+    if valid.all():
+        sel = np.arange(len(ids))
+    else:
+        sel = np.nonzero(valid)[0]
+        ranks, ids = ranks[sel], ids[sel]
     qr, qi = queries["rank"].to_numpy(), queries[query_col].to_numpy()
+    if len(sel) and ranks[0] == ranks[-1] and (ranks == ranks[0]).all() and (ids[1:] >= ids[:-1]).all():
+        # one rank (as where each rank is linked on its own)
+        return _sorted_lookup(ids, sel, np.where((qi >= 0) & (qr == ranks[0]), qi, -1), keep)
     if len(sel) and ids.max() < (1 << 43) and ranks.max() < (1 << 19) and ranks.min() >= 0:
         keys = (ranks.astype(np.int64) << 43) | ids
         qkeys = np.where((qi >= 0) & (qi < (1 << 43)), (qr.astype(np.int64) << 43) | np.maximum(qi, 0), -1)
@@ -313,20 +321,24 @@ def _paths(op_idx: np.ndarray, ops: pd.DataFrame, names: tuple[np.ndarray, np.nd
         frontier = pd.unique(up[~mark[up]])
     ops_all = np.nonzero(mark)[0]
     d = np.zeros(len(ops_all), dtype=np.int64)  # depth: number of enclosing ops
-    cur = parent[ops_all]
-    while (cur >= 0).any():
-        d += cur >= 0
-        cur = np.where(cur >= 0, parent[np.maximum(cur, 0)], -1)
+    at, cur = np.arange(len(ops_all)), parent[ops_all]
+    while at.size:  # climb from the ops whose chain goes on
+        live = cur >= 0
+        at, cur = at[live], cur[live]
+        d[at] += 1
+        cur = parent[cur]
     path_id = np.full(len(parent), -1, dtype=np.int64)
     pid_parent: list[int] = []  # per path id: the enclosing path's id (-1: none) and the name
     pid_name: list[int] = []
     texts: list[str] = []
     m = len(name_uniq) + 1
-    by_depth = ops_all[np.argsort(d, kind="stable")]
+    # a stable sort of small integers is a radix sort
+    by_depth = ops_all[np.argsort(d.astype(np.int16) if d.max() < (1 << 15) else d, kind="stable")]
     bounds = np.cumsum(np.bincount(d)).tolist()
     for lvl in range(len(bounds)):
         rows = by_depth[bounds[lvl - 1] if lvl else 0:bounds[lvl]]
-        pp = np.where(parent[rows] >= 0, path_id[np.maximum(parent[rows], 0)], -1)
+        up = parent[rows]
+        pp = np.where(up >= 0, path_id[np.maximum(up, 0)], -1)
         inv, uniq_pairs = _factorize_small((pp + 1) * m + name_codes[rows], (len(texts) + 1) * m)
         path_id[rows] = len(texts) + inv
         for q, c in zip((uniq_pairs // m - 1).tolist(), (uniq_pairs % m).tolist(), strict=True):
