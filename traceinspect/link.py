@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.load import duplicate_warning
+from traceinspect.load.columns import take_name_codes
 from traceinspect.load.native import native_available, native_module
 from traceinspect.load.parse import ParsedRank
 from traceinspect.model import TraceSet
@@ -222,27 +223,31 @@ def link_parsed(p: ParsedRank) -> None:
     tables = (p.kernels, p.runtime, p.cpu_ops)
     for t in tables:
         t["rank"] = 0
-    p.link_dups = link_tables(*tables)
+    p.link_dups = link_tables(*tables, rt_names=take_name_codes(p, "runtime"), op_names=take_name_codes(p, "cpu_ops"))
     for t in tables:
         del t["rank"]
     # kernel names as a categorical (made here, in the parse worker): the analysis groups and filters
     # the kernel table by name many times
-    p.kernels["name"] = string_column(*factorize_text(p.kernels["name"].to_numpy(dtype=object)))
+    names = take_name_codes(p, "kernels") or factorize_text(p.kernels["name"].to_numpy(dtype=object))
+    p.kernels["name"] = string_column(*names)
     p.linked = True
 
 
-def link_tables(k: pd.DataFrame, rt: pd.DataFrame, ops: pd.DataFrame) -> int:
+def link_tables(k: pd.DataFrame, rt: pd.DataFrame, ops: pd.DataFrame, *,
+                rt_names: tuple[np.ndarray, np.ndarray] | None = None,
+                op_names: tuple[np.ndarray, np.ndarray] | None = None) -> int:
     """:func:`link` on bare tables (with a ``rank`` column), in place; returns the number of runtime
     events that reuse a (rank, correlation) pair. Rows only ever link within their rank, so linking
     each rank's tables on its own and stacking them (offsetting the row columns) gives the same result
-    as linking the stacked tables."""
+    as linking the stacked tables. ``rt_names``, ``op_names``: the name columns as (codes, uniques), when
+    already known (:func:`~traceinspect.load.columns.take_name_codes`)."""
     tree = _OpTree(ops)
     ops["parent"] = tree.parents()
 
     # runtime row per (rank, correlation); duplicated ids keep the first and are reported
     rt_idx, n_dup = _lookup(rt, "correlation", k, "correlation", keep="first")
     k["rt_idx"] = rt_idx
-    rt_names = factorize_text(rt["name"].to_numpy(dtype=object))
+    rt_names = rt_names or factorize_text(rt["name"].to_numpy(dtype=object))
     k["rt_name"] = _names_at(rt_idx, rt_names)
     replay = np.zeros(len(k), dtype=bool)
     if len(rt):
@@ -265,7 +270,7 @@ def link_tables(k: pd.DataFrame, rt: pd.DataFrame, ops: pd.DataFrame) -> int:
     op_idx = np.where((rt_idx >= 0) & ~k["graph_replay"].to_numpy(), rt_op[np.maximum(rt_idx, 0)] if len(rt)
                       else -1, -1)
     k["op_idx"] = op_idx.astype(np.int64)
-    op_names = factorize_text(ops["name"].to_numpy(dtype=object))
+    op_names = op_names or factorize_text(ops["name"].to_numpy(dtype=object))
     k["op_name"] = _names_at(op_idx, op_names)
     k["op_path"] = _paths(op_idx, ops, op_names)
     return n_dup

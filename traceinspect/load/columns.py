@@ -251,6 +251,7 @@ class _Builder:
         self.bytes_memo: dict[bytes, bytes | None] = {b"": None}
         self.str_memo: dict[bytes, str] = {b"": ""}
         self.py_memo: dict[str, bool] = {}
+        self.name_codes: dict[str, _Coded] = {}  # table -> its name column as codes (native scan)
 
     def add(self, events: list[_Event]) -> None:
         if isinstance(events, _Salvaged):
@@ -393,7 +394,7 @@ class _Builder:
         gpu_dropped = self.gpu_dropped
         out: dict[str, pd.DataFrame] = {}
 
-        def frame(columns: list[str], kinds: list[str], by_ts: bool = False) -> pd.DataFrame:
+        def frame(table: str, columns: list[str], kinds: list[str], by_ts: bool = False) -> pd.DataFrame:
             """The table of ``kinds`` (in order; ``by_ts``: rows sorted by ts, ties in that order)."""
             nonlocal gpu_dropped
             data: dict[str, Any] = {}
@@ -428,17 +429,19 @@ class _Builder:
                 if (order != np.arange(len(order))).any():
                     data = {k: v[order] for k, v in data.items()}
             data["end"] = data["ts"] + data["dur"]
+            if isinstance(data["name"], _Coded):
+                self.name_codes[table] = data["name"]
             for c in _OBJECT_COLUMNS:
                 if c in data:  # object columns stay object (a bare array of str would become str dtype)
                     v = data[c]
                     data[c] = pd.Series(v.objects() if isinstance(v, _Coded) else v, dtype=object, copy=False)
             return pd.DataFrame({c: data[c] for c in columns if c != "rank"}, copy=False)
 
-        out["kernels"] = frame(KERNEL_COLUMNS, GPU_KINDS, by_ts=True)
-        out["runtime"] = frame(RUNTIME_COLUMNS, ["runtime"])
-        out["cpu_ops"] = frame(CPU_OP_COLUMNS, ["cpu_op"])
-        out["annotations"] = frame(ANNOTATION_COLUMNS, ["annotation"])
-        out["gpu_annotations"] = frame(GPU_ANNOTATION_COLUMNS, ["gpu_annotation"])
+        out["kernels"] = frame("kernels", KERNEL_COLUMNS, GPU_KINDS, by_ts=True)
+        out["runtime"] = frame("runtime", RUNTIME_COLUMNS, ["runtime"])
+        out["cpu_ops"] = frame("cpu_ops", CPU_OP_COLUMNS, ["cpu_op"])
+        out["annotations"] = frame("annotations", ANNOTATION_COLUMNS, ["annotation"])
+        out["gpu_annotations"] = frame("gpu_annotations", GPU_ANNOTATION_COLUMNS, ["gpu_annotation"])
         return out, drops, gpu_dropped
 
 
@@ -453,7 +456,7 @@ def _ranked(b: _Builder, trace: _Trace, path: Path) -> ParsedRank:
         raise TraceInputError(f"{gpu_dropped} of {n_gpu} GPU events are unusable, more than "
                               f"{MAX_BAD_GPU_SHARE:.0%} (dropped: {drop_summary(drops)})", path)
     dist = trace.distributedInfo if isinstance(trace.distributedInfo, dict) else {}
-    return ParsedRank(
+    parsed = ParsedRank(
         **tables,
         devices=_devices(trace.deviceProperties),
         distributed_info=dist,
@@ -464,5 +467,19 @@ def _ranked(b: _Builder, trace: _Trace, path: Path) -> ParsedRank:
         drops=drops,
         gpu_dropped=gpu_dropped,
     )
+    if b.name_codes:  # not a field: neither cached nor compared
+        parsed._name_codes = b.name_codes  # type: ignore[attr-defined]
+    return parsed
+
+
+def take_name_codes(p: ParsedRank, table: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(codes, uniques) of a table's name column as the native scan numbered its strings (uniques: only the
+    names present; two may be equal texts), once, or None (tables from the cache or the msgspec path)."""
+    coded = getattr(p, "_name_codes", {}).pop(table, None)
+    if coded is None or len(coded) != len(getattr(p, table)):
+        return None
+    used = np.zeros(len(coded.values), dtype=bool)
+    used[coded.codes] = True
+    return (np.cumsum(used) - 1)[coded.codes], coded.values[used]
 
 
