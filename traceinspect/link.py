@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.load import duplicate_warning
+from traceinspect.load.columns import take_name_codes
 from traceinspect.load.native import native_available, native_module
 from traceinspect.load.parse import ParsedRank
 from traceinspect.model import TraceSet
@@ -23,6 +24,7 @@ from traceinspect.tables import factorize_text, string_column
 
 GRAPH_LAUNCH = {"cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch", "hipGraphLaunch"}
 _MAX_PATH = 64  # names kept in an op_path (innermost ones)
+_MAX_THREAD_LOOP = 512  # threads searched one by one; more: one merge sort of ops and events
 
 
 def _thread_key(df: pd.DataFrame) -> np.ndarray:
@@ -101,13 +103,26 @@ class _OpTree:
         out[self.order] = np.where(p >= 0, self.order[np.maximum(p, 0)], -1)
         return out
 
-    def enclosing(self, key: np.ndarray, ts: np.ndarray) -> np.ndarray:
-        """For events (thread key, ts): the row of the innermost op containing ``ts``, or -1."""
+    def _last_started(self, key: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        """For events (thread key, ts): the last sorted position of an op of that thread starting at or
+        before ``ts``, or -1."""
         m, n = len(ts), len(self.order)
-        out = np.full(m, -1, dtype=np.int64)
-        if not m or not n:
-            return out
-        # merge ops and events; at equal (thread, ts) ops come first (an op starting at ts counts)
+        start = np.concatenate([[0], np.nonzero(self.key[1:] != self.key[:-1])[0] + 1])  # a run per thread
+        uk = self.key[start]
+        if len(uk) <= _MAX_THREAD_LOOP:
+            stop = np.append(start[1:], n).tolist()
+            g = np.searchsorted(uk, key)
+            found = (g < len(uk)) & (uk[np.minimum(g, len(uk) - 1)] == key)
+            cand = np.full(m, -1, dtype=np.int64)
+            by_g = np.argsort(np.where(found, g, len(uk)), kind="stable")
+            bounds = np.searchsorted(np.where(found, g, len(uk))[by_g], np.arange(len(uk) + 1)).tolist()
+            for j, (lo, hi) in enumerate(zip(start.tolist(), stop, strict=True)):
+                ev = by_g[bounds[j]:bounds[j + 1]]
+                if len(ev):  # an op starting at ts counts
+                    cand[ev] = lo + np.searchsorted(self.ts[lo:hi], ts[ev], side="right") - 1
+            cand[cand < np.append(start, n)[np.minimum(g, len(uk))]] = -1  # no op of the thread before ts
+            return cand
+        # merge ops and events; at equal (thread, ts) ops come first
         k = np.concatenate([self.key, key])
         t = np.concatenate([self.ts, ts])
         is_ev = np.concatenate([np.zeros(n, dtype=np.int8), np.ones(m, dtype=np.int8)])
@@ -120,6 +135,15 @@ class _OpTree:
         ok = cand >= 0
         ok[ok] = self.key[cand[ok]] == key[ok]
         cand[~ok] = -1
+        return cand
+
+    def enclosing(self, key: np.ndarray, ts: np.ndarray) -> np.ndarray:
+        """For events (thread key, ts): the row of the innermost op containing ``ts``, or -1."""
+        m, n = len(ts), len(self.order)
+        out = np.full(m, -1, dtype=np.int64)
+        if not m or not n:
+            return out
+        cand = self._last_started(key, ts)
         active = np.nonzero(cand >= 0)[0]
         while active.size:
             c = cand[active]
@@ -141,12 +165,22 @@ def _lookup(table: pd.DataFrame, id_col: str, queries: pd.DataFrame, query_col: 
     """Row of ``table`` with the same (rank, id) as each query row, or -1; and the number of
     duplicated (rank, id) pairs in ``table`` (``keep`` says which one is used)."""
     ids = table[id_col].to_numpy()
-    sel = np.nonzero(ids >= 0)[0]
-    ranks, ids = table["rank"].to_numpy()[sel], ids[sel]
+    ranks = table["rank"].to_numpy()
+    valid = ids >= 0
+    if valid.all():
+        sel = np.arange(len(ids))
+    else:
+        sel = np.nonzero(valid)[0]
+        ranks, ids = ranks[sel], ids[sel]
     qr, qi = queries["rank"].to_numpy(), queries[query_col].to_numpy()
+    if len(sel) and ranks[0] == ranks[-1] and (ranks == ranks[0]).all() and (ids[1:] >= ids[:-1]).all():
+        # one rank (as where each rank is linked on its own)
+        return _sorted_lookup(ids, sel, np.where((qi >= 0) & (qr == ranks[0]), qi, -1), keep)
     if len(sel) and ids.max() < (1 << 43) and ranks.max() < (1 << 19) and ranks.min() >= 0:
         keys = (ranks.astype(np.int64) << 43) | ids
         qkeys = np.where((qi >= 0) & (qi < (1 << 43)), (qr.astype(np.int64) << 43) | np.maximum(qi, 0), -1)
+        if (keys[1:] >= keys[:-1]).all():  # ids in row order (Kineto numbers them so): a binary search
+            return _sorted_lookup(keys, sel, qkeys, keep)
         index = pd.Index(keys)
     else:
         index = pd.MultiIndex.from_arrays([ranks, ids])
@@ -157,6 +191,18 @@ def _lookup(table: pd.DataFrame, id_col: str, queries: pd.DataFrame, query_col: 
         index, sel = index[~dup], sel[~dup]
     pos = index.get_indexer(qkeys)
     return np.where(pos >= 0, sel[np.maximum(pos, 0)] if len(sel) else -1, -1).astype(np.int64), n_dup
+
+
+def _sorted_lookup(keys: np.ndarray, sel: np.ndarray, qkeys: np.ndarray, keep: str) -> tuple[np.ndarray, int]:
+    """:func:`_lookup` on non-decreasing ``keys`` (>= 0; a query key < 0 finds nothing)."""
+    n_dup = int((keys[1:] == keys[:-1]).sum())
+    if keep == "first":
+        pos = np.searchsorted(keys, qkeys, side="left")
+    else:
+        pos = np.searchsorted(keys, qkeys, side="right") - 1
+    pos = np.clip(pos, 0, len(keys) - 1)
+    hit = keys[pos] == qkeys
+    return np.where(hit, sel[pos], -1).astype(np.int64), n_dup
 
 
 def link(ts: TraceSet) -> TraceSet:
@@ -177,31 +223,35 @@ def link_parsed(p: ParsedRank) -> None:
     tables = (p.kernels, p.runtime, p.cpu_ops)
     for t in tables:
         t["rank"] = 0
-    p.link_dups = link_tables(*tables)
+    p.link_dups = link_tables(*tables, rt_names=take_name_codes(p, "runtime"), op_names=take_name_codes(p, "cpu_ops"))
     for t in tables:
         del t["rank"]
     # kernel names as a categorical (made here, in the parse worker): the analysis groups and filters
     # the kernel table by name many times
-    p.kernels["name"] = string_column(*factorize_text(p.kernels["name"].to_numpy(dtype=object)))
+    names = take_name_codes(p, "kernels") or factorize_text(p.kernels["name"].to_numpy(dtype=object))
+    p.kernels["name"] = string_column(*names)
     p.linked = True
 
 
-def link_tables(k: pd.DataFrame, rt: pd.DataFrame, ops: pd.DataFrame) -> int:
+def link_tables(k: pd.DataFrame, rt: pd.DataFrame, ops: pd.DataFrame, *,
+                rt_names: tuple[np.ndarray, np.ndarray] | None = None,
+                op_names: tuple[np.ndarray, np.ndarray] | None = None) -> int:
     """:func:`link` on bare tables (with a ``rank`` column), in place; returns the number of runtime
     events that reuse a (rank, correlation) pair. Rows only ever link within their rank, so linking
     each rank's tables on its own and stacking them (offsetting the row columns) gives the same result
-    as linking the stacked tables."""
+    as linking the stacked tables. ``rt_names``, ``op_names``: the name columns as (codes, uniques), when
+    already known (:func:`~traceinspect.load.columns.take_name_codes`)."""
     tree = _OpTree(ops)
     ops["parent"] = tree.parents()
 
     # runtime row per (rank, correlation); duplicated ids keep the first and are reported
     rt_idx, n_dup = _lookup(rt, "correlation", k, "correlation", keep="first")
     k["rt_idx"] = rt_idx
-    names = rt["name"].to_numpy(dtype=object)
-    k["rt_name"] = _names_at(rt_idx, names)
+    rt_names = rt_names or factorize_text(rt["name"].to_numpy(dtype=object))
+    k["rt_name"] = _names_at(rt_idx, rt_names)
     replay = np.zeros(len(k), dtype=bool)
     if len(rt):
-        is_launch = np.isin(names, list(GRAPH_LAUNCH))
+        is_launch = np.isin(rt_names[1], list(GRAPH_LAUNCH))[rt_names[0]]
         replay = (rt_idx >= 0) & is_launch[np.maximum(rt_idx, 0)]
     k["graph_replay"] = replay
 
@@ -220,36 +270,55 @@ def link_tables(k: pd.DataFrame, rt: pd.DataFrame, ops: pd.DataFrame) -> int:
     op_idx = np.where((rt_idx >= 0) & ~k["graph_replay"].to_numpy(), rt_op[np.maximum(rt_idx, 0)] if len(rt)
                       else -1, -1)
     k["op_idx"] = op_idx.astype(np.int64)
-    k["op_name"] = _names_at(op_idx, ops["name"].to_numpy(dtype=object))
-    k["op_path"] = _paths(op_idx, ops)
+    op_names = op_names or factorize_text(ops["name"].to_numpy(dtype=object))
+    k["op_name"] = _names_at(op_idx, op_names)
+    k["op_path"] = _paths(op_idx, ops, op_names)
     return n_dup
 
 
-def _names_at(idx: np.ndarray, names: np.ndarray) -> Any:
-    """Column of ``names[idx]``, '' where idx < 0."""
+def _names_at(idx: np.ndarray, names: tuple[np.ndarray, np.ndarray]) -> Any:
+    """Column of ``names[idx]``, '' where idx < 0; ``names`` as (codes, uniques) of
+    :func:`~traceinspect.tables.factorize_text`. Its categories are only the names taken."""
+    codes, uniq = names
     ok = idx >= 0
-    if not len(names) or not ok.any():
+    if not len(codes) or not ok.any():
         return string_column(np.zeros(len(idx), dtype=np.int64), np.array([""], dtype=object))
-    codes, uniq = factorize_text(names[idx[ok]])
+    taken = codes[idx[ok]]
+    used = np.zeros(len(uniq), dtype=bool)
+    used[taken] = True
     full = np.zeros(len(idx), dtype=np.int64)
-    full[ok] = codes + 1
-    return string_column(full, np.concatenate([np.array([""], dtype=object), np.asarray(uniq, dtype=object)]))
+    full[ok] = np.cumsum(used)[taken]  # 1..: the names taken, in code order
+    return string_column(full, np.concatenate([np.array([""], dtype=object), np.asarray(uniq, dtype=object)[used]]))
 
 
-def _paths(op_idx: np.ndarray, ops: pd.DataFrame) -> Any:
+def _factorize_small(keys: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, uniques) of integer keys in [0, bound), uniques in increasing order (a table of ``bound``
+    flags where that is small, else hashing)."""
+    if bound > 4 * len(keys) + (1 << 16):
+        uniq, inv = np.unique(keys, return_inverse=True)
+        return inv.astype(np.int64, copy=False), uniq
+    seen = np.zeros(bound, dtype=bool)
+    seen[keys] = True
+    rank = np.cumsum(seen) - 1
+    return rank[keys], np.nonzero(seen)[0]
+
+
+def _paths(op_idx: np.ndarray, ops: pd.DataFrame, names: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
     """Names of the enclosing ops, outermost first, joined by ' > ' (at most the innermost 64).
 
     Paths are built level by level: an op's path is its parent's path plus its name, so each distinct
-    path string is made once, however many ops (and kernels) share it.
+    path string is made once, however many ops (and kernels) share it. ``names``: the ops' names as
+    (codes, uniques) of :func:`~traceinspect.tables.factorize_text`, when already made.
     """
     n = len(op_idx)
     if not len(ops) or not n or not (op_idx >= 0).any():
         return string_column(np.zeros(n, dtype=np.int64), np.array([""], dtype=object))
     parent = ops["parent"].to_numpy()
-    name_codes, name_uniq = factorize_text(ops["name"].to_numpy(dtype=object))
+    name_codes, name_uniq = names if names is not None else factorize_text(ops["name"].to_numpy(dtype=object))
     # the ops on the kernels' chains
     mark = np.zeros(len(parent), dtype=bool)
-    frontier = pd.unique(op_idx[op_idx >= 0])
+    mark[op_idx[op_idx >= 0]] = True
+    frontier = np.nonzero(mark)[0]
     while frontier.size:
         mark[frontier] = True
         up = parent[frontier]
@@ -257,19 +326,25 @@ def _paths(op_idx: np.ndarray, ops: pd.DataFrame) -> Any:
         frontier = pd.unique(up[~mark[up]])
     ops_all = np.nonzero(mark)[0]
     d = np.zeros(len(ops_all), dtype=np.int64)  # depth: number of enclosing ops
-    cur = parent[ops_all]
-    while (cur >= 0).any():
-        d += cur >= 0
-        cur = np.where(cur >= 0, parent[np.maximum(cur, 0)], -1)
+    at, cur = np.arange(len(ops_all)), parent[ops_all]
+    while at.size:  # climb from the ops whose chain goes on
+        live = cur >= 0
+        at, cur = at[live], cur[live]
+        d[at] += 1
+        cur = parent[cur]
     path_id = np.full(len(parent), -1, dtype=np.int64)
     pid_parent: list[int] = []  # per path id: the enclosing path's id (-1: none) and the name
     pid_name: list[int] = []
     texts: list[str] = []
     m = len(name_uniq) + 1
-    for lvl in range(int(d.max()) + 1):
-        rows = ops_all[d == lvl]
-        pp = np.where(parent[rows] >= 0, path_id[np.maximum(parent[rows], 0)], -1)
-        inv, uniq_pairs = pd.factorize((pp + 1) * m + name_codes[rows])
+    # a stable sort of small integers is a radix sort
+    by_depth = ops_all[np.argsort(d.astype(np.int16) if d.max() < (1 << 15) else d, kind="stable")]
+    bounds = np.cumsum(np.bincount(d)).tolist()
+    for lvl in range(len(bounds)):
+        rows = by_depth[bounds[lvl - 1] if lvl else 0:bounds[lvl]]
+        up = parent[rows]
+        pp = np.where(up >= 0, path_id[np.maximum(up, 0)], -1)
+        inv, uniq_pairs = _factorize_small((pp + 1) * m + name_codes[rows], (len(texts) + 1) * m)
         path_id[rows] = len(texts) + inv
         for q, c in zip((uniq_pairs // m - 1).tolist(), (uniq_pairs % m).tolist(), strict=True):
             pid_parent.append(q)

@@ -61,6 +61,7 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
             size = path.stat().st_size
         if prepare is not None:
             prepare(parsed)
+        vars(parsed).pop("_name_codes", None)  # what prepare did not use stays here
         return digest, size, parsed
     if got is not None:
         digest, size, res = got
@@ -74,6 +75,7 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
             cache.store(root, digest, parsed)  # the parsed tables: linking is cheap and redone
     if prepare is not None:
         prepare(parsed)
+    vars(parsed).pop("_name_codes", None)
     return digest, size, parsed
 
 

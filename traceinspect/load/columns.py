@@ -188,6 +188,37 @@ class _Salvaged(list):
 
 
 
+class _Coded:
+    """An object column as integer codes into a table of values (the native scanner's strings): filtering
+    and sorting move the codes, and the objects are made once, in the table's final row order."""
+
+    __slots__ = ("codes", "values")
+
+    def __init__(self, codes: np.ndarray, values: np.ndarray) -> None:
+        self.codes, self.values = codes, values
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def __getitem__(self, rows: np.ndarray) -> _Coded:
+        return _Coded(self.codes[rows], self.values)
+
+    def objects(self) -> np.ndarray:
+        return self.values[self.codes]
+
+
+def _objects(vals: list[Any]) -> np.ndarray | _Coded:
+    """One object column from the pieces of several kinds (lists, object arrays or :class:`_Coded`)."""
+    vals = [v for v in vals if len(v)]
+    if not vals:
+        return np.empty(0, dtype=object)
+    if all(isinstance(v, _Coded) and v.values is vals[0].values for v in vals):
+        return vals[0] if len(vals) == 1 else _Coded(np.concatenate([v.codes for v in vals]), vals[0].values)
+    arrs = [v.objects() if isinstance(v, _Coded) else v if isinstance(v, np.ndarray) else np.array(v, dtype=object)
+            for v in vals]
+    return arrs[0] if len(arrs) == 1 else np.concatenate(arrs)
+
+
 class _Columns:
     """Column pieces of one kind of event, appended piece by piece."""
 
@@ -220,6 +251,7 @@ class _Builder:
         self.bytes_memo: dict[bytes, bytes | None] = {b"": None}
         self.str_memo: dict[bytes, str] = {b"": ""}
         self.py_memo: dict[str, bool] = {}
+        self.name_codes: dict[str, _Coded] = {}  # table -> its name column as codes (native scan)
 
     def add(self, events: list[_Event]) -> None:
         if isinstance(events, _Salvaged):
@@ -362,18 +394,17 @@ class _Builder:
         gpu_dropped = self.gpu_dropped
         out: dict[str, pd.DataFrame] = {}
 
-        def frame(columns: list[str], kinds: list[str]) -> pd.DataFrame:
+        def frame(table: str, columns: list[str], kinds: list[str], by_ts: bool = False) -> pd.DataFrame:
+            """The table of ``kinds`` (in order; ``by_ts``: rows sorted by ts, ties in that order)."""
             nonlocal gpu_dropped
             data: dict[str, Any] = {}
             for col in columns:
                 if col in ("rank", "end", "kind"):
                     continue
-                dtype = object if col in ("name", "grid", "block", "input_dims", "input_types", "concrete") \
-                    else (np.float64 if col in ("ts", "dur", "bytes") else np.int64)
+                dtype = object if col in _OBJECT_COLUMNS else (np.float64 if col in ("ts", "dur", "bytes") else np.int64)
                 vals = [self.kinds[k].get(col, dtype) for k in kinds]
                 if dtype is object:
-                    data[col] = np.array([x for v in vals for x in v] if len(vals) > 1 else vals[0], dtype=object) \
-                        if sum(map(len, vals)) else np.empty(0, dtype=object)
+                    data[col] = _objects(vals)
                 else:
                     data[col] = vals[0] if len(vals) == 1 else np.concatenate(vals)
             n = len(data["ts"])
@@ -392,28 +423,30 @@ class _Builder:
                         drops[r] = drops.get(r, 0) + k
                 if kinds is GPU_KINDS:
                     gpu_dropped += n_ts + n_dur
-                data = {k: (v[ok] if not isinstance(v, pd.Categorical) else v[ok]) for k, v in data.items()}
+                data = {k: v[ok] for k, v in data.items()}
+            if by_ts and len(data["ts"]):
+                order = np.argsort(data["ts"], kind="stable")
+                if (order != np.arange(len(order))).any():
+                    data = {k: v[order] for k, v in data.items()}
             data["end"] = data["ts"] + data["dur"]
-            for c in ("name", "grid", "block", "input_dims", "input_types", "concrete"):
+            if isinstance(data["name"], _Coded):
+                self.name_codes[table] = data["name"]
+            for c in _OBJECT_COLUMNS:
                 if c in data:  # object columns stay object (a bare array of str would become str dtype)
-                    data[c] = pd.Series(data[c], dtype=object, copy=False)
+                    v = data[c]
+                    data[c] = pd.Series(v.objects() if isinstance(v, _Coded) else v, dtype=object, copy=False)
             return pd.DataFrame({c: data[c] for c in columns if c != "rank"}, copy=False)
 
-        kernels = frame(KERNEL_COLUMNS, GPU_KINDS)
-        if len(kernels):
-            order = np.argsort(kernels["ts"].to_numpy(), kind="stable")
-            if (order != np.arange(len(order))).any():
-                kernels = kernels.take(order)
-            kernels = kernels.reset_index(drop=True)
-        out["kernels"] = kernels
-        out["runtime"] = frame(RUNTIME_COLUMNS, ["runtime"])
-        out["cpu_ops"] = frame(CPU_OP_COLUMNS, ["cpu_op"])
-        out["annotations"] = frame(ANNOTATION_COLUMNS, ["annotation"])
-        out["gpu_annotations"] = frame(GPU_ANNOTATION_COLUMNS, ["gpu_annotation"])
+        out["kernels"] = frame("kernels", KERNEL_COLUMNS, GPU_KINDS, by_ts=True)
+        out["runtime"] = frame("runtime", RUNTIME_COLUMNS, ["runtime"])
+        out["cpu_ops"] = frame("cpu_ops", CPU_OP_COLUMNS, ["cpu_op"])
+        out["annotations"] = frame("annotations", ANNOTATION_COLUMNS, ["annotation"])
+        out["gpu_annotations"] = frame("gpu_annotations", GPU_ANNOTATION_COLUMNS, ["gpu_annotation"])
         return out, drops, gpu_dropped
 
 
 _MISSING: Any = object()
+_OBJECT_COLUMNS = ("name", "grid", "block", "input_dims", "input_types", "concrete")
 
 
 def _ranked(b: _Builder, trace: _Trace, path: Path) -> ParsedRank:
@@ -423,7 +456,7 @@ def _ranked(b: _Builder, trace: _Trace, path: Path) -> ParsedRank:
         raise TraceInputError(f"{gpu_dropped} of {n_gpu} GPU events are unusable, more than "
                               f"{MAX_BAD_GPU_SHARE:.0%} (dropped: {drop_summary(drops)})", path)
     dist = trace.distributedInfo if isinstance(trace.distributedInfo, dict) else {}
-    return ParsedRank(
+    parsed = ParsedRank(
         **tables,
         devices=_devices(trace.deviceProperties),
         distributed_info=dist,
@@ -434,5 +467,19 @@ def _ranked(b: _Builder, trace: _Trace, path: Path) -> ParsedRank:
         drops=drops,
         gpu_dropped=gpu_dropped,
     )
+    if b.name_codes:  # not a field: neither cached nor compared
+        parsed._name_codes = b.name_codes  # type: ignore[attr-defined]
+    return parsed
+
+
+def take_name_codes(p: ParsedRank, table: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(codes, uniques) of a table's name column as the native scan numbered its strings (uniques: only the
+    names present; two may be equal texts), once, or None (tables from the cache or the msgspec path)."""
+    coded = getattr(p, "_name_codes", {}).pop(table, None)
+    if coded is None or len(coded) != len(getattr(p, table)):
+        return None
+    used = np.zeros(len(coded.values), dtype=bool)
+    used[coded.codes] = True
+    return (np.cumsum(used) - 1)[coded.codes], coded.values[used]
 
 

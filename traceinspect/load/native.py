@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from traceinspect.load.columns import ParsedRank, _Builder, _ranked, _tid, _Trace
+from traceinspect.load.columns import ParsedRank, _Builder, _Coded, _ranked, _tid, _Trace
 from traceinspect.load.raw import (  # noqa: F401 - the scanner's inputs, importable from here
     _GPU_COLS,
     _KINDS,
@@ -56,7 +56,7 @@ def tables_native(res: dict[str, Any], path: Path) -> ParsedRank:
                 arr = np.frombuffer(buf, dtype=_NATIVE_DTYPES[t])
             else:
                 codes = np.frombuffer(buf, dtype=np.int32)
-                arr = strings[codes] if t == "s" else raws[codes]
+                arr = _Coded(codes, strings if t == "s" else raws)
             if col == "tid" and len(cols["tid_rows"]):
                 rows = np.frombuffer(cols["tid_rows"], dtype=np.int64)
                 idx = np.frombuffer(cols["tid_strs"], dtype=np.int32)
