@@ -51,7 +51,9 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
     if root is None and parse.native_available():  # no cache to look up: hash while parsing
         if got is not None:
             digest, size, res = got
+            del got
             parsed = parse.tables_native(res, path)
+            del res  # its buffers, before linking allocates more
         else:
             hasher = parse.Sha256Beside()
             try:
@@ -68,9 +70,11 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
     else:
         digest, res = _sha256(path), None
         size = path.stat().st_size
+    del got
     parsed = cache.load(root, digest) if root is not None else None
     if parsed is None:
         parsed = parse.tables_native(res, path) if res is not None else parse_file(path)
+        del res
         if root is not None:
             cache.store(root, digest, parsed)  # the parsed tables: linking is cheap and redone
     if prepare is not None:

@@ -14,6 +14,7 @@ dropped. Imports only light modules (no numpy, pandas or msgspec).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -106,7 +107,22 @@ def start(paths: Sequence[str | Path], *, use_cache: bool, jobs: int | None, exe
     if not files or parse_processes(len(files), jobs) > 1:
         return  # several files on several processes: nothing runs beside the imports
     _plan = _Plan(files, cache.cache_dir() if use_cache else None)
+    _one_malloc_arena()
     _plan.thread.start()
+
+
+def _one_malloc_arena() -> None:
+    """glibc gives a thread that allocates its own malloc arena: the scanner's column buffers, grown on the
+    read thread and freed once the tables are built, would stay mapped there beside the main thread's heap
+    (about 150 MB more peak memory for a 1 GB rank file). With one arena the main thread reuses them."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX (glibc); other C libraries have no mallopt
+    except (OSError, AttributeError):
+        pass
 
 
 def take(path: Path, root: Path | None) -> Read | None:
