@@ -235,12 +235,12 @@ sizes: dict[Path, int] = {}
 
 
 def run(cmd: list[str], env: dict[str, str] | None = None, stdout: Any = subprocess.DEVNULL,
-        timeout: float = 3600) -> dict[str, float]:
+        timeout: float = 3600, cwd: str | Path | None = None) -> dict[str, float]:
     """Run a command to completion: wall seconds, CPU seconds and peak RSS (MB) of the process and of
     the processes it waited for (``ru_maxrss``: the largest one)."""
     with tempfile.TemporaryFile() as errf:  # a file, not a pipe: a chatty child never blocks on it
         t = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=stdout, stderr=errf, env=env)
+        p = subprocess.Popen(cmd, stdout=stdout, stderr=errf, env=env, cwd=cwd)
         deadline = t + timeout
         while True:
             pid, status, ru = os.wait4(p.pid, os.WNOHANG)

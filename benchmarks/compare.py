@@ -19,6 +19,7 @@ import argparse
 import compileall
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +35,18 @@ SIZES = {"small": ("small_mb", 5.0, 1, False), "hta": ("hta_mb", 114.0, 1, False
 
 def _env(checkout: Path) -> dict[str, str]:
     return {**bench._ENV, "PYTHONPATH": str(checkout)}
+
+
+# the directory the runs start in: not a checkout, whose own package `python -m` would import first
+# (the current directory comes before PYTHONPATH on sys.path)
+NEUTRAL = Path(tempfile.gettempdir())
+
+
+def _imported(checkout: Path) -> Path:
+    """Where a run with ``_env(checkout)`` imports traceinspect from."""
+    r = subprocess.run([sys.executable, "-c", "import traceinspect; print(traceinspect.__file__)"],
+                       env=_env(checkout), cwd=NEUTRAL, capture_output=True, text=True, check=True)
+    return Path(r.stdout.strip()).resolve().parent.parent
 
 
 def _command(case: str, target: Path, out: Path) -> list[str]:
@@ -70,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown case(s): {', '.join(sorted(unknown))} (known: {', '.join(SIZES)})")
     for checkout in (ROOT, base):
         compileall.compile_dir(checkout / "traceinspect", quiet=1)
+        if _imported(checkout) != checkout.resolve():
+            ap.error(f"a run meant for {checkout} imports traceinspect from {_imported(checkout)}")
     work = args.work or Path(tempfile.mkdtemp(prefix="ti-compare-"))
     gen = work / "gen"
     gen.mkdir(parents=True, exist_ok=True)
@@ -81,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         load0 = bench._load()
         this_runs, base_runs = [], []
         for _ in range(args.repeat):  # alternated, so drift in the machine's load falls on both
-            base_runs.append(bench.run(_command(case, target, out), env=_env(base)))
-            this_runs.append(bench.run(_command(case, target, out), env=_env(ROOT)))
+            base_runs.append(bench.run(_command(case, target, out), env=_env(base), cwd=NEUTRAL))
+            this_runs.append(bench.run(_command(case, target, out), env=_env(ROOT), cwd=NEUTRAL))
         this, other = bench._stats(this_runs), bench._stats(base_runs)
         ratio = this["median_s"] / other["median_s"]
         rss = this["peak_rss_mb"] / other["peak_rss_mb"]
