@@ -107,31 +107,37 @@ def table(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", type=Path, required=True, help="bench.py's work directory (traces made if missing)")
+    ap.add_argument("--work", type=Path, help="bench.py's work directory (traces made if missing; default: a "
+                                               "temporary one)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--hta-mb", type=float, default=114.0)
+    ap.add_argument("--rank-mb", type=float, default=122.0)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one run: runs everything")
     ap.add_argument("--write-readme", action="store_true")
     args = ap.parse_args(argv)
-    gen = args.work / "gen"
-    hta, ranks = args.work / "hta", args.work / "ranks"
-    if not any(hta.glob("*.trace.json.gz")):
-        bench.make_set(bench.DEFAULT_SOURCE, hta, 114.0, 1, gen)
-    if len(list(ranks.glob("*.trace.json.gz"))) < 8:
-        bench.make_set(bench.DEFAULT_SOURCE, ranks, 122.0, 8, gen)
+    if args.smoke:
+        args.hta_mb, args.rank_mb, args.ranks, args.repeat = 3.0, 2.0, 2, 1
+    work = args.work or Path(tempfile.mkdtemp(prefix="ti-stages-"))
+    gen = work / "gen"
+    hta, ranks = work / "hta", work / "ranks"
+    bench.make_set(bench.DEFAULT_SOURCE, hta, args.hta_mb, 1, gen)  # made once per size (kept in gen)
+    bench.make_set(bench.DEFAULT_SOURCE, ranks, args.rank_mb, args.ranks, gen)
     shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--write-readme"]
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "args": "".join(f" {a}" for a in shown), "machine": bench._machine(),
                            "repeat": args.repeat, "load_average": [bench._load()], "cases": {}}
     f = next(hta.glob("*.trace.json.gz"))
-    res["cases"]["hta"] = {"label": "`analyze`, one 114 MB rank file", "html": False,
+    res["cases"]["hta"] = {"label": f"`analyze`, one {args.hta_mb:g} MB rank file", "html": False,
                            "stages": measure(f, "-", args.repeat)}
     with tempfile.TemporaryDirectory() as td:
-        res["cases"]["ranks"] = {"label": "`report`, 8 x 122 MB rank files", "html": True,
+        res["cases"]["ranks"] = {"label": f"`report`, {args.ranks} x {args.rank_mb:g} MB rank files", "html": True,
                                  "stages": measure(ranks, str(Path(td) / "report.html"), args.repeat)}
     res["load_average"].append(bench._load())
     print(json.dumps(res, indent=2))
     text = table(res)
     print(text, file=sys.stderr)
-    if args.write_readme:
+    if args.write_readme and not args.smoke:
         readme = bench.README.read_text()
         if MARK_START in readme and MARK_END in readme:
             a, b = readme.index(MARK_START), readme.index(MARK_END) + len(MARK_END)
