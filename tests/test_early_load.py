@@ -54,6 +54,8 @@ def _early_load(path: Path, root: Path | None, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(load, "parse_file", _no_parse)  # the early read must serve it
     early.start([path], use_cache=root is not None, jobs=None, executor="local")
     assert early._plan is not None
+    assert early._plan.order[0][1].done.wait(60)
+    monkeypatch.setattr(early, "read", _no_parse)  # (not a read of the loader's own)
     got = load_rank_file(path, use_cache=root is not None)
     monkeypatch.undo()
     return got

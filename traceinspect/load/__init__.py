@@ -48,38 +48,22 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
     path = Path(path)
     root = cache.cache_dir() if use_cache else None
     got = early.take(path, root)  # read beside the imports (the CLI), else None
-    if root is None and parse.native_available():  # no cache to look up: hash while parsing
-        if got is not None:
-            digest, size, res = got
-            del got
-            parsed = parse.tables_native(res, path)
-            del res  # its buffers, before linking allocates more
-        else:
-            hasher = parse.Sha256Beside()
-            try:
-                parsed = parse_file(path, hasher)
-            finally:
-                digest = hasher.hexdigest()
-            size = path.stat().st_size
-        if prepare is not None:
-            prepare(parsed)
-        vars(parsed).pop("_name_codes", None)  # what prepare did not use stays here
-        return digest, size, parsed
+    if got is None and parse.native_available():
+        got = early.read(path, root)  # what the early read does, here
     if got is not None:
-        digest, size, res = got
-    else:
-        digest, res = _sha256(path), None
-        size = path.stat().st_size
+        digest, size, res = got  # res None: the cache holds the tables
+    else:  # the msgspec path
+        digest, size, res = _sha256(path), path.stat().st_size, None
     del got
-    parsed = cache.load(root, digest) if root is not None else None
+    parsed = cache.load(root, digest) if root is not None and res is None else None
     if parsed is None:
         parsed = parse.tables_native(res, path) if res is not None else parse_file(path)
-        del res
+        del res  # its buffers, before linking allocates more
         if root is not None:
             cache.store(root, digest, parsed)  # the parsed tables: linking is cheap and redone
     if prepare is not None:
         prepare(parsed)
-    vars(parsed).pop("_name_codes", None)
+    vars(parsed).pop("_name_codes", None)  # what prepare did not use stays here
     return digest, size, parsed
 
 

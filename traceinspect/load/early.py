@@ -58,7 +58,7 @@ class _Plan:
                 if self.stop.is_set():
                     return
                 try:
-                    item.value = _read(path, self.root, self.stop)
+                    item.value = read(path, self.root, self.stop)
                 except Stopped:
                     return
                 except Exception as e:  # noqa: BLE001 - the loader raises it when it comes to this file
@@ -71,8 +71,10 @@ class _Plan:
                 item.done.set()
 
 
-def _read(path: Path, root: Path | None, stop: threading.Event) -> Read:
-    """What :func:`traceinspect.load.load_rank_file` does before building tables, in the same order."""
+def read(path: Path, root: Path | None, stop: threading.Event | None = None) -> Read:
+    """The read of one rank file before its tables are built, for cache root ``root`` (None: no cache):
+    with the cache on, the file is hashed first and not scanned when the cache holds its tables; without
+    it, it is hashed beside the read. Here or on the early-read thread (which gives ``stop``), the same."""
     if root is None:
         hasher = Sha256Beside()
         try:
@@ -82,7 +84,7 @@ def _read(path: Path, root: Path | None, stop: threading.Event) -> Read:
         return digest, path.stat().st_size, res
     digest = _sha256(path)
     size = path.stat().st_size
-    if stop.is_set():
+    if stop is not None and stop.is_set():
         raise Stopped
     if cache.has_entry(root, digest):
         return digest, size, None
@@ -141,7 +143,8 @@ def take(path: Path, root: Path | None) -> Read | None:
     item.done.wait()
     if item.error is not None:
         raise item.error
-    return item.value
+    value, item.value = item.value, None  # the scanner result is the loader's now: it frees it with its tables
+    return value
 
 
 def drop() -> None:
