@@ -56,8 +56,8 @@ def text_values(col: pd.Series) -> np.ndarray:
 
 def text_codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
     """(codes, texts) with ``texts[codes]`` equal to :func:`text_values` of the column: a categorical's
-    own codes (missing: a last slot, "nan"), else the texts factorized; a test of every row can run
-    once per text."""
+    own codes (missing: a last slot, "nan", as ``.astype(str)`` writes it), else the texts factorized; a
+    test of every row can run once per text."""
     if isinstance(col.dtype, pd.CategoricalDtype):
         texts = np.array([str(c) for c in col.cat.categories] + ["nan"], dtype=object)
         codes = col.cat.codes.to_numpy().astype(np.int64)
@@ -70,12 +70,7 @@ def sorted_text_codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
     """Integer codes of a text column numbered in the sort order of its texts, and those sorted distinct
     texts: grouping by the codes orders groups as grouping the ``.astype(str)`` column does, without
     building a string per row."""
-    if isinstance(col.dtype, pd.CategoricalDtype):
-        raw = np.array([str(c) for c in col.cat.categories] + ["nan"], dtype=object)
-        codes = col.cat.codes.to_numpy().astype(np.int64)
-        codes[codes < 0] = len(raw) - 1  # missing: "nan", as .astype(str) writes it
-    else:
-        codes, raw = factorize_text(text_values(col))
+    codes, raw = text_codes(col)
     labels, inverse = np.unique(raw, return_inverse=True)  # equal texts share one code
     return inverse.reshape(-1)[codes], labels
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.tables import combine_codes, factorize_text, sorted_text_codes, text_values
+from traceinspect.tables import factorize_text, groups, sorted_text_codes, text_values
 from traceinspect.units import short_name
 
 if TYPE_CHECKING:
@@ -42,10 +42,8 @@ def launching_ops(kernels: Any) -> dict[str, str]:
     # counted on integer codes of the two text columns; ties go to the op name that sorts first
     nc, nu = factorize_text(kernels["name"].to_numpy(dtype=object)[linked])
     oc, ou = factorize_text(ops[linked])
-    pair = combine_codes(nc, oc)  # numbered in order of first appearance: a new code exceeds all before it
+    pair, first = groups(nc, oc)
     n = np.bincount(pair)
-    seen = np.maximum.accumulate(pair)
-    first = np.flatnonzero(np.r_[True, seen[1:] > seen[:-1]]) if len(pair) else np.zeros(0, dtype=np.int64)
     best: dict[str, tuple[int, str]] = {}
     for i, c in zip(first.tolist(), n.tolist(), strict=True):
         name, op = str(nu[nc[i]]), str(ou[oc[i]])
