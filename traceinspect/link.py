@@ -20,7 +20,7 @@ from traceinspect.load.columns import take_name_codes
 from traceinspect.load.native import native_available, native_module
 from traceinspect.load.parse import ParsedRank
 from traceinspect.model import TraceSet
-from traceinspect.tables import factorize_text, string_column
+from traceinspect.tables import dense_codes, factorize_text, string_column
 
 GRAPH_LAUNCH = {"cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch", "hipGraphLaunch"}
 _MAX_PATH = 64  # names kept in an op_path (innermost ones)
@@ -283,24 +283,10 @@ def _names_at(idx: np.ndarray, names: tuple[np.ndarray, np.ndarray]) -> Any:
     ok = idx >= 0
     if not len(codes) or not ok.any():
         return string_column(np.zeros(len(idx), dtype=np.int64), np.array([""], dtype=object))
-    taken = codes[idx[ok]]
-    used = np.zeros(len(uniq), dtype=bool)
-    used[taken] = True
+    taken, used = dense_codes(codes[idx[ok]], len(uniq))  # the names taken, in code order
     full = np.zeros(len(idx), dtype=np.int64)
-    full[ok] = np.cumsum(used)[taken]  # 1..: the names taken, in code order
+    full[ok] = taken + 1
     return string_column(full, np.concatenate([np.array([""], dtype=object), np.asarray(uniq, dtype=object)[used]]))
-
-
-def _factorize_small(keys: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray]:
-    """(codes, uniques) of integer keys in [0, bound), uniques in increasing order (a table of ``bound``
-    flags where that is small, else hashing)."""
-    if bound > 4 * len(keys) + (1 << 16):
-        uniq, inv = np.unique(keys, return_inverse=True)
-        return inv.astype(np.int64, copy=False), uniq
-    seen = np.zeros(bound, dtype=bool)
-    seen[keys] = True
-    rank = np.cumsum(seen) - 1
-    return rank[keys], np.nonzero(seen)[0]
 
 
 def _paths(op_idx: np.ndarray, ops: pd.DataFrame, names: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
@@ -344,7 +330,7 @@ def _paths(op_idx: np.ndarray, ops: pd.DataFrame, names: tuple[np.ndarray, np.nd
         rows = by_depth[bounds[lvl - 1] if lvl else 0:bounds[lvl]]
         up = parent[rows]
         pp = np.where(up >= 0, path_id[np.maximum(up, 0)], -1)
-        inv, uniq_pairs = _factorize_small((pp + 1) * m + name_codes[rows], (len(texts) + 1) * m)
+        inv, uniq_pairs = dense_codes((pp + 1) * m + name_codes[rows], (len(texts) + 1) * m)
         path_id[rows] = len(texts) + inv
         for q, c in zip((uniq_pairs // m - 1).tolist(), (uniq_pairs % m).tolist(), strict=True):
             pid_parent.append(q)

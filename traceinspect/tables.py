@@ -99,6 +99,18 @@ def combine_codes(*codes: np.ndarray) -> np.ndarray:
     return pd.factorize(key)[0].astype(np.int64, copy=False)
 
 
+def dense_codes(keys: np.ndarray, bound: int) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, uniques) of integer keys in [0, bound), uniques in increasing order and codes 0, 1, ... in
+    that order (a table of ``bound`` flags where that is small, else a sort)."""
+    if bound > 4 * len(keys) + (1 << 16):
+        uniq, inv = np.unique(keys, return_inverse=True)
+        return inv.reshape(-1).astype(np.int64, copy=False), uniq
+    seen = np.zeros(bound, dtype=bool)
+    seen[keys] = True
+    rank = np.cumsum(seen) - 1
+    return rank[keys], np.nonzero(seen)[0]
+
+
 def per_distinct(values: Any, test: Callable[[Any], Any]) -> np.ndarray:
     """``bool(test(value))`` for every row of a column, calling ``test`` once per distinct value (a regex
     over ~1e6 kernel names that hold a few hundred distinct ones)."""

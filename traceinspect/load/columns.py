@@ -24,6 +24,7 @@ from traceinspect.model import (
     RUNTIME_COLUMNS,
     DeviceInfo,
 )
+from traceinspect.tables import dense_codes
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -478,8 +479,7 @@ def take_name_codes(p: ParsedRank, table: str) -> tuple[np.ndarray, np.ndarray] 
     coded = getattr(p, "_name_codes", {}).pop(table, None)
     if coded is None or len(coded) != len(getattr(p, table)):
         return None
-    used = np.zeros(len(coded.values), dtype=bool)
-    used[coded.codes] = True
-    return (np.cumsum(used) - 1)[coded.codes], coded.values[used]
+    codes, used = dense_codes(coded.codes, len(coded.values))
+    return codes, coded.values[used]
 
 
