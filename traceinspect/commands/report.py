@@ -43,14 +43,12 @@ def report_cmd(paths: tuple[str, ...], html_out: str, md_out: str | None, json_o
     JSON (``analyze --json``; the same page as from its traces): the top finding, run metadata, findings
     with evidence and fixes, time by class per rank, a step timeline, GEMM efficiency, collectives, top
     kernels, classification coverage and the command that made it. The file needs no network to open."""
-    from traceinspect.document.read import is_analysis_file
-
-    if not (len(paths) == 1 and Path(paths[0]).is_file() and is_analysis_file(Path(paths[0]))):
+    doc = _stored_document(paths)
+    if doc is None:
         start_reading(list(paths), kw)
     from traceinspect.errors import TraceInputError
     from traceinspect.render.html import write_html
 
-    doc = _stored_document(paths)
     a = None
     if doc is None:
         from traceinspect.pipeline import analyze
