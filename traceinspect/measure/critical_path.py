@@ -403,34 +403,63 @@ def _step_arrays(act: pd.DataFrame) -> tuple[StepGraph, float, float] | None:
     return G, t0, t1
 
 
+def _first_order(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct codes in order of first appearance, each element's index among them)."""
+    uniq, first, inv = np.unique(codes, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank_of = np.empty(len(order), dtype=np.int64)
+    rank_of[order] = np.arange(len(order))
+    return uniq[order], rank_of[inv.ravel()]
+
+
+def _sums(groups: np.ndarray, n: int, w: np.ndarray) -> list[float]:
+    """Per group 0..n-1: the sum of its weights, added in element order (as a running sum would)."""
+    return np.bincount(groups, weights=w, minlength=n).tolist() if len(groups) else [0.0] * n
+
+
 def _path_summary(G: StepGraph, path: list[int], t0: float, t1: float) -> dict[str, Any]:
-    comp: dict[str, float] = defaultdict(float)
-    by_rank: dict[int, float] = defaultdict(float)
-    host_by_rank: dict[int, float] = defaultdict(float)
-    cls_by_rank: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    segs: list[dict[str, Any]] = []
-    weights, classes, ranks, labels = G.nodes(path)
-    for w, c, r, lab in zip(weights[:-1], classes, ranks, labels, strict=False):
-        if w <= 0:
-            continue
-        comp[c] += w
-        if r is not None:
-            by_rank[r] += w
-            cls_by_rank[r][c] += w
-            if c == "host":
-                host_by_rank[r] += w
-        if segs and segs[-1]["rank"] == r and segs[-1]["cls"] == c:
-            segs[-1]["us"] += w
-            segs[-1]["nodes"] += 1
-        else:
-            segs.append({"rank": r, "cls": c, "us": w, "nodes": 1, "first": lab})
+    """Composition of a path: time per class and per rank, and its runs of one rank and class (the path's
+    nodes of positive weight, in order; the sink is not counted)."""
+    ix = np.asarray(path[:-1], dtype=np.int64)
+    w = G.weight[ix]
+    on = ~(w <= 0)  # (a NaN weight counts, as it would in a running sum)
+    canon: dict[str, int] = {}  # one code per class name (a kernel class may share a fixed class's name)
+    to_canon = np.array([canon.setdefault(c, len(canon)) for c in G.cls_names], dtype=np.int64)
+    names = list(canon)
+    w, cls, rank, lab = w[on], to_canon[G.cls[ix][on]], G.rank[ix][on], G.label[ix][on]
+    ucls, ci = _first_order(cls)
+    comp = dict(zip((names[c] for c in ucls.tolist()), _sums(ci, len(ucls), w), strict=True))
+    ranked = rank >= 0
+    rr, rc, rw = rank[ranked], cls[ranked], w[ranked]
+    urank, ri = _first_order(rr)
+    by_rank = dict(zip(urank.tolist(), _sums(ri, len(urank), rw), strict=True))
+    host = np.nonzero(rc == canon["host"])[0] if "host" in canon else np.zeros(0, dtype=np.int64)
+    uh, hi = _first_order(rr[host])
+    host_by_rank = dict(zip(uh.tolist(), _sums(hi, len(uh), rw[host]), strict=True))
+    cls_by_rank: dict[int, dict[str, float]] = {r: {} for r in by_rank}
+    upair, pi = _first_order(rr * (len(names) + 1) + rc)
+    for key, v in zip(upair.tolist(), _sums(pi, len(upair), rw), strict=True):
+        cls_by_rank[key // (len(names) + 1)][names[key % (len(names) + 1)]] = v
+    # runs of one rank and class
+    new = np.ones(len(w), dtype=bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (cls[1:] != cls[:-1])
+    run = np.cumsum(new) - 1
+    heads = np.nonzero(new)[0]
+    us = _sums(run, len(heads), w)
+    count = np.bincount(run, minlength=len(heads)).tolist() if len(run) else []
+    labels = G.labels
+    segs = [{"rank": None if r < 0 else r, "cls": names[c], "us": u, "nodes": m, "first": labels[x]}
+            for r, c, u, m, x in zip(rank[heads].tolist(), cls[heads].tolist(), us, count, lab[heads].tolist(),
+                                     strict=True)]
     total = float(sum(comp.values()))
-    bounding = max(by_rank, key=by_rank.get) if by_rank else None
-    ends_on = next((r for r in reversed(ranks) if r is not None), None)
+    bounding = max(by_rank, key=by_rank.get) if by_rank else None  # type: ignore[arg-type]
+    every = G.rank[np.asarray(path, dtype=np.int64)]
+    every = every[every >= 0]
+    ends_on = int(every[-1]) if len(every) else None
     return {
         "total_us": total, "span_us": t1 - t0, "slack_us": max((t1 - t0) - total, 0.0),
-        "composition": dict(comp), "by_rank": dict(by_rank), "host_by_rank": dict(host_by_rank),
-        "cls_by_rank": {r: dict(v) for r, v in cls_by_rank.items()},
+        "composition": comp, "by_rank": by_rank, "host_by_rank": host_by_rank,
+        "cls_by_rank": cls_by_rank,
         "bounding_rank": bounding, "ends_on_rank": ends_on, "nodes": len(path) - 2, "segments": segs,
     }
 
