@@ -144,6 +144,7 @@ class Replayer:
         self.base: Run = simulate(self.model, self.base_params)
         self._base_steps = self._step_table(self.base)
         self._base_path: dict[str, float] | None = None
+        self._walk: tuple[list[Any], ...] | None = None  # the model's links as lists, for path walks
         self._memo: dict[tuple[str, ...], Prediction] = {}
         # facts edits need, found once (e.g. the active KV rows), and the replayed steps' rows
         self.cache: dict[str, Any] = {"steps": a.steps.loc[self.model.step_rows["step"].to_numpy()]}
@@ -216,6 +217,14 @@ class Replayer:
         comp: dict[str, float] = defaultdict(float)
         if not m.n_ops:
             return {}
+        # the walk reads single elements: Python lists read them several times faster than arrays
+        if self._walk is None:
+            self._walk = (m.g_inst.tolist(), [str(c) for c in m.g_cls.tolist()], m.g_prev.tolist(),
+                          m.g_xprev.tolist(), m.g_launch.tolist(), m.h_wait.tolist(), m.h_prev.tolist())
+        g_inst, g_cls, g_prev, g_xprev, g_launch, h_wait, h_prev = self._walk
+        g_start, g_end, h_start = run.g_start.tolist(), run.g_end.tolist(), run.h_start.tolist()
+        last_rank_op, bind, h_waited = run.last_rank_op.tolist(), run.bind.tolist(), run.h_waited.tolist()
+        dur, r = p.dur.tolist(), p.r.tolist()
         steps = 0
         for q in np.unique(m.g_pos):
             idx = np.nonzero(m.g_pos == q)[0]
@@ -224,31 +233,31 @@ class Replayer:
             seen: set[int] = set()
             while cur >= 0 and cur not in seen:
                 seen.add(cur)
-                if m.g_inst[cur] >= 0:
-                    last = int(run.last_rank_op[cur])
-                    comp["comm"] += float(run.g_end[cur] - run.g_start[last])
+                if g_inst[cur] >= 0:
+                    last = last_rank_op[cur]
+                    comp["comm"] += g_end[cur] - g_start[last]
                     cur = last
                 else:
-                    comp[str(m.g_cls[cur])] += float(p.dur[cur])
-                how = int(run.bind[cur])
+                    comp[g_cls[cur]] += dur[cur]
+                how = bind[cur]
                 if how == BY_STREAM:
-                    comp["gap"] += max(float(run.g_start[cur] - run.g_end[m.g_prev[cur]]), 0.0)
-                    cur = int(m.g_prev[cur])
+                    comp["gap"] += max(g_start[cur] - g_end[g_prev[cur]], 0.0)
+                    cur = g_prev[cur]
                 elif how == BY_XSTREAM:
-                    cur = int(m.g_xprev[cur])
-                elif how == BY_LAUNCH and m.g_launch[cur] >= 0:
-                    h = int(m.g_launch[cur])
-                    comp["launch"] += max(float(run.g_start[cur] - run.h_start[h]), 0.0)
+                    cur = g_xprev[cur]
+                elif how == BY_LAUNCH and g_launch[cur] >= 0:
+                    h = g_launch[cur]
+                    comp["launch"] += max(g_start[cur] - h_start[h], 0.0)
                     cur = -1
                     while h >= 0:
-                        if run.h_waited[h] and m.h_wait[h] >= 0:
-                            comp["host"] += float(p.r[h])
-                            cur = int(m.h_wait[h])
+                        if h_waited[h] and h_wait[h] >= 0:
+                            comp["host"] += r[h]
+                            cur = h_wait[h]
                             break
-                        pv = int(m.h_prev[h])
+                        pv = h_prev[h]
                         if pv < 0:
                             break
-                        comp["host"] += max(float(run.h_start[h] - run.h_start[pv]), 0.0)
+                        comp["host"] += max(h_start[h] - h_start[pv], 0.0)
                         h = pv
                 else:
                     cur = -1
