@@ -96,7 +96,7 @@ def rank_set_warnings(ts: TraceSet) -> list[str]:
                        "those ranks are missing (or were not profiled); the ranks present are analysed")
 
     # time ranges that do not overlap: another run, or hosts whose clocks differ
-    spans = _spans(ts)
+    spans = _spans(ts) if len(infos) > 1 else {}  # (one rank: nothing to compare)
     if len(spans) > 1:
         ranks = sorted(spans)
         ref = ranks[0]
