@@ -21,7 +21,7 @@ import pandas as pd
 
 from traceinspect import link as link_stage
 from traceinspect.analysis import Analysis, Options
-from traceinspect.classify import ClassTable, GraphOps, classify_kernels, recover_graph_ops
+from traceinspect.classify import ClassTable, GraphOps, classify_kernels, default_table, recover_graph_ops
 from traceinspect.errors import TraceInputError
 from traceinspect.judge import Finding, RuleSet, explain, load_rule_set
 from traceinspect.judge.engine import findings_of
@@ -202,6 +202,7 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
     # rules and stated facts first: a bad rule or config file is reported before the traces are read
     rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
     user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
+    default_table()  # the kernel class table too (read once): on a large trace, while its scan runs
     ts = load(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs, executor=opts.executor,
               use_cache=opts.use_cache)
     # the loaded tables hold ~1e6 long-lived objects: keep the cyclic garbage collector from rescanning

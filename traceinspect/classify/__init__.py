@@ -30,9 +30,9 @@ from traceinspect.classify.graphs import GraphOps, recover_graph_ops
 from traceinspect.classify.kv import promote_kv
 from traceinspect.classify.labels import classify_kernels
 from traceinspect.classify.runfacts import decide as decide_run_model
-from traceinspect.classify.table import ClassTable, Label, classify_name, load_class_table
+from traceinspect.classify.table import ClassTable, Label, classify_name, default_table, load_class_table
 from traceinspect.model.classes import CLASSES
 
 __all__ = ["CLASSES", "ClassTable", "GraphOps", "Label", "class_table_rows", "classify_kernels", "classify_name",
-           "decide_run_model", "load_class_table", "mark_experts", "model_has_experts", "promote_kv",
+           "decide_run_model", "default_table", "load_class_table", "mark_experts", "model_has_experts", "promote_kv",
            "recover_graph_ops", "verify_experts"]
