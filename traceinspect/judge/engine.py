@@ -193,11 +193,12 @@ class _Subjects:
             unknown = rows[~rows["known"].astype(bool)]
             if sel.where is not None and len(rows):
                 keep = np.zeros(len(rows), dtype=bool)
+                known = rows["known"].to_numpy(dtype=bool)
                 for i in range(len(rows)):
-                    if not bool(rows["known"].iloc[i]):
+                    if not known[i]:
                         continue
                     env = dict(ctx.run)
-                    env.update(ctx.gemm_row_values(rows.iloc[i]))
+                    env.update(ctx.gemm_row_values(rows, i))
                     env.update(rule.params)
                     keep[i] = bool(sel.where.evaluate(env))
                 rows = rows[keep]

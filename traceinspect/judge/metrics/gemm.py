@@ -56,9 +56,9 @@ class GemmMetrics:
             self._gemm_cache = gemm_shapes(getattr(self.a.efficiency, "calls", None))
         return self._gemm_cache
 
-    def gemm_row_values(self, row: pd.Series) -> dict[str, Any]:
-        """Metrics of one shape row (what ``select.gemm.where`` sees)."""
-        return self._gemm_group(pd.DataFrame([row])).values
+    def gemm_row_values(self, rows: pd.DataFrame, i: int) -> dict[str, Any]:
+        """Metrics of shape row ``i`` of ``rows`` (what ``select.gemm.where`` sees)."""
+        return self._gemm_group(rows.iloc[[i]]).values
 
     def gemm_subjects(self, rows: pd.DataFrame, group_by: str | None, unknown: pd.DataFrame | None = None
                       ) -> list[Subject]:
