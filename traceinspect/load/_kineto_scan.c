@@ -77,6 +77,28 @@ typedef struct {
 static uint64_t hash_bytes(const unsigned char *s, size_t n) {
     uint64_t h = 1469598103934665603ULL ^ (uint64_t)n;
     size_t i = 0;
+    if (n >= 64) {
+        /* four independent chains over 32 bytes a step (kernel names run to hundreds of bytes: one
+         * chain would wait on a multiply per 8 bytes), folded into h */
+        uint64_t a = h, b = h ^ 0x9E3779B97F4A7C15ULL, c = h ^ 0xC2B2AE3D27D4EB4FULL, d = h ^ 0x165667B19E3779F9ULL;
+        for (; i + 32 <= n; i += 32) {
+            uint64_t w[4];
+            memcpy(w, s + i, 32);
+            a = (a ^ w[0]) * 1099511628211ULL;
+            b = (b ^ w[1]) * 1099511628211ULL;
+            c = (c ^ w[2]) * 1099511628211ULL;
+            d = (d ^ w[3]) * 1099511628211ULL;
+            a ^= a >> 29;
+            b ^= b >> 29;
+            c ^= c >> 29;
+            d ^= d >> 29;
+        }
+        h = (h ^ a) * 0x9E3779B97F4A7C15ULL;
+        h = (h ^ (h >> 31) ^ b) * 0x9E3779B97F4A7C15ULL;
+        h = (h ^ (h >> 31) ^ c) * 0x9E3779B97F4A7C15ULL;
+        h = (h ^ (h >> 31) ^ d) * 0x9E3779B97F4A7C15ULL;
+        h ^= h >> 31;
+    }
     for (; i + 8 <= n; i += 8) {
         uint64_t w;
         memcpy(&w, s + i, 8);
