@@ -529,16 +529,51 @@ static const char *scan_lit(Ctx *c, const char *p, const char *word, size_t n) {
     return p + n;
 }
 
-/* A number token at p: strict JSON grammar. *is_int when it has no fraction and no exponent. */
-static const char *scan_number(Ctx *c, const char *p, int *is_int) {
+/* The digits of a number token as digits_value needs them, gathered while scanning it (so a number
+ * whose value is needed is read once): m holds up to 19 significant digits, exp10 the scale. */
+typedef struct {
+    uint64_t m;
+    int digits, exp10, neg, exp; /* digits 99: more than 19; exp: the token has an exponent */
+} Digits;
+
+static inline void digit_int(Digits *d, char ch) {
+    if (d->digits < 19) {
+        d->m = d->m * 10 + (uint64_t)(ch - '0');
+        if (d->m) d->digits++;
+    } else {
+        d->digits = 99;
+    }
+}
+
+static inline void digit_frac(Digits *d, char ch) {
+    if (d->digits < 19) {
+        d->m = d->m * 10 + (uint64_t)(ch - '0');
+        if (d->m) d->digits++;
+        d->exp10--;
+    } else {
+        d->digits = 99;
+    }
+}
+
+/* A number token at p: strict JSON grammar. *is_int when it has no fraction and no exponent; its
+ * digits in *dg unless dg is NULL (inlined both ways, so a skipped number costs no more). */
+static inline __attribute__((always_inline)) const char *scan_number_at(Ctx *c, const char *p, int *is_int,
+                                                                       Digits *dg) {
     const char *q = p, *end = c->end;
     int isint = 1;
-    if (q < end && *q == '-') q++;
+    if (dg) dg->m = 0, dg->digits = dg->exp10 = dg->neg = dg->exp = 0;
+    if (q < end && *q == '-') {
+        q++;
+        if (dg) dg->neg = 1;
+    }
     if (q >= end) return need(c, p);
     if (*q == '0') {
         q++;
     } else if (*q >= '1' && *q <= '9') {
-        while (q < end && is_digit(*q)) q++;
+        while (q < end && is_digit(*q)) {
+            if (dg) digit_int(dg, *q);
+            q++;
+        }
     } else {
         return fail(c, EJSON, q, "invalid number");
     }
@@ -547,10 +582,14 @@ static const char *scan_number(Ctx *c, const char *p, int *is_int) {
         q++;
         if (q >= end) return need(c, p);
         if (!is_digit(*q)) return fail(c, EJSON, q, "invalid number");
-        while (q < end && is_digit(*q)) q++;
+        while (q < end && is_digit(*q)) {
+            if (dg) digit_frac(dg, *q);
+            q++;
+        }
     }
     if (q < end && (*q == 'e' || *q == 'E')) {
         isint = 0;
+        if (dg) dg->exp = 1;
         q++;
         if (q < end && (*q == '+' || *q == '-')) q++;
         if (q >= end) return need(c, p);
@@ -563,46 +602,18 @@ static const char *scan_number(Ctx *c, const char *p, int *is_int) {
     return q;
 }
 
+static const char *scan_number(Ctx *c, const char *p, int *is_int) { return scan_number_at(c, p, is_int, NULL); }
+
 static const double POW10[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,  1e8,  1e9,  1e10, 1e11,
                                  1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
 
-/* The double nearest a number token [p, q) (correctly rounded: exact fast path, else strtod). */
-static int number_value(const char *p, const char *q, double *out) {
-    const char *r = p;
-    int neg = 0;
-    if (*r == '-') {
-        neg = 1;
-        r++;
-    }
-    uint64_t m = 0;
-    int digits = 0, exp10 = 0;
-    while (r < q && is_digit(*r)) {
-        if (digits < 19) {
-            m = m * 10 + (uint64_t)(*r - '0');
-            if (m) digits++;
-        } else {
-            digits = 99;
-        }
-        r++;
-    }
-    if (r < q && *r == '.') {
-        r++;
-        while (r < q && is_digit(*r)) {
-            if (digits < 19) {
-                m = m * 10 + (uint64_t)(*r - '0');
-                if (m) digits++;
-                exp10--;
-            } else {
-                digits = 99;
-            }
-            r++;
-        }
-    }
-    int simple = r == q && digits <= 19 && m < (1ULL << 53);
-    if (simple && exp10 >= -22) {
-        double v = (double)m;
-        v = exp10 < 0 ? v / POW10[-exp10] : v;
-        *out = neg ? -v : v;
+/* The double nearest a number token [p, q) with digits *d (correctly rounded: exact fast path, else
+ * strtod). */
+static int digits_value(const Digits *d, const char *p, const char *q, double *out) {
+    if (!d->exp && d->digits <= 19 && d->m < (1ULL << 53) && d->exp10 >= -22) {
+        double v = (double)d->m;
+        v = d->exp10 < 0 ? v / POW10[-d->exp10] : v;
+        *out = d->neg ? -v : v;
         return 0;
     }
     /* the general case (an exponent, many digits) */
@@ -616,6 +627,21 @@ static int number_value(const char *p, const char *q, double *out) {
     *out = strtod(s, NULL);
     if (s != tmp) free(s);
     return 0;
+}
+
+/* the digits of a number text [p, q) (its grammar already checked) */
+static void text_digits(const char *p, const char *q, Digits *d) {
+    const char *r = p;
+    d->m = 0;
+    d->digits = d->exp10 = d->neg = 0;
+    if (*r == '-') {
+        d->neg = 1;
+        r++;
+    }
+    for (; r < q && is_digit(*r); r++) digit_int(d, *r);
+    if (r < q && *r == '.')
+        for (r++; r < q && is_digit(*r); r++) digit_frac(d, *r);
+    d->exp = r != q;
 }
 
 /* int64 value of an integer token; 0 or -1 when out of range */
@@ -818,12 +844,12 @@ static int number_text(const char *p, const char *q, int *is_int) {
 
 /* One value, classified: V_NUM (a number token: [*t0, *t1)), V_NUMSTR (a string whose whole text
  * is a number, no escapes: its contents), V_NULL, V_STR (another string: its token in *str),
- * V_OTHER. */
+ * V_OTHER. The digits of a number (V_NUM, V_NUMSTR) in *dg. */
 static const char *read_value(Ctx *c, const char *p, int *cls, const char **t0, const char **t1, int *is_int,
-                              Str *str) {
+                              Digits *dg, Str *str) {
     if (p >= c->end) return need(c, p);
     if (*p == '-' || is_digit(*p)) {
-        const char *q = scan_number(c, p, is_int);
+        const char *q = scan_number_at(c, p, is_int, dg);
         if (!q) return NULL;
         *cls = V_NUM;
         *t0 = p;
@@ -839,6 +865,7 @@ static const char *read_value(Ctx *c, const char *p, int *cls, const char **t0, 
             *cls = V_NUMSTR;
             *t0 = s.s0;
             *t1 = s.s1;
+            text_digits(s.s0, s.s1, dg);
         } else {
             *cls = V_STR;
         }
@@ -864,11 +891,12 @@ static int minus_zero(const char *t0, const char *t1) { return t1 - t0 == 2 && t
 static const char *read_float(Ctx *c, const char *p, double *out, int *mz, int *typed) {
     int cls, isint;
     const char *t0 = NULL, *t1 = NULL;
-    p = read_value(c, p, &cls, &t0, &t1, &isint, NULL);
+    Digits dg;
+    p = read_value(c, p, &cls, &t0, &t1, &isint, &dg, NULL);
     if (!p) return NULL;
     *mz = 0;
     if (cls == V_NUM || cls == V_NUMSTR) {
-        if (number_value(t0, t1, out) < 0) return fail(c, EMEM, p, NULL);
+        if (digits_value(&dg, t0, t1, out) < 0) return fail(c, EMEM, p, NULL);
         if (!isfinite(*out)) {
             *out = NAN;
             *typed = 0;
@@ -883,10 +911,14 @@ static const char *read_float(Ctx *c, const char *p, double *out, int *mz, int *
 }
 
 /* an integer within int64 (a number whose value is one: 5.0 is 5); *set 0 when absent */
-static int int_of(const char *t0, const char *t1, int isint, int64_t *out) {
+static int int_of(const char *t0, const char *t1, int isint, const Digits *dg, int64_t *out) {
+    if (isint && dg->digits <= 18) { /* m is the whole value */
+        *out = dg->neg ? -(int64_t)dg->m : (int64_t)dg->m;
+        return 1;
+    }
     if (isint) return int_value(t0, t1, out) == 0;
     double v;
-    if (number_value(t0, t1, &v) < 0) return -1;
+    if (digits_value(dg, t0, t1, &v) < 0) return -1;
     if (!isfinite(v) || v != floor(v) || v < -9223372036854775808.0 || v >= 9223372036854775808.0) return 0;
     *out = (int64_t)v;
     return 1;
@@ -895,11 +927,12 @@ static int int_of(const char *t0, const char *t1, int isint, int64_t *out) {
 static const char *read_int(Ctx *c, const char *p, int64_t *out, int *set, int *typed) {
     int cls, isint;
     const char *t0 = NULL, *t1 = NULL;
-    p = read_value(c, p, &cls, &t0, &t1, &isint, NULL);
+    Digits dg;
+    p = read_value(c, p, &cls, &t0, &t1, &isint, &dg, NULL);
     if (!p) return NULL;
     *set = 0;
     if (cls == V_NUM || cls == V_NUMSTR) {
-        int r = int_of(t0, t1, isint, out);
+        int r = int_of(t0, t1, isint, &dg, out);
         if (r < 0) return fail(c, EMEM, p, NULL);
         *set = r;
         if (!(cls == V_NUM && isint && r)) *typed = 0;
@@ -956,10 +989,11 @@ static const char *read_args(Ctx *c, const char *p, Event *e) {
         } else if (KEY_IS(k, kn, "bytes")) {
             int cls, isint;
             const char *t0 = NULL, *t1 = NULL;
-            p = read_value(c, p, &cls, &t0, &t1, &isint, NULL);
+            Digits dg;
+            p = read_value(c, p, &cls, &t0, &t1, &isint, &dg, NULL);
             e->bytes_set = e->bytes_mz = 0;
             if (p && (cls == V_NUM || cls == V_NUMSTR)) {
-                if (number_value(t0, t1, &e->bytes) < 0) return fail(c, EMEM, p, NULL);
+                if (digits_value(&dg, t0, t1, &e->bytes) < 0) return fail(c, EMEM, p, NULL);
                 if (isfinite(e->bytes)) {
                     e->bytes_set = 1;
                     if (cls == V_NUM && isint && minus_zero(t0, t1)) e->bytes_mz = 1;
@@ -1042,8 +1076,9 @@ static const char *read_event(Ctx *c, const char *p, Event *e, int *is_obj) {
             int cls, isint;
             const char *t0 = NULL, *t1 = NULL;
             Str s;
+            Digits dg;
             s.set = 0;
-            p = read_value(c, p, &cls, &t0, &t1, &isint, &s);
+            p = read_value(c, p, &cls, &t0, &t1, &isint, &dg, &s);
             if (p) {
                 e->tid_s.set = 0;
                 e->tid = 0;
@@ -1053,7 +1088,7 @@ static const char *read_event(Ctx *c, const char *p, Event *e, int *is_obj) {
                     if ((s.esc || s.hi) && decode_string(c, s.s0, s.s1, s.esc, s.hi, &d, &dn) < 0) return NULL;
                     e->tid_s = s;
                 } else if (cls == V_NUM) {
-                    int r = int_of(t0, t1, isint, &e->tid);
+                    int r = int_of(t0, t1, isint, &dg, &e->tid);
                     if (r < 0) return fail(c, EMEM, p, NULL);
                     if (!r) e->tid = 0;
                     if (!(isint && r)) e->typed = 0;
