@@ -105,7 +105,20 @@ static uint64_t hash_bytes(const unsigned char *s, size_t n) {
         h = (h ^ w) * 1099511628211ULL;
         h ^= h >> 29;
     }
-    for (; i < n; i++) h = (h ^ s[i]) * 1099511628211ULL;
+    if (i < n) { /* the last 1 to 7 bytes in one word (reads that overlap still cover each byte) */
+        uint64_t w;
+        if (n >= 8) {
+            memcpy(&w, s + n - 8, 8);
+        } else if (n >= 4) {
+            uint32_t a, b;
+            memcpy(&a, s, 4);
+            memcpy(&b, s + n - 4, 4);
+            w = (uint64_t)a << 32 | b;
+        } else {
+            w = (uint64_t)s[0] << 16 | (uint64_t)s[n / 2] << 8 | s[n - 1];
+        }
+        h = (h ^ w) * 1099511628211ULL;
+    }
     h ^= h >> 32;
     h *= 0x9E3779B97F4A7C15ULL;
     h ^= h >> 29;
