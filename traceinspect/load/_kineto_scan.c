@@ -800,6 +800,14 @@ typedef struct {
     Span raw[5]; /* grid, block, dims, types, concrete */
 } Event;
 
+/* past the ':' after a key token ending before p, and the space after it */
+static inline const char *after_key(Ctx *c, const char *p) {
+    p = skip_ws(p, c->end);
+    if (p >= c->end) return need(c, p);
+    if (*p != ':') return fail(c, EJSON, p, "expected ':'");
+    return skip_ws(p + 1, c->end);
+}
+
 /* key of an object member: decoded text of the key token */
 static const char *read_key(Ctx *c, const char *p, const char **k, size_t *kn) {
     const char *s0, *s1;
@@ -817,13 +825,16 @@ static const char *read_key(Ctx *c, const char *p, const char **k, size_t *kn) {
         *k = s0;
         *kn = (size_t)(s1 - s0);
     }
-    p = skip_ws(p, c->end);
-    if (p >= c->end) return need(c, p);
-    if (*p != ':') return fail(c, EJSON, p, "expected ':'");
-    return skip_ws(p + 1, c->end);
+    return after_key(c, p);
 }
 
 #define KEY_IS(k, kn, lit) ((kn) == sizeof(lit) - 1 && memcmp((k), (lit), sizeof(lit) - 1) == 0)
+
+/* Whether the key token at p is exactly the literal (its text and closing quote all in the buffer).
+ * Matching the usual keys in the raw text first turns the end of each key into a predicted branch
+ * (the position after it is known before its bytes are read); any other key, or one cut by the end
+ * of the buffer, goes to read_key, which finds the same key. */
+#define KEY_AT(p, end, lit) ((end) - (p) > (ptrdiff_t)sizeof(lit) && memcmp((p) + 1, lit "\"", sizeof(lit)) == 0)
 
 /* Whether [p, q) is exactly a JSON number; *is_int when it has no fraction and no exponent. */
 static int number_text(const char *p, const char *q, int *is_int) {
@@ -973,6 +984,86 @@ static const char *read_str(Ctx *c, const char *p, Str *out, int *ok) {
     return p;
 }
 
+/* The members of an event read, and (F_OTHER on) other usual ones, matched first by their raw
+ * text (KEY_AT). */
+enum { F_PH, F_CAT, F_NAME, F_TS, F_DUR, F_TID, F_ARGS, F_OTHER, F_PID = F_OTHER, F_ID, F_BP, F_S };
+
+static int event_field(const char *k, size_t kn) {
+    if (KEY_IS(k, kn, "ph")) return F_PH;
+    if (KEY_IS(k, kn, "cat")) return F_CAT;
+    if (KEY_IS(k, kn, "name")) return F_NAME;
+    if (KEY_IS(k, kn, "ts")) return F_TS;
+    if (KEY_IS(k, kn, "dur")) return F_DUR;
+    if (KEY_IS(k, kn, "tid")) return F_TID;
+    if (KEY_IS(k, kn, "args")) return F_ARGS;
+    return F_OTHER;
+}
+
+/* a key matched by event_key_at or args_key_at: its field, and its length in *kn */
+#define MATCH(lit, f)                                                                                 \
+    if (KEY_AT(p, end, lit)) return *kn = sizeof(lit) - 1, (f)
+
+/* the field of the key token at p when it is a usual key written plainly, else -1 */
+static inline int event_key_at(const char *p, const char *end, size_t *kn) {
+    if (end - p < 2 || *p != '"') return -1;
+    switch (p[1]) {
+    case 'p': MATCH("ph", F_PH); MATCH("pid", F_PID); break;
+    case 'c': MATCH("cat", F_CAT); break;
+    case 'n': MATCH("name", F_NAME); break;
+    case 't': MATCH("ts", F_TS); MATCH("tid", F_TID); break;
+    case 'd': MATCH("dur", F_DUR); break;
+    case 'a': MATCH("args", F_ARGS); break;
+    case 'i': MATCH("id", F_ID); break;
+    case 'b': MATCH("bp", F_BP); break;
+    case 's': MATCH("s", F_S); break;
+    }
+    return -1;
+}
+
+/* The same for the members of args: first the integer fields, in the order of Event.ints, then
+ * the raw ones, in the order of Event.raw. */
+enum {
+    A_CORR, A_EXT, A_DEVICE, A_STREAM, A_BYTES, A_GRID, A_BLOCK, A_DIMS, A_TYPES, A_CONCRETE, A_OTHER,
+    A_RFID = A_OTHER, A_STRIDES, A_EVIDX, A_CBID, A_QUEUED, A_CONTEXT, A_REGS, A_SHMEM, A_BPSM, A_WPSM, A_OCC,
+    A_SEQ, A_FWD,
+};
+
+static int args_field(const char *k, size_t kn) {
+    if (KEY_IS(k, kn, "correlation")) return A_CORR;
+    if (KEY_IS(k, kn, "External id")) return A_EXT;
+    if (KEY_IS(k, kn, "device")) return A_DEVICE;
+    if (KEY_IS(k, kn, "stream")) return A_STREAM;
+    if (KEY_IS(k, kn, "bytes")) return A_BYTES;
+    if (KEY_IS(k, kn, "grid")) return A_GRID;
+    if (KEY_IS(k, kn, "block")) return A_BLOCK;
+    if (KEY_IS(k, kn, "Input Dims")) return A_DIMS;
+    if (KEY_IS(k, kn, "Input type")) return A_TYPES;
+    if (KEY_IS(k, kn, "Concrete Inputs")) return A_CONCRETE;
+    return A_OTHER;
+}
+
+static inline int args_key_at(const char *p, const char *end, size_t *kn) {
+    if (end - p < 2 || *p != '"') return -1;
+    switch (p[1]) {
+    case 'c': MATCH("correlation", A_CORR); MATCH("cbid", A_CBID); MATCH("context", A_CONTEXT); break;
+    case 'E': MATCH("External id", A_EXT); MATCH("Ev Idx", A_EVIDX); break;
+    case 'd': MATCH("device", A_DEVICE); break;
+    case 's': MATCH("stream", A_STREAM); MATCH("shared memory", A_SHMEM); break;
+    case 'b': MATCH("bytes", A_BYTES); MATCH("block", A_BLOCK); MATCH("blocks per SM", A_BPSM); break;
+    case 'g': MATCH("grid", A_GRID); break;
+    case 'I': MATCH("Input Dims", A_DIMS); MATCH("Input type", A_TYPES); MATCH("Input Strides", A_STRIDES); break;
+    case 'C': MATCH("Concrete Inputs", A_CONCRETE); break;
+    case 'R': MATCH("Record function id", A_RFID); break;
+    case 'q': MATCH("queued", A_QUEUED); break;
+    case 'r': MATCH("registers per thread", A_REGS); break;
+    case 'w': MATCH("warps per SM", A_WPSM); break;
+    case 'e': MATCH("est. achieved occupancy %", A_OCC); break;
+    case 'S': MATCH("Sequence number", A_SEQ); break;
+    case 'F': MATCH("Fwd thread id", A_FWD); break;
+    }
+    return -1;
+}
+
 static const char *read_args(Ctx *c, const char *p, Event *e) {
     for (int k = 0; k < 4; k++) e->ints_set[k] = 0;
     e->bytes_set = e->bytes_mz = 0;
@@ -990,16 +1081,18 @@ static const char *read_args(Ctx *c, const char *p, Event *e) {
     for (;;) {
         const char *k;
         size_t kn;
-        p = read_key(c, p, &k, &kn);
+        int f = args_key_at(p, c->end, &kn);
+        if (f >= 0) {
+            p = after_key(c, p + kn + 2);
+        } else {
+            p = read_key(c, p, &k, &kn);
+            if (!p) return NULL;
+            f = args_field(k, kn);
+        }
         if (!p) return NULL;
-        int idx = -1;
-        if (KEY_IS(k, kn, "correlation")) idx = 0;
-        else if (KEY_IS(k, kn, "External id")) idx = 1;
-        else if (KEY_IS(k, kn, "device")) idx = 2;
-        else if (KEY_IS(k, kn, "stream")) idx = 3;
-        if (idx >= 0) {
-            p = read_int(c, p, &e->ints[idx], &e->ints_set[idx], &e->args_typed);
-        } else if (KEY_IS(k, kn, "bytes")) {
+        if (f <= A_STREAM) {
+            p = read_int(c, p, &e->ints[f], &e->ints_set[f], &e->args_typed);
+        } else if (f == A_BYTES) {
             int cls, isint;
             const char *t0 = NULL, *t1 = NULL;
             Digits dg;
@@ -1018,12 +1111,7 @@ static const char *read_args(Ctx *c, const char *p, Event *e) {
                 e->args_typed = 0;
             }
         } else {
-            int r = -1;
-            if (KEY_IS(k, kn, "grid")) r = 0;
-            else if (KEY_IS(k, kn, "block")) r = 1;
-            else if (KEY_IS(k, kn, "Input Dims")) r = 2;
-            else if (KEY_IS(k, kn, "Input type")) r = 3;
-            else if (KEY_IS(k, kn, "Concrete Inputs")) r = 4;
+            int r = f <= A_CONCRETE ? f - A_GRID : -1;
             const char *q = skip_value(c, p);
             if (q && r >= 0) {
                 e->raw[r].p = p;
@@ -1064,28 +1152,35 @@ static const char *read_event(Ctx *c, const char *p, Event *e, int *is_obj) {
     if (p >= c->end) return need(c, p);
     if (*p == '}') return p + 1;
     for (;;) {
+        int ok;
         const char *k;
         size_t kn;
-        int ok;
-        p = read_key(c, p, &k, &kn);
+        int f = event_key_at(p, c->end, &kn);
+        if (f >= 0) {
+            p = after_key(c, p + kn + 2);
+        } else {
+            p = read_key(c, p, &k, &kn);
+            if (!p) return NULL;
+            f = event_field(k, kn);
+        }
         if (!p) return NULL;
-        if (KEY_IS(k, kn, "ph")) {
+        if (f == F_PH) {
             p = read_str(c, p, &e->ph, &e->ph_ok);
             if (p && !e->ph_ok) e->typed = 0;
-        } else if (KEY_IS(k, kn, "cat")) {
+        } else if (f == F_CAT) {
             p = read_str(c, p, &e->cat, &e->cat_ok);
             if (p && !e->cat_ok) e->typed = 0;
-        } else if (KEY_IS(k, kn, "name")) {
+        } else if (f == F_NAME) {
             p = read_str(c, p, &e->name, &ok);
             if (p) {
                 e->name_bad = !ok;
                 if (!ok) e->typed = 0;
             }
-        } else if (KEY_IS(k, kn, "ts")) {
+        } else if (f == F_TS) {
             p = read_float(c, p, &e->ts, &e->ts_mz, &e->typed);
-        } else if (KEY_IS(k, kn, "dur")) {
+        } else if (f == F_DUR) {
             p = read_float(c, p, &e->dur, &e->dur_mz, &e->typed);
-        } else if (KEY_IS(k, kn, "tid")) {
+        } else if (f == F_TID) {
             int cls, isint;
             const char *t0 = NULL, *t1 = NULL;
             Str s;
@@ -1109,7 +1204,7 @@ static const char *read_event(Ctx *c, const char *p, Event *e, int *is_obj) {
                     e->typed = 0;
                 }
             }
-        } else if (KEY_IS(k, kn, "args")) {
+        } else if (f == F_ARGS) {
             p = read_args(c, p, e);
             if (p && !e->args_typed) e->typed = 0;
         } else {
