@@ -802,6 +802,7 @@ typedef struct {
 
 /* past the ':' after a key token ending before p, and the space after it */
 static inline const char *after_key(Ctx *c, const char *p) {
+    if (c->end - p >= 3 && p[0] == ':' && p[1] == ' ' && (unsigned char)p[2] > ' ') return p + 2; /* ": " */
     p = skip_ws(p, c->end);
     if (p >= c->end) return need(c, p);
     if (*p != ':') return fail(c, EJSON, p, "expected ':'");
