@@ -543,50 +543,34 @@ static const char *scan_lit(Ctx *c, const char *p, const char *word, size_t n) {
 }
 
 /* The digits of a number token as digits_value needs them, gathered while scanning it (so a number
- * whose value is needed is read once): m holds up to 19 significant digits, exp10 the scale. */
+ * whose value is needed is read once). m is exact while there are at most 19 significant digits
+ * (those from the first nonzero one on): the only case digits_value reads it. */
 typedef struct {
     uint64_t m;
-    int digits, exp10, neg, exp; /* digits 99: more than 19; exp: the token has an exponent */
+    size_t sig, frac; /* significant digits; digits after the point */
+    int neg, exp;     /* exp: the token has an exponent */
 } Digits;
-
-static inline void digit_int(Digits *d, char ch) {
-    if (d->digits < 19) {
-        d->m = d->m * 10 + (uint64_t)(ch - '0');
-        if (d->m) d->digits++;
-    } else {
-        d->digits = 99;
-    }
-}
-
-static inline void digit_frac(Digits *d, char ch) {
-    if (d->digits < 19) {
-        d->m = d->m * 10 + (uint64_t)(ch - '0');
-        if (d->m) d->digits++;
-        d->exp10--;
-    } else {
-        d->digits = 99;
-    }
-}
 
 /* A number token at p: strict JSON grammar. *is_int when it has no fraction and no exponent; its
  * digits in *dg unless dg is NULL (inlined both ways, so a skipped number costs no more). */
 static inline __attribute__((always_inline)) const char *scan_number_at(Ctx *c, const char *p, int *is_int,
                                                                        Digits *dg) {
     const char *q = p, *end = c->end;
-    int isint = 1;
-    if (dg) dg->m = 0, dg->digits = dg->exp10 = dg->neg = dg->exp = 0;
+    int isint = 1, neg = 0, exp = 0;
+    uint64_t m = 0; /* (kept in registers: the digit loops write no memory) */
+    size_t sig = 0, frac = 0;
     if (q < end && *q == '-') {
         q++;
-        if (dg) dg->neg = 1;
+        neg = 1;
     }
     if (q >= end) return need(c, p);
     if (*q == '0') {
         q++;
     } else if (*q >= '1' && *q <= '9') {
-        while (q < end && is_digit(*q)) {
-            if (dg) digit_int(dg, *q);
-            q++;
-        }
+        const char *q0 = q;
+        for (; q < end && is_digit(*q); q++)
+            if (dg) m = m * 10 + (uint64_t)(*q - '0');
+        sig = (size_t)(q - q0);
     } else {
         return fail(c, EJSON, q, "invalid number");
     }
@@ -595,14 +579,18 @@ static inline __attribute__((always_inline)) const char *scan_number_at(Ctx *c, 
         q++;
         if (q >= end) return need(c, p);
         if (!is_digit(*q)) return fail(c, EJSON, q, "invalid number");
-        while (q < end && is_digit(*q)) {
-            if (dg) digit_frac(dg, *q);
-            q++;
+        const char *q0 = q;
+        for (; q < end && is_digit(*q); q++) {
+            if (dg) {
+                m = m * 10 + (uint64_t)(*q - '0');
+                sig += m != 0;
+            }
         }
+        frac = (size_t)(q - q0);
     }
     if (q < end && (*q == 'e' || *q == 'E')) {
         isint = 0;
-        if (dg) dg->exp = 1;
+        exp = 1;
         q++;
         if (q < end && (*q == '+' || *q == '-')) q++;
         if (q >= end) return need(c, p);
@@ -612,6 +600,13 @@ static inline __attribute__((always_inline)) const char *scan_number_at(Ctx *c, 
     if (q >= end && !c->final) return need(c, p); /* more digits may follow */
     if (q < end && is_digit(*q)) return fail(c, EJSON, q, "invalid number");
     *is_int = isint;
+    if (dg) {
+        dg->m = m;
+        dg->sig = sig;
+        dg->frac = frac;
+        dg->neg = neg;
+        dg->exp = exp;
+    }
     return q;
 }
 
@@ -623,9 +618,9 @@ static const double POW10[23] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7, 
 /* The double nearest a number token [p, q) with digits *d (correctly rounded: exact fast path, else
  * strtod). */
 static int digits_value(const Digits *d, const char *p, const char *q, double *out) {
-    if (!d->exp && d->digits <= 19 && d->m < (1ULL << 53) && d->exp10 >= -22) {
+    if (!d->exp && d->sig <= 19 && d->m < (1ULL << 53) && d->frac <= 22) {
         double v = (double)d->m;
-        v = d->exp10 < 0 ? v / POW10[-d->exp10] : v;
+        v = d->frac ? v / POW10[d->frac] : v;
         *out = d->neg ? -v : v;
         return 0;
     }
@@ -642,19 +637,13 @@ static int digits_value(const Digits *d, const char *p, const char *q, double *o
     return 0;
 }
 
-/* the digits of a number text [p, q) (its grammar already checked) */
-static void text_digits(const char *p, const char *q, Digits *d) {
-    const char *r = p;
-    d->m = 0;
-    d->digits = d->exp10 = d->neg = 0;
-    if (*r == '-') {
-        d->neg = 1;
-        r++;
-    }
-    for (; r < q && is_digit(*r); r++) digit_int(d, *r);
-    if (r < q && *r == '.')
-        for (r++; r < q && is_digit(*r); r++) digit_frac(d, *r);
-    d->exp = r != q;
+/* the digits of a number text [p, q) (its grammar already checked: the scan cannot fail) */
+static void text_digits(Ctx *c, const char *p, const char *q, Digits *d) {
+    Ctx t = *c;
+    t.end = q;
+    t.final = 1;
+    int isint;
+    scan_number_at(&t, p, &isint, d);
 }
 
 /* int64 value of an integer token; 0 or -1 when out of range */
@@ -890,7 +879,7 @@ static const char *read_value(Ctx *c, const char *p, int *cls, const char **t0, 
             *cls = V_NUMSTR;
             *t0 = s.s0;
             *t1 = s.s1;
-            text_digits(s.s0, s.s1, dg);
+            text_digits(c, s.s0, s.s1, dg);
         } else {
             *cls = V_STR;
         }
@@ -937,7 +926,7 @@ static const char *read_float(Ctx *c, const char *p, double *out, int *mz, int *
 
 /* an integer within int64 (a number whose value is one: 5.0 is 5); *set 0 when absent */
 static int int_of(const char *t0, const char *t1, int isint, const Digits *dg, int64_t *out) {
-    if (isint && dg->digits <= 18) { /* m is the whole value */
+    if (isint && dg->sig <= 18) { /* m is the whole value */
         *out = dg->neg ? -(int64_t)dg->m : (int64_t)dg->m;
         return 1;
     }
