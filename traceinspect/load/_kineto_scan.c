@@ -268,9 +268,28 @@ static const char *need(Ctx *c, const char *p) {
     return NULL;
 }
 
-static inline const char *skip_ws(const char *p, const char *end) {
+/* Whitespace from p on, past the one byte or none that skip_ws passes itself (out of line: skip_ws
+ * is inlined in many places). */
+static __attribute__((noinline)) const char *skip_ws_run(const char *p, const char *end) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (end - p >= 9 && *p == '\n') { /* a newline and an indent: the spaces counted in one word */
+        uint64_t w;
+        memcpy(&w, p + 1, 8);
+        w ^= 0x2020202020202020ULL; /* the first nonzero byte: the first other than a space */
+        if (w) {
+            const char *q = p + 1 + __builtin_ctzll(w) / 8;
+            if ((unsigned char)*q > ' ') return q;
+        }
+    }
+#endif
     while (p < end && (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t')) p++;
     return p;
+}
+
+static inline const char *skip_ws(const char *p, const char *end) {
+    if (p < end && (unsigned char)*p > ' ') return p; /* most tokens follow no space or one */
+    if (end - p >= 2 && *p == ' ' && (unsigned char)p[1] > ' ') return p + 1;
+    return skip_ws_run(p, end);
 }
 
 static int hexv(char d);
