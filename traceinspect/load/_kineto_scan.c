@@ -34,7 +34,7 @@ typedef struct {
     size_t n, cap;
 } Buf;
 
-static int buf_reserve(Buf *b, size_t extra) {
+static int buf_grow(Buf *b, size_t extra) {
     if (extra > SIZE_MAX / 2 - b->n) return -1;
     size_t need = b->n + extra;
     if (need <= b->cap) return 0;
@@ -46,6 +46,9 @@ static int buf_reserve(Buf *b, size_t extra) {
     b->cap = cap;
     return 0;
 }
+
+/* room for extra more bytes (the test inlined: a column takes a value per event) */
+static inline int buf_reserve(Buf *b, size_t extra) { return extra <= b->cap - b->n ? 0 : buf_grow(b, extra); }
 
 static int buf_put(Buf *b, const void *src, size_t n) {
     if (!n) return 0; /* (memcpy of nothing into an unallocated buffer is still undefined) */
