@@ -578,7 +578,7 @@ typedef struct {
 static inline __attribute__((always_inline)) const char *scan_number_at(Ctx *c, const char *p, int *is_int,
                                                                        Digits *dg) {
     const char *q = p, *end = c->end;
-    int isint = 1, neg = 0, exp = 0;
+    int isint = 1, neg = 0, has_exp = 0;
     uint64_t m = 0; /* (kept in registers: the digit loops write no memory) */
     size_t sig = 0, frac = 0;
     if (q < end && *q == '-') {
@@ -612,7 +612,7 @@ static inline __attribute__((always_inline)) const char *scan_number_at(Ctx *c, 
     }
     if (q < end && (*q == 'e' || *q == 'E')) {
         isint = 0;
-        exp = 1;
+        has_exp = 1;
         q++;
         if (q < end && (*q == '+' || *q == '-')) q++;
         if (q >= end) return need(c, p);
@@ -627,7 +627,7 @@ static inline __attribute__((always_inline)) const char *scan_number_at(Ctx *c, 
         dg->sig = sig;
         dg->frac = frac;
         dg->neg = neg;
-        dg->exp = exp;
+        dg->exp = has_exp;
     }
     return q;
 }
