@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from traceinspect.judge import Finding
     from traceinspect.measure.collectives import Collectives
     from traceinspect.measure.gemm import Efficiency
+    from traceinspect.measure.host import HostActivity
 
 __all__ = ["SCHEMA", "Analysis", "Options"]
 
@@ -64,6 +65,7 @@ class Analysis:
     class_totals: pd.DataFrame  # rank, cls, us, calls, share
     efficiency: Efficiency | None = None
     collectives: Collectives | None = None
+    host: HostActivity | None = None  # stall stretches, syncs, GPU gaps of the analysed steps (measure stage)
     findings: list[Finding] = field(default_factory=list)
     graph_ops: GraphOps | None = None  # CPU ops of CUDA-graph replays, from the capture traces
     run_model: RunModel = field(default_factory=RunModel)  # layers, KV pool, experts, ... (one place)
@@ -105,6 +107,11 @@ class Analysis:
         if self._samples is None or self._samples[0] != key:
             self._samples = (key, self._step_samples())
         return self._samples[1]
+
+    def keep_step_samples(self, samples: pd.DataFrame) -> None:
+        """Take ``samples`` as :meth:`step_samples` of the current step and class tables (built elsewhere:
+        in the process the measure stage forks)."""
+        self._samples = ((id(self.selected), id(self.class_steps)), samples)
 
     def _step_samples(self) -> pd.DataFrame:
         sel = self.selected.copy()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -63,7 +64,9 @@ class Beside(Generic[T]):
                 pass
             finally:
                 self._conn.close()
-                self._proc.join()
+                # the child's exit (unmapping a copy of this process) takes tens of ms: it is reaped
+                # beside, not waited for
+                threading.Thread(target=self._proc.join, name="traceinspect-reap", daemon=True).start()
                 self._proc = None
             if status == "ok":
                 return value

@@ -31,6 +31,7 @@ from traceinspect.load import load_trace_set
 from traceinspect.measure.clock import clock_warnings
 from traceinspect.measure.collectives import Collectives, analyze_collectives
 from traceinspect.measure.gemm import Efficiency, measure_efficiency
+from traceinspect.measure.host import HostActivity, host_activity
 from traceinspect.measure.time import class_step_time, class_totals
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel, user_facts
@@ -81,10 +82,12 @@ class Selected:
 
 @dataclass
 class Measured:
-    """The measure stage: GEMM and memory efficiency, the collectives across ranks, and clock warnings."""
+    """The measure stage: GEMM and memory efficiency, the collectives across ranks, the host activity of
+    the analysed steps, and clock warnings."""
 
     efficiency: Efficiency
     collectives: Collectives
+    host: HostActivity
     warnings: list[str] = field(default_factory=list)
 
 
@@ -151,13 +154,19 @@ def collectives(a: Analysis) -> Collectives:
     return analyze_collectives(a)
 
 
+def _beside_gemm(a: Analysis) -> tuple[Collectives, HostActivity, pd.DataFrame]:
+    """The measures that do not read the GEMM efficiency: collectives, host activity, step samples."""
+    return analyze_collectives(a), host_activity(a), a.step_samples()
+
+
 def measure(a: Analysis) -> Measured:
-    """Stage 5, measure: the collectives analysis on a second core while this one measures GEMMs (for
-    several ranks: one rank's collectives take less time than starting the process)."""
-    coll = Beside(analyze_collectives, a, jobs=a.options.jobs if a.n_ranks > 1 else 1)
+    """Stage 5, measure: the collectives analysis, the host activity and the step samples on a second core
+    while this one measures GEMMs."""
+    side = Beside(_beside_gemm, a, jobs=a.options.jobs)
     eff = measure_efficiency(a)
-    c = coll.result()
-    return Measured(eff, c, clock_warnings(c, a.trace.ranks))
+    c, host, samples = side.result()
+    a.keep_step_samples(samples)
+    return Measured(eff, c, host, clock_warnings(c, a.trace.ranks))
 
 
 def judge(a: Analysis, rule_set: RuleSet) -> Judged:
@@ -227,7 +236,7 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: RuleSet) -> Analysis:
         ts.warnings.append(f"a training run ({kind.evidence}): the rules, written for inference decode "
                            "steps, are not applied; classes and GEMM efficiency are measured as usual")
     measured = measure(a)
-    a.efficiency, a.collectives = measured.efficiency, measured.collectives
+    a.efficiency, a.collectives, a.host = measured.efficiency, measured.collectives, measured.host
     ts.warnings += measured.warnings
     judged = judge(a, rule_set)
     a.rule_set, a.findings, a.all_fixed, a.gaps = judged.rule_set, judged.findings, judged.all_fixed, judged.gaps

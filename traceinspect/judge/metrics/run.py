@@ -106,7 +106,10 @@ class RunMetrics:
 
     def _host_stalls(self) -> dict[str, Any]:
         lo = load_settings().host_stall_min_us
-        st = stall_stretches(self.a, lo)
+        host = getattr(self.a, "host", None)  # (measured by the measure stage)
+        st = host.stalls_at(lo) if host is not None else None
+        if st is None:
+            st = stall_stretches(self.a, lo)
         n = self.n_step_rows
         d = (st["end"] - st["start"]).to_numpy(dtype=np.float64) if len(st) else np.zeros(0)
         return {"host_stall_us_per_step": float(d.sum()) / n, "host_stalls_per_step": len(d) / n,
@@ -138,7 +141,8 @@ class RunMetrics:
         v["tiny_kernels_per_step"] = float(tiny) / n
         v["tiny_kernel_share"] = (v["tiny_kernels_per_step"] / (n_kern / n)) if n_kern else None
         v["median_kernel_us"] = finite(np.median(k["dur"])) if len(k) else None
-        gaps_n, gaps_us = gpu_gaps(k)
+        host = getattr(a, "host", None)  # (measured by the measure stage)
+        gaps_n, gaps_us = host.gaps if host is not None else gpu_gaps(k)
         v["gaps_per_step"] = gaps_n / n
         v["gap_us_per_step"] = gaps_us / n
         replay = float(k.loc[k["graph_replay"], "dur"].sum()) if len(k) else 0.0
@@ -147,7 +151,8 @@ class RunMetrics:
         n_dtoh, dtoh_us = dtoh_copies(k)
         v["dtoh_per_step"] = n_dtoh / n
         v["dtoh_us_per_step"] = dtoh_us / n
-        calls, call_us, bubble = host_syncs(a.trace.runtime, a.trace.kernels, sel)
+        calls, call_us, bubble = (host.syncs if host is not None else
+                                  host_syncs(a.trace.runtime, a.trace.kernels, sel))
         v["sync_calls_per_step"] = calls / n
         v["sync_us_per_step"] = call_us / n
         v["sync_idle_us_per_step"] = bubble / n

@@ -405,6 +405,8 @@ def _remove_stalls(a: Analysis, m: Model, p: Params, e: Edit, cache: dict[str, A
     v = float(e.value or 0.0)
     key = f"stalls:{v:g}"
     st = cache.get(key) if cache is not None else None
+    if st is None and getattr(a, "host", None) is not None:
+        st = a.host.stalls_at(v)  # measured by the measure stage at the settings' threshold
     if st is None:
         st = stall_stretches(a, v)
         if cache is not None:
