@@ -134,10 +134,13 @@ def _salvage_event(raw: bytes, out: _Salvaged) -> None:
         out.drop("not_object", False)
         return
     ph, cat = _raw_str(bytes(r.ph)) if r.ph else "", _raw_str(bytes(r.cat)) if r.cat else ""
-    if ph != "X" or cat is None:
-        return  # an event the analysis never uses: not checked
-    kind = _KIND.get(cat.lower())
+    kind = _KIND.get(cat.lower()) if ph == "X" and cat is not None else None
     if kind is None:
+        # an event the analysis never uses: not checked, except that the typed decoder reads its name and
+        # tid strings (their UTF-8 too), so an invalid one raises msgspec.DecodeError here as well
+        for raw in (bytes(r.name), bytes(r.tid)):
+            if raw[:1] == b'"':
+                msgspec.json.decode(raw)
         return
     name = _raw_str(bytes(r.name)) if r.name else ""
     if name is None:
