@@ -492,3 +492,17 @@ def test_step_graph_longest_path_without_the_module(monkeypatch) -> None:
         monkeypatch.setenv("TRACEINSPECT_NATIVE", "0")
         assert g.longest_path() == native
         monkeypatch.delenv("TRACEINSPECT_NATIVE")
+
+
+def test_ids_beyond_two_to_the_53_stay_exact_on_both_paths() -> None:
+    """Integer ids are int64 as written, on the msgspec path too, also where some events lack them (that
+    column once went through float64: 2**63 - 1 came back as -2**63)."""
+    text = (b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "tid": 7, "ts": 1, "dur": 1, "args": '
+            b'{"stream": 7, "correlation": 9223372036854775807, "External id": 9007199254740993}}, '
+            b'{"ph": "X", "cat": "kernel", "name": "k2", "tid": 7, "ts": 2, "dur": 1, "args": {"stream": 7}}]}')
+    want = parse.parse_bytes_whole(text, Path("x.json"))
+    assert want.kernels["correlation"].tolist() == [2**63 - 1, -1]
+    assert want.kernels["external_id"].tolist() == [2**53 + 1, -1]
+    assert_same(parse.parse_bytes(text, Path("x.json")), want)
+    for size in (1, 5, 1 << 30):
+        assert_same(_native_pieces(text, size), want)

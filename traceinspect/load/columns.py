@@ -162,9 +162,8 @@ def _ids(values: list[Any]) -> np.ndarray:
     """Integer ids with None as -1."""
     try:
         return np.array(values, dtype=np.int64)
-    except TypeError:  # None present
-        a = np.array(values, dtype=np.float64)
-        return np.where(np.isnan(a), -1, a).astype(np.int64)
+    except TypeError:  # None present (exactly, not through floats: ids beyond 2**53 stay as written)
+        return np.fromiter((-1 if v is None else v for v in values), dtype=np.int64, count=len(values))
 
 
 def _tids(values: list[Any]) -> np.ndarray:
