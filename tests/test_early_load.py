@@ -249,3 +249,25 @@ def test_parse_processes() -> None:
     assert parse_processes(8, 0) == 1
     cpus = os.cpu_count() or 1
     assert parse_processes(64, None) == max(1, cpus // 2)
+
+
+_HUGEPAGE = """
+import os, sys
+from traceinspect.load import early
+early.start([sys.argv[1]], use_cache=False, jobs=None, executor="local")
+early.drop()
+import numpy as np
+print(os.environ.get("NUMPY_MADVISE_HUGEPAGE"), int(np._core.multiarray._get_madvise_hugepage()))
+"""
+
+
+@pytest.mark.parametrize("env, want", [(None, "0 0"), ("1", "1 1")], ids=["default", "set-by-the-user"])
+def test_the_commands_keep_numpy_arrays_on_small_pages(env: str | None, want: str) -> None:
+    """What the commands set before numpy is imported (a setting in the environment is kept)."""
+    e = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
+    if env is not None:
+        e["NUMPY_MADVISE_HUGEPAGE"] = env
+    e["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run([sys.executable, "-c", _HUGEPAGE, str(fixture_dir("tp1-l6-gather-eager"))], env=e,
+                       capture_output=True, text=True, check=True, cwd=ROOT)
+    assert r.stdout.split() == want.split()
