@@ -30,7 +30,7 @@ import bench  # noqa: E402 - the benchmark's trace builder and README writer
 MARK_START, MARK_END = "<!-- bench:stages:start -->", "<!-- bench:stages:end -->"
 STAGES = [("start", "start-up: interpreter, imports (the early read beside them)"),
           ("load", "load: the rest of the read, tables, link"), ("steps", "steps"), ("classify", "classify"),
-          ("select", "step selection and the analysis record"), ("measure", "measure (GEMM, memory, collectives)"),
+          ("select", "step selection and the analysis record"), ("measure", "measure (GEMM, memory; collectives and host activity beside)"),
           ("judge", "judge (rules, what-if replays)"), ("document", "document (the JSON contract)"),
           ("html", "HTML report"), ("total", "whole process")]
 
