@@ -14,7 +14,7 @@ import pandas as pd
 
 from traceinspect.load.native import native_available, native_module
 from traceinspect.measure.comm_settings import IDLE_MIN_US, ORDER_TOL_US, load_settings
-from traceinspect.tables import text_values
+from traceinspect.tables import groups, text_values
 from traceinspect.units import json_num
 
 if TYPE_CHECKING:
@@ -157,12 +157,6 @@ class StepGraph:
             return np.frombuffer(path, dtype=np.int64).tolist()
         return _longest_path(len(self.weight), self.weight.tolist(),
                              list(zip(self.src.tolist(), self.dst.tolist(), strict=True)), self.source, self.sink)
-
-    def nodes(self, ids: list[int]) -> tuple[list[float], list[str], list[int | None], list[str]]:
-        """Weight, class, rank (None: none) and label of the given nodes."""
-        ix = np.asarray(ids, dtype=np.int64)
-        return (self.weight[ix].tolist(), [self.cls_names[c] for c in self.cls[ix].tolist()],
-                [None if r < 0 else r for r in self.rank[ix].tolist()], [self.labels[i] for i in self.label[ix].tolist()])
 
 
 def _activities(a: Analysis, sel: pd.DataFrame, res: Collectives, positions: list[int] | None = None) -> pd.DataFrame:
@@ -403,15 +397,6 @@ def _step_arrays(act: pd.DataFrame) -> tuple[StepGraph, float, float] | None:
     return G, t0, t1
 
 
-def _first_order(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct codes in order of first appearance, each element's index among them)."""
-    uniq, first, inv = np.unique(codes, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")
-    rank_of = np.empty(len(order), dtype=np.int64)
-    rank_of[order] = np.arange(len(order))
-    return uniq[order], rank_of[inv.ravel()]
-
-
 def _sums(groups: np.ndarray, n: int, w: np.ndarray) -> list[float]:
     """Per group 0..n-1: the sum of its weights, added in element order (as a running sum would)."""
     return np.bincount(groups, weights=w, minlength=n).tolist() if len(groups) else [0.0] * n
@@ -427,19 +412,19 @@ def _path_summary(G: StepGraph, path: list[int], t0: float, t1: float) -> dict[s
     to_canon = np.array([canon.setdefault(c, len(canon)) for c in G.cls_names], dtype=np.int64)
     names = list(canon)
     w, cls, rank, lab = w[on], to_canon[G.cls[ix][on]], G.rank[ix][on], G.label[ix][on]
-    ucls, ci = _first_order(cls)
-    comp = dict(zip((names[c] for c in ucls.tolist()), _sums(ci, len(ucls), w), strict=True))
+    ci, first = groups(cls)  # (numbered in order of first appearance: the dicts' key order)
+    comp = dict(zip((names[c] for c in cls[first].tolist()), _sums(ci, len(first), w), strict=True))
     ranked = rank >= 0
     rr, rc, rw = rank[ranked], cls[ranked], w[ranked]
-    urank, ri = _first_order(rr)
-    by_rank = dict(zip(urank.tolist(), _sums(ri, len(urank), rw), strict=True))
+    ri, first = groups(rr)
+    by_rank = dict(zip(rr[first].tolist(), _sums(ri, len(first), rw), strict=True))
     host = np.nonzero(rc == canon["host"])[0] if "host" in canon else np.zeros(0, dtype=np.int64)
-    uh, hi = _first_order(rr[host])
-    host_by_rank = dict(zip(uh.tolist(), _sums(hi, len(uh), rw[host]), strict=True))
+    hi, first = groups(rr[host])
+    host_by_rank = dict(zip(rr[host][first].tolist(), _sums(hi, len(first), rw[host]), strict=True))
     cls_by_rank: dict[int, dict[str, float]] = {r: {} for r in by_rank}
-    upair, pi = _first_order(rr * (len(names) + 1) + rc)
-    for key, v in zip(upair.tolist(), _sums(pi, len(upair), rw), strict=True):
-        cls_by_rank[key // (len(names) + 1)][names[key % (len(names) + 1)]] = v
+    pi, first = groups(rr, rc)
+    for r, c, v in zip(rr[first].tolist(), rc[first].tolist(), _sums(pi, len(first), rw), strict=True):
+        cls_by_rank[r][names[c]] = v
     # runs of one rank and class
     new = np.ones(len(w), dtype=bool)
     new[1:] = (rank[1:] != rank[:-1]) | (cls[1:] != cls[:-1])
