@@ -32,6 +32,12 @@ class HostActivity:
         return self.stalls if min_us == self.stall_min_us else None
 
 
+def host_of(a: Analysis) -> HostActivity:
+    """``a``'s host activity: the measure stage's, or measured now (for a record made without it)."""
+    host = getattr(a, "host", None)
+    return host if host is not None else host_activity(a)
+
+
 def host_activity(a: Analysis) -> HostActivity:
     """The host-side facts of ``a``'s analysed steps."""
     lo = load_settings().host_stall_min_us

@@ -9,16 +9,13 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.judge.metrics.registry import Subject, class_ids, declare
+from traceinspect.measure.host import HostActivity, host_of
 from traceinspect.measure.idle import (
     GAP_MIN_US,
     TINY_KERNEL_US,
     dtoh_copies,
-    gpu_gaps,
-    host_syncs,
     tiny_kernels,
 )
-from traceinspect.measure.replay.model import load_settings
-from traceinspect.measure.replay.stalls import stall_stretches
 from traceinspect.measure.specs import resolve_gpu
 from traceinspect.units import finite
 
@@ -104,12 +101,8 @@ class RunMetrics:
     total_us: float
     run_missing: dict[str, str]
 
-    def _host_stalls(self) -> dict[str, Any]:
-        lo = load_settings().host_stall_min_us
-        host = getattr(self.a, "host", None)  # (measured by the measure stage)
-        st = host.stalls_at(lo) if host is not None else None
-        if st is None:
-            st = stall_stretches(self.a, lo)
+    def _host_stalls(self, host: HostActivity) -> dict[str, Any]:
+        lo, st = host.stall_min_us, host.stalls
         n = self.n_step_rows
         d = (st["end"] - st["start"]).to_numpy(dtype=np.float64) if len(st) else np.zeros(0)
         return {"host_stall_us_per_step": float(d.sum()) / n, "host_stalls_per_step": len(d) / n,
@@ -141,8 +134,8 @@ class RunMetrics:
         v["tiny_kernels_per_step"] = float(tiny) / n
         v["tiny_kernel_share"] = (v["tiny_kernels_per_step"] / (n_kern / n)) if n_kern else None
         v["median_kernel_us"] = finite(np.median(k["dur"])) if len(k) else None
-        host = getattr(a, "host", None)  # (measured by the measure stage)
-        gaps_n, gaps_us = host.gaps if host is not None else gpu_gaps(k)
+        host = host_of(a)
+        gaps_n, gaps_us = host.gaps
         v["gaps_per_step"] = gaps_n / n
         v["gap_us_per_step"] = gaps_us / n
         replay = float(k.loc[k["graph_replay"], "dur"].sum()) if len(k) else 0.0
@@ -151,12 +144,11 @@ class RunMetrics:
         n_dtoh, dtoh_us = dtoh_copies(k)
         v["dtoh_per_step"] = n_dtoh / n
         v["dtoh_us_per_step"] = dtoh_us / n
-        calls, call_us, bubble = (host.syncs if host is not None else
-                                  host_syncs(a.trace.runtime, a.trace.kernels, sel))
+        calls, call_us, bubble = host.syncs
         v["sync_calls_per_step"] = calls / n
         v["sync_us_per_step"] = call_us / n
         v["sync_idle_us_per_step"] = bubble / n
-        v.update(self._host_stalls())
+        v.update(self._host_stalls(host))
         rm = a.run_model
         for name in ("batch", "layers", "kv_pool_tokens", "kv_cache_dtype", "kv_row_bytes"):
             v[name] = rm.value(name)
