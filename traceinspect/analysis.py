@@ -103,7 +103,7 @@ class Analysis:
         """One row per aligned step index: the TP step time (slowest rank's GPU span) and the mean
         per-rank time of each class in that step. Used for medians and for the gate's noise test (built
         once per pair of step and class tables; callers only read it)."""
-        key = (id(self.selected), id(self.class_steps))
+        key = self._samples_key()
         if self._samples is None or self._samples[0] != key:
             self._samples = (key, self._step_samples())
         return self._samples[1]
@@ -111,7 +111,10 @@ class Analysis:
     def keep_step_samples(self, samples: pd.DataFrame) -> None:
         """Take ``samples`` as :meth:`step_samples` of the current step and class tables (built elsewhere:
         in the process the measure stage forks)."""
-        self._samples = ((id(self.selected), id(self.class_steps)), samples)
+        self._samples = (self._samples_key(), samples)
+
+    def _samples_key(self) -> tuple[int, int]:
+        return id(self.selected), id(self.class_steps)  # the tables the samples are built from
 
     def _step_samples(self) -> pd.DataFrame:
         sel = self.selected.copy()
