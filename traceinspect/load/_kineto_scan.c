@@ -1000,16 +1000,8 @@ static const char *read_str(Ctx *c, const char *p, Str *out, int *ok) {
  * text (KEY_AT). */
 enum { F_PH, F_CAT, F_NAME, F_TS, F_DUR, F_TID, F_ARGS, F_OTHER, F_PID = F_OTHER, F_ID, F_BP, F_S };
 
-static int event_field(const char *k, size_t kn) {
-    if (KEY_IS(k, kn, "ph")) return F_PH;
-    if (KEY_IS(k, kn, "cat")) return F_CAT;
-    if (KEY_IS(k, kn, "name")) return F_NAME;
-    if (KEY_IS(k, kn, "ts")) return F_TS;
-    if (KEY_IS(k, kn, "dur")) return F_DUR;
-    if (KEY_IS(k, kn, "tid")) return F_TID;
-    if (KEY_IS(k, kn, "args")) return F_ARGS;
-    return F_OTHER;
-}
+/* their names, in that order */
+static const char *const EVENT_KEYS[F_OTHER] = {"ph", "cat", "name", "ts", "dur", "tid", "args"};
 
 /* a key matched by event_key_at or args_key_at: its field, and its length in *kn */
 #define MATCH(lit, f)                                                                                 \
@@ -1040,18 +1032,29 @@ enum {
     A_SEQ, A_FWD,
 };
 
-static int args_field(const char *k, size_t kn) {
-    if (KEY_IS(k, kn, "correlation")) return A_CORR;
-    if (KEY_IS(k, kn, "External id")) return A_EXT;
-    if (KEY_IS(k, kn, "device")) return A_DEVICE;
-    if (KEY_IS(k, kn, "stream")) return A_STREAM;
-    if (KEY_IS(k, kn, "bytes")) return A_BYTES;
-    if (KEY_IS(k, kn, "grid")) return A_GRID;
-    if (KEY_IS(k, kn, "block")) return A_BLOCK;
-    if (KEY_IS(k, kn, "Input Dims")) return A_DIMS;
-    if (KEY_IS(k, kn, "Input type")) return A_TYPES;
-    if (KEY_IS(k, kn, "Concrete Inputs")) return A_CONCRETE;
-    return A_OTHER;
+static const char *const ARGS_KEYS[A_OTHER] = {"correlation", "External id", "device", "stream", "bytes",
+                                               "grid", "block", "Input Dims", "Input type", "Concrete Inputs"};
+
+/* Past the key token at p and its ':', with the key's field in *f: ``at`` and ``kn`` where the key was
+ * matched as written plainly (event_key_at, args_key_at), else (at -1) the key decoded and looked up
+ * among the n names (n: none of them). */
+static inline const char *member_key(Ctx *c, const char *p, int at, size_t kn, const char *const *names, int n,
+                                     int *f) {
+    if (at >= 0) {
+        *f = at;
+        return after_key(c, p + kn + 2);
+    }
+    const char *k;
+    p = read_key(c, p, &k, &kn);
+    if (!p) return NULL;
+    *f = n;
+    for (int i = 0; i < n; i++) {
+        if (strlen(names[i]) == kn && memcmp(k, names[i], kn) == 0) {
+            *f = i;
+            break;
+        }
+    }
+    return p;
 }
 
 static inline int args_key_at(const char *p, const char *end, size_t *kn) {
@@ -1091,16 +1094,9 @@ static const char *read_args(Ctx *c, const char *p, Event *e) {
     if (p >= c->end) return need(c, p);
     if (*p == '}') return p + 1;
     for (;;) {
-        const char *k;
-        size_t kn;
+        size_t kn = 0;
         int f = args_key_at(p, c->end, &kn);
-        if (f >= 0) {
-            p = after_key(c, p + kn + 2);
-        } else {
-            p = read_key(c, p, &k, &kn);
-            if (!p) return NULL;
-            f = args_field(k, kn);
-        }
+        p = member_key(c, p, f, kn, ARGS_KEYS, A_OTHER, &f);
         if (!p) return NULL;
         if (f <= A_STREAM) {
             p = read_int(c, p, &e->ints[f], &e->ints_set[f], &e->args_typed);
@@ -1165,16 +1161,9 @@ static const char *read_event(Ctx *c, const char *p, Event *e, int *is_obj) {
     if (*p == '}') return p + 1;
     for (;;) {
         int ok;
-        const char *k;
-        size_t kn;
+        size_t kn = 0;
         int f = event_key_at(p, c->end, &kn);
-        if (f >= 0) {
-            p = after_key(c, p + kn + 2);
-        } else {
-            p = read_key(c, p, &k, &kn);
-            if (!p) return NULL;
-            f = event_field(k, kn);
-        }
+        p = member_key(c, p, f, kn, EVENT_KEYS, F_OTHER, &f);
         if (!p) return NULL;
         if (f == F_PH) {
             p = read_str(c, p, &e->ph, &e->ph_ok);
