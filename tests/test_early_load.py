@@ -3,6 +3,7 @@ itself: the same tables, digests, errors and error precedence; a warm cache is r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -102,6 +103,39 @@ def test_cli_analysis_is_the_same_with_and_without_the_early_read(tmp_path: Path
     plain = _analysis([d, "--jobs", "1", "--no-cache"], out, capsys)
     assert calls == [False, False]
     assert with_early == plain
+
+
+@pytest.mark.parametrize("command", ["diff", "gate"])
+def test_diff_and_gate_read_a_trace_set_baseline_early(command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    base, cand = str(fixture_dir("tp1-l6-full-eager")), str(fixture_dir("tp1-l6-gather-eager"))
+    calls: list[bool] = []
+    real_take = early.take
+
+    def take(path: Path, root: Path | None) -> Any:
+        got = real_take(path, root)
+        calls.append(got is not None)
+        return got
+
+    def run(*sides: str) -> dict[str, Any]:
+        out = tmp_path / f"{command}.json"
+        calls.clear()
+        with pytest.raises(SystemExit) if command == "gate" else contextlib.nullcontext():
+            main([command, *sides, "--jobs", "1", "--no-cache", "--json", str(out)])
+        capsys.readouterr()
+        return json.loads(out.read_text())
+
+    monkeypatch.setattr(early, "take", take)
+    with_early = run(base, cand)
+    assert calls == [True, False]  # the baseline's one rank file was read early, the candidate's by the loader
+    stored = tmp_path / "base.json"
+    main(["analyze", base, "-q", "--jobs", "1", "--no-cache", "--json", str(stored)])
+    capsys.readouterr()
+    run(str(stored), cand)  # a stored baseline: nothing to read early
+    assert calls == [False]
+    monkeypatch.setattr(early, "start", lambda *a, **k: None)
+    assert run(base, cand) == with_early
+    assert calls == [False, False]
 
 
 def test_no_early_read_when_ranks_are_parsed_in_other_processes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,6 +38,16 @@ def input_document(path: str, options: Any) -> dict[str, Any]:
     return labelled(validate_document(analyze([str(path)], options).to_json(), str(path)), str(path))
 
 
+def start_base(base: str, kw: dict[str, Any]) -> None:
+    """Begin reading the baseline beside the imports when it is a trace set (it is analysed first)."""
+    from pathlib import Path
+
+    from traceinspect.document.read import is_analysis_file
+
+    if not (Path(base).is_file() and is_analysis_file(Path(base))):
+        start_reading([base], kw)
+
+
 def _load_pair(base: str, cand: str, kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     options = build_options(**kw)
     return input_document(base, options), input_document(cand, options)
@@ -71,6 +81,7 @@ def diff_cmd(base: str, cand: str, json_out: str | None, md_out: str | None, sho
     efficiency, findings added/removed/changed. Each side is a trace set (directory, rank files,
     glob) or an analysis JSON from `traceinspect analyze --json`. Never fails on a regression (see
     `traceinspect gate`); exits 2 on unusable input."""
+    start_base(base, kw)
     from traceinspect.gate import diff_documents, outputs
 
     b, c = _load_pair(base, cand, kw)
@@ -115,12 +126,7 @@ def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str |
     noise, or has new findings at or above --fail-on. Exit 0 on pass, 2 on unusable input
     (bad files, missing steps, different GPU/TP size/phase without --allow-mismatch). BASE and
     CAND are trace sets or analysis JSON files from `traceinspect analyze --json`."""
-    from pathlib import Path
-
-    from traceinspect.document.read import is_analysis_file
-
-    if not (Path(base).is_file() and is_analysis_file(Path(base))):
-        start_reading([base], kw)  # the baseline is analysed first
+    start_base(base, kw)
     from traceinspect.errors import TraceInputError, TraceInspectError
     from traceinspect.gate import (
         DEFAULT_ALPHA,
