@@ -137,3 +137,26 @@ def test_ranks_linked_where_parsed_equal_linking_the_stacked_tables() -> None:
     np.testing.assert_array_equal(ts.cpu_ops["parent"].to_numpy(), ops["parent"].to_numpy())
     pd.testing.assert_frame_equal(ts.runtime.reset_index(drop=True), rt.reset_index(drop=True))
     assert link(ts) is ts and ts.linked  # already linked: nothing to redo
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_op_names_number_the_stacked_op_name_column(native: str, cpu_pair: list[Path],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TraceSet.op_names``: the loader's numbering of ``cpu_ops.name`` (every rank's, shifted as the
+    tables are stacked), from the scanner's strings or from the msgspec path; else made on first use."""
+    from traceinspect.link import link_parsed
+
+    monkeypatch.setenv("TRACEINSPECT_NATIVE", native)
+    fix = Path(__file__).resolve().parents[1] / "fixtures" / "kv-full-cast-eager"
+    for paths in ([fix], cpu_pair):
+        ts = load_trace_set(paths, use_cache=False, prepare=link_parsed, require_kernels=False)
+        assert ts.n_ranks == 2 and ts.op_name_codes is not None
+        codes, texts = ts.op_names()
+        names = ts.cpu_ops["name"].to_numpy(dtype=object)
+        assert len(codes) == len(names) > 0
+        assert texts[codes].tolist() == names.tolist()
+    ts = load_trace_set(cpu_pair, use_cache=False, require_kernels=False)  # not linked by the loader
+    assert ts.op_name_codes is None
+    codes, texts = ts.op_names()
+    assert texts[codes].tolist() == ts.cpu_ops["name"].tolist() and len(set(texts.tolist())) == len(texts)
+    assert ts.op_names()[0] is codes  # made once

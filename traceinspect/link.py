@@ -223,7 +223,9 @@ def link_parsed(p: ParsedRank) -> None:
     tables = (p.kernels, p.runtime, p.cpu_ops)
     for t in tables:
         t["rank"] = 0
-    p.link_dups = link_tables(*tables, rt_names=take_name_codes(p, "runtime"), op_names=take_name_codes(p, "cpu_ops"))
+    op_names = take_name_codes(p, "cpu_ops") or factorize_text(p.cpu_ops["name"].to_numpy(dtype=object))
+    p.link_dups = link_tables(*tables, rt_names=take_name_codes(p, "runtime"), op_names=op_names)
+    p.op_name_codes = op_names  # type: ignore[attr-defined]  # not a field: neither cached nor compared
     for t in tables:
         del t["rank"]
     # kernel names as a categorical (made here, in the parse worker): the analysis groups and filters

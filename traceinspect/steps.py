@@ -30,6 +30,7 @@ import pandas as pd
 
 from traceinspect.link import GRAPH_LAUNCH
 from traceinspect.model import TraceSet
+from traceinspect.tables import factorize_text
 
 STEP_SPAN = re.compile(r"^step\[(\w+)", re.IGNORECASE)
 PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")
@@ -451,14 +452,15 @@ def run_kind(ts: TraceSet, steps: pd.DataFrame) -> RunKind:
     """Decide the run's kind once: training where backward ops, autograd's engine or optimizer steps
     appear; else from the phases of its steps."""
     hits: dict[str, int] = {}
-    for df in (ts.cpu_ops, ts.annotations):
-        if not len(df):
+    ann_codes, ann_names = factorize_text(ts.annotations["name"].to_numpy(dtype=object)) \
+        if len(ts.annotations) else (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=object))
+    for codes, texts in (ts.op_names(), (ann_codes, ann_names)):
+        if not len(codes):
             continue
-        names = pd.Series(pd.unique(df["name"].to_numpy(dtype=object)), dtype=object)
-        found = names[names.str.contains(TRAINING_OPS)]
-        if len(found):
-            n = df["name"].isin(set(found)).sum()
-            hits[", ".join(sorted(found)[:3])] = int(n)
+        hit = pd.Series(texts, dtype=object).str.contains(TRAINING_OPS, na=False).to_numpy(dtype=bool)
+        if hit.any():
+            found = set(texts[hit].tolist())
+            hits[", ".join(sorted(found)[:3])] = int(np.count_nonzero(hit[codes]))
     if hits:
         what = "; ".join(f"{n} x {k}" for k, n in hits.items())
         return RunKind("training", f"backward / optimizer ops in the trace ({what})")

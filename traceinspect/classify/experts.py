@@ -76,10 +76,8 @@ def model_has_experts(ts: TraceSet, table: ClassTable | None = None, run: RunMod
                  if (m := _RULE_ID.match(str(e))) and m.group(1) not in generic}
         if named:
             return True, "MoE routing / dispatch kernels in the trace"
-    if len(ts.cpu_ops):
-        names = pd.Series(unique_text(ts.cpu_ops["name"].to_numpy(dtype=object)), dtype=object)
-        if names.str.contains(_MOE_OPS).any():
-            return True, "MoE ops in the trace"
+    if len(ts.cpu_ops) and pd.Series(ts.op_names()[1], dtype=object).str.contains(_MOE_OPS, na=False).any():
+        return True, "MoE ops in the trace"
     return False, "no expert count (server_info, --experts, router shapes) and no expert GEMM, MoE routing kernel or MoE op in the trace"
 
 

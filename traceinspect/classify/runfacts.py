@@ -40,7 +40,7 @@ from traceinspect.model.run import (
 )
 from traceinspect.model.shapes import dims, tensor_bytes
 from traceinspect.steps import select_steps
-from traceinspect.tables import combine_codes, factorize_text, text_values
+from traceinspect.tables import combine_codes, factorize_text, text_isin, text_values
 
 if TYPE_CHECKING:
     from traceinspect.classify.graphs import GraphOps
@@ -268,6 +268,12 @@ def _pool_from_shapes(ts: TraceSet, steps: pd.DataFrame | None, graph_ops: Graph
     return None
 
 
+def _named(ts: TraceSet, names: Any) -> np.ndarray:
+    """Which of ``ts.cpu_ops`` are named one of ``names`` (tested once per distinct name)."""
+    codes, texts = ts.op_names()
+    return text_isin(texts, names)[codes]
+
+
 def _shape_frames(ts: TraceSet, steps: pd.DataFrame | None, graph_ops: GraphOps | None,
                   names: tuple[str, ...]) -> list[tuple[str, pd.DataFrame, float]]:
     """(source, the recorded ops named ``names`` of one forward set, forwards it spans): the eager ops
@@ -276,7 +282,7 @@ def _shape_frames(ts: TraceSet, steps: pd.DataFrame | None, graph_ops: GraphOps 
     ops = getattr(ts, "cpu_ops", None)
     cols = ["name", "input_dims", "input_types"]
     if ops is not None and len(ops) and set(cols) <= set(ops.columns):
-        inside, n = _in_steps(ops[ops["name"].isin(names)], steps)
+        inside, n = _in_steps(ops[_named(ts, names)], steps)
         if n and len(inside):
             out.append(("shapes", inside[cols], float(n)))
     if graph_ops is not None:
@@ -311,9 +317,9 @@ def _routing(ts: TraceSet, steps: pd.DataFrame | None, graph_ops: GraphOps | Non
     frames: list[tuple[str, pd.DataFrame, float]] = []
     ops = getattr(ts, "cpu_ops", None)
     if ops is not None and len(ops) and "name" in ops:
-        inside, n_steps = _in_steps(ops[ops["name"].isin(ROUTER_TOPK)], steps)
+        inside, n_steps = _in_steps(ops[_named(ts, ROUTER_TOPK)], steps)
         if n_steps:
-            frames.append(("shapes", pd.concat([inside, ops[ops["name"].isin(list(ROUTER_GEMMS))]]), float(n_steps)))
+            frames.append(("shapes", pd.concat([inside, ops[_named(ts, ROUTER_GEMMS)]]), float(n_steps)))
     if graph_ops is not None:
         for _, cap in sorted(graph_ops.captures.items()):
             if cap.ops is None or not len(cap.ops):

@@ -14,6 +14,7 @@ from traceinspect.load.discover import RankFile, discover, read_server_info
 from traceinspect.load.raw import _sha256, parse_processes
 
 if TYPE_CHECKING:
+    import numpy as np
     import pandas as pd
 
     from traceinspect.load.parse import ParsedRank
@@ -288,6 +289,20 @@ def _concat(frames: list[pd.DataFrame], ranks: list[int],
     return pd.DataFrame(cols, copy=False)
 
 
+def _stacked_codes(coded: list[tuple[np.ndarray, np.ndarray] | None]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The ranks' (codes, texts) of a name column, stacked as :func:`_concat` stacks the column (each rank's
+    codes shifted past the earlier ranks' texts); None unless every rank has them."""
+    import numpy as np
+
+    if not coded or any(c is None for c in coded):
+        return None
+    if len(coded) == 1:
+        return coded[0]
+    shift = np.cumsum([0] + [len(t) for _, t in coded])[:-1].tolist()
+    return (np.concatenate([c + s for (c, _), s in zip(coded, shift, strict=True)]),
+            np.concatenate([t for _, t in coded]))
+
+
 def duplicate_warning(n_dup: int) -> str:
     """The warning for runtime events that reuse a correlation id."""
     return f"{n_dup} runtime events reuse a correlation id; the first one is used"
@@ -364,6 +379,7 @@ def load_trace_set(
         warnings=warnings,
         sources=[str(p) for p in paths],
         linked=linked,
+        op_name_codes=_stacked_codes([getattr(p, "op_name_codes", None) for p in ordered]),
     )
     ts.warnings += rank_set_warnings(ts)  # captures that differ, ranks missing, clocks apart
     return ts

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 KERNEL_COLUMNS = [
@@ -101,10 +102,24 @@ class TraceSet:
     warnings: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     linked: bool = False  # link columns already present (the loader links each rank where it parses it)
+    # cpu_ops.name as (codes, texts), as the loader's link numbered it (texts may repeat); see op_names
+    op_name_codes: tuple[Any, Any] | None = field(default=None, repr=False, compare=False)
 
     @property
     def n_ranks(self) -> int:
         return len(self.ranks)
+
+    def op_names(self) -> tuple[Any, Any]:
+        """``cpu_ops.name`` as (integer codes, texts): a test of the op names runs once per text and is
+        spread with the codes. The loader's numbering when it kept one, else made here once. A text may
+        stand at two codes (the scanner numbers strings per rank): deduplicate before listing them."""
+        got = self.op_name_codes
+        if got is None or len(got[0]) != len(self.cpu_ops):
+            from traceinspect.tables import factorize_text
+
+            got = self.op_name_codes = factorize_text(self.cpu_ops["name"].to_numpy(dtype=object)) \
+                if "name" in self.cpu_ops else (np.zeros(len(self.cpu_ops), dtype=np.int64), np.zeros(0, dtype=object))
+        return got
 
     def rank_info(self, rank: int) -> RankInfo:
         for r in self.ranks:
