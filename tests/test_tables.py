@@ -80,3 +80,34 @@ def test_per_distinct_tests_each_value_once() -> None:
     arr = np.array(["ncclA", "gemm", "ncclA", "gemm", "x"], dtype=object)
     assert per_distinct(pd.Series(arr), test).tolist() == [True, False, True, False, False]
     assert sorted(seen) == ["gemm", "ncclA", "x"]
+
+
+def _dict_factorize(values: list) -> tuple[list[int], list]:
+    """The reference: a dict numbering values in order of first appearance (hash and ==)."""
+    seen: dict = {}
+    codes = [seen.setdefault(v, len(seen)) for v in values]
+    return codes, list(seen)
+
+
+@pytest.mark.parametrize("case", ["repeated", "distinct-then-repeated", "equal-texts", "mixed"])
+def test_factorize_text_numbers_values_as_a_dict_does(case: str) -> None:
+    """Values seen before by address, equal values met as other objects, and columns of more distinct
+    objects than are remembered by address all get the dict's numbering."""
+    rng = np.random.default_rng(7)
+    if case == "repeated":  # more distinct objects than the address table holds, each repeated
+        pool = [f"op_{i}" for i in range(100_000)]
+        values = [pool[i] for i in rng.integers(0, len(pool), 400_000)]
+    elif case == "distinct-then-repeated":  # the table fills with new objects, then repeats arrive
+        values = [f"x{i}" for i in range(150_000)]
+        values += [values[i] for i in rng.integers(0, len(values), 50_000)]
+    elif case == "equal-texts":  # one text as many objects: one code
+        values = ["".join(["aten::", "mm"]) for _ in range(1000)] + ["aten::mm", "aten::bmm"] * 10
+    else:
+        nan, other_nan = float("nan"), float("nan")
+        values = [1, 1.0, True, nan, nan, other_nan, None, b"a", "a", (1, 2), (1, 2), 0, False] * 3
+    arr = np.empty(len(values), dtype=object)
+    arr[:] = values
+    codes, uniq = factorize_text(arr)
+    ref_codes, ref_uniq = _dict_factorize(values)
+    assert codes.tolist() == ref_codes
+    assert len(uniq) == len(ref_uniq) and all(u is r for u, r in zip(uniq.tolist(), ref_uniq, strict=True))

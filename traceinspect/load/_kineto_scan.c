@@ -1904,7 +1904,45 @@ static PyTypeObject ScannerType = {
 };
 
 /* factorize(list) -> (codes: bytearray of int64, uniques: list): codes in order of first appearance,
- * equal values (hash and ==, as a dict has them) sharing one code. */
+ * equal values (hash and ==, as a dict has them) sharing one code.
+ *
+ * A column's values are mostly a few objects repeated (the tables' strings are made once per distinct
+ * text), so each object seen is remembered by its address first: the same object is the same dict key,
+ * and the dict (hash, then ==) is asked only for objects not met before. The list holds every item for
+ * the whole call, so no address is reused meanwhile. The address table stops growing at ID_MAX objects,
+ * and is no longer asked once it is full while most values so far were new objects (a column of mostly
+ * distinct objects gains nothing from it). */
+typedef struct {
+    PyObject *key;
+    int64_t code;
+} IdSlot;
+
+#define ID_MAX (1 << 16)
+
+static inline size_t id_slot(const PyObject *v, size_t mask) {
+    uint64_t h = (uint64_t)(uintptr_t)v;
+    h ^= h >> 29;
+    h *= 0x9E3779B97F4A7C15ULL;
+    return (size_t)(h >> 32) & mask;
+}
+
+static int id_grow(IdSlot **tab, size_t *cap) {
+    size_t ncap = *cap * 2, nmask = ncap - 1;
+    IdSlot *nt = (IdSlot *)calloc(ncap, sizeof(IdSlot));
+    if (!nt) return -1;
+    for (size_t i = 0; i < *cap; i++) {
+        PyObject *k = (*tab)[i].key;
+        if (!k) continue;
+        size_t j = id_slot(k, nmask);
+        while (nt[j].key) j = (j + 1) & nmask;
+        nt[j] = (*tab)[i];
+    }
+    free(*tab);
+    *tab = nt;
+    *cap = ncap;
+    return 0;
+}
+
 static PyObject *factorize(PyObject *Py_UNUSED(m), PyObject *arg) {
     if (!PyList_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "factorize takes a list");
@@ -1912,42 +1950,69 @@ static PyObject *factorize(PyObject *Py_UNUSED(m), PyObject *arg) {
     }
     Py_ssize_t n = PyList_GET_SIZE(arg);
     if (n > PY_SSIZE_T_MAX / 8) return PyErr_NoMemory();
+    size_t cap = 256, used = 0;
+    IdSlot *tab = (IdSlot *)calloc(cap, sizeof(IdSlot));
     PyObject *codes = PyByteArray_FromStringAndSize(NULL, n * 8);
     PyObject *seen = PyDict_New();
     PyObject *uniq = PyList_New(0);
-    if (!codes || !seen || !uniq) goto error;
+    if (!tab) PyErr_NoMemory();
+    if (!tab || !codes || !seen || !uniq) goto error;
     int64_t *out = (int64_t *)(void *)PyByteArray_AS_STRING(codes);
     PyObject *last = NULL;
     int64_t last_code = -1;
+    int probe = 1;
+    uint64_t hits = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *v = PyList_GET_ITEM(arg, i);
         if (v == last) { /* runs of one object: the same key */
             out[i] = last_code;
             continue;
         }
-        PyObject *c = PyDict_GetItemWithError(seen, v);
+        size_t j = 0;
+        if (probe) {
+            j = id_slot(v, cap - 1);
+            while (tab[j].key && tab[j].key != v) j = (j + 1) & (cap - 1);
+        }
         int64_t code;
-        if (c) {
-            code = PyLong_AsLongLong(c);
+        if (probe && tab[j].key) {
+            code = tab[j].code;
+            hits++;
         } else {
-            if (PyErr_Occurred()) goto error;
-            code = (int64_t)PyList_GET_SIZE(uniq);
-            PyObject *k = PyLong_FromLongLong(code);
-            if (!k) goto error;
-            int rc = PyDict_SetItem(seen, v, k);
-            Py_DECREF(k);
-            if (rc < 0 || PyList_Append(uniq, v) < 0) goto error;
+            PyObject *c = PyDict_GetItemWithError(seen, v);
+            if (c) {
+                code = PyLong_AsLongLong(c);
+            } else {
+                if (PyErr_Occurred()) goto error;
+                code = (int64_t)PyList_GET_SIZE(uniq);
+                PyObject *k = PyLong_FromLongLong(code);
+                if (!k) goto error;
+                int rc = PyDict_SetItem(seen, v, k);
+                Py_DECREF(k);
+                if (rc < 0 || PyList_Append(uniq, v) < 0) goto error;
+            }
+            if (probe && used < ID_MAX) { /* remembered by address (j: the free slot the probe ended on) */
+                tab[j].key = v;
+                tab[j].code = code;
+                if (++used * 2 > cap && id_grow(&tab, &cap) < 0) {
+                    PyErr_NoMemory();
+                    goto error;
+                }
+            } else if (probe && hits < (uint64_t)i / 2) {
+                probe = 0; /* full, and most values were new objects: the dict alone from here */
+            }
         }
         out[i] = code;
         last = v;
         last_code = code;
     }
+    free(tab);
     Py_DECREF(seen);
     PyObject *res = PyTuple_Pack(2, codes, uniq);
     Py_DECREF(codes);
     Py_DECREF(uniq);
     return res;
 error:
+    free(tab);
     Py_XDECREF(codes);
     Py_XDECREF(seen);
     Py_XDECREF(uniq);
