@@ -111,3 +111,16 @@ def test_factorize_text_numbers_values_as_a_dict_does(case: str) -> None:
     ref_codes, ref_uniq = _dict_factorize(values)
     assert codes.tolist() == ref_codes
     assert len(uniq) == len(ref_uniq) and all(u is r for u, r in zip(uniq.tolist(), ref_uniq, strict=True))
+
+
+def test_text_isin_agrees_with_pandas_on_short_and_long_columns() -> None:
+    from traceinspect.tables import text_isin
+
+    rng = np.random.default_rng(3)
+    pool = np.array([*NAMES, None, "attention", "gemm_bf16"], dtype=object)
+    for n in (10, 50_000):  # the long one is numbered first
+        arr = pool[rng.integers(0, len(pool), n)]
+        got = text_isin(arr, ("attention", "", "gemm_bf16"))
+        want = pd.Series(arr, dtype=object).isin(["attention", "", "gemm_bf16"]).to_numpy()
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == bool and got.any() and not got.all()

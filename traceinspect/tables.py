@@ -171,7 +171,11 @@ def first_rows(codes: np.ndarray) -> np.ndarray:
 
 def text_isin(values: np.ndarray, options: Any) -> np.ndarray:
     """``np.isin(values, options)`` for an object array of text and a few options (class names): one
-    hash-table pass, where numpy compares every row with every option."""
+    hash-table pass, where numpy compares every row with every option. A long column is numbered
+    first (:func:`factorize_text`: its rows are a few objects repeated) and each distinct value tested."""
+    if _factorize is not None and isinstance(values, np.ndarray) and values.dtype == object and len(values) > 4096:
+        codes, uniq = factorize_text(values)
+        return pd.Series(uniq, dtype=object, copy=False).isin(list(options)).to_numpy(dtype=bool)[codes]
     return pd.Series(values, dtype=object, copy=False).isin(list(options)).to_numpy(dtype=bool, copy=True)
 
 
