@@ -152,7 +152,7 @@ def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
     op_idx = kk["op_idx"].to_numpy()
     live = ~replay & (op_idx >= 0)
     if live.any() and len(ops):
-        oi = _model_ops(ops, op_idx[live])
+        oi = _model_ops(ops, op_idx[live], names=a.trace.op_names())
         inst[live] = oi
         source[live] = "shapes"
         op_name[live] = ops["name"].to_numpy(dtype=object)[oi]
@@ -175,22 +175,26 @@ def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
     }
 
 
-def _model_ops(ops: pd.DataFrame, idx: np.ndarray, levels: int = 2) -> np.ndarray:
+def _model_ops(ops: pd.DataFrame, idx: np.ndarray, levels: int = 2,
+               names: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """The op whose shapes describe a kernel: the launching op, or, when that one has no model (e.g.
-    ``aten::gather`` under ``aten::index_select``), the nearest enclosing op that has one."""
+    ``aten::gather`` under ``aten::index_select``), the nearest enclosing op that has one. ``names``: the
+    ops' names as (codes, texts) (:meth:`~traceinspect.model.TraceSet.op_names`), when known."""
     out = idx.copy()
     if not len(ops) or not len(idx):
         return out
     parent = ops["parent"].to_numpy() if "parent" in ops else np.full(len(ops), -1)
-    names = ops["name"].to_numpy(dtype=object)
+    codes, texts = names if names is not None else factorize_text(ops["name"].to_numpy(dtype=object))
+    # whether an op has a model: decided once per distinct name
+    modelled = np.fromiter((isinstance(t, str) and op_handler(t) is not None for t in texts.tolist()), dtype=bool,
+                           count=len(texts))
     sel = np.nonzero(idx >= 0)[0]
     j = idx[sel].astype(np.int64)
     hit = j.copy()
     live = np.ones(len(sel), dtype=bool)
     for _ in range(levels + 1):  # the op itself, then up to ``levels`` enclosing ops
         found = live.copy()
-        # whether the op has a model: decided once per distinct name among the ops reached
-        found[live] = per_distinct(names[j[live]], lambda n: op_handler(n) is not None)
+        found[live] = modelled[codes[j[live]]]
         hit[found] = j[found]
         live &= ~found
         j = np.where(live, parent[np.maximum(j, 0)], -1)
