@@ -374,3 +374,56 @@ def test_fused_moe_op_with_unexpected_kernels_is_unknown(tmp_path: Path) -> None
     g = a.efficiency.calls[a.efficiency.calls["kind"] == "gemm"]
     assert len(g) and (g["shape_source"] == "unknown").all() and g["flops"].isna().all()
     assert g["reason"].str.contains("cannot tell which is which").all()
+
+
+def _memory_table_by_groupby(calls, spec):  # noqa: ANN001, ANN202 - the reference: grouping the text columns
+    import numpy as np
+
+    from traceinspect.measure.gemm import _HOST_LINK, MEMORY_TABLE_COLUMNS
+
+    m = calls.loc[(calls["kind"] == "memory") & calls["bytes"].notna(), ["name", "cls", "dtype", "bytes", "us"]].copy()
+    m["family"] = m["name"].astype(object).astype(str).where(m["name"].notna(), None)
+    m["bytes"] = m["bytes"].astype(float)
+    m["host"] = [bool(_HOST_LINK.search(str(n))) for n in m["name"]]
+    agg = m.groupby(["family", "cls"], sort=False).agg(
+        calls=("us", "size"), bytes=("bytes", "sum"), us=("us", "sum"), host=("host", "any")).reset_index()
+    dts = m.groupby(["family", "cls"], sort=False)["dtype"].agg(
+        lambda s: sorted({x for x in s if isinstance(x, str) and x}))
+    agg["dtypes"] = list(dts.to_numpy())
+    agg["gbps"] = np.where(agg["us"] > 0, agg["bytes"] / agg["us"] / 1e3, np.nan)
+    bw = spec.mem_bw_gbps
+    agg["pct_bw"] = np.where(agg["host"], np.nan, 100.0 * agg["gbps"] / bw)
+    agg["reason"] = np.where(agg["host"], "host link copy: not bounded by device memory bandwidth", "")
+    return agg.sort_values("us", ascending=False, kind="stable")[MEMORY_TABLE_COLUMNS].reset_index(drop=True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_memory_table_equals_grouping_by_family_and_class(seed: int) -> None:
+    """The memory table (grouped on integer codes) is what grouping the calls by their name and class
+    texts gives, rows without a name or class left out, on a real trace's calls and on shuffled ones."""
+    import numpy as np
+    import pandas as pd
+
+    from traceinspect.measure.gemm import _memory_table
+
+    a = analyze([str(fixture_dir("tp1-l6-full-eager"))], Options(use_cache=False, jobs=1))
+    calls, spec = a.efficiency.calls, a.efficiency.spec
+    assert spec is not None and (calls["kind"] == "memory").sum() > 10
+    if seed:
+        rng = np.random.default_rng(seed)
+        calls = calls.iloc[rng.permutation(len(calls))].reset_index(drop=True).copy()
+        names = calls["name"].to_numpy(dtype=object).copy()
+        names[rng.integers(0, len(names), 3)] = None  # rows without a name or a class are left out
+        names[rng.integers(0, len(names), 3)] = "Memcpy HtoD (Pinned -> Device)"
+        calls["name"] = pd.Series(names, dtype=object)
+        cls = calls["cls"].to_numpy(dtype=object).copy()
+        cls[rng.integers(0, len(cls), 2)] = None
+        calls["cls"] = pd.Series(cls, dtype=object)
+        calls["us"] = calls["us"] * rng.uniform(0.5, 2.0, len(calls))  # distinct times: one order by time
+    got, want = _memory_table(calls, spec), _memory_table_by_groupby(calls, spec)
+    assert len(got) == len(want) > 3
+    for c in ("family", "cls", "reason"):
+        assert got[c].tolist() == want[c].tolist()
+    assert got["dtypes"].tolist() == want["dtypes"].tolist() and got["calls"].tolist() == want["calls"].tolist()
+    for c in ("bytes", "us", "gbps", "pct_bw"):
+        np.testing.assert_array_equal(got[c].to_numpy(dtype=float), want[c].to_numpy(dtype=float))

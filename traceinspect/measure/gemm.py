@@ -30,6 +30,7 @@ from traceinspect.tables import (
     combine_codes,
     factorize_text,
     first_rows,
+    groups,
     per_distinct,
     text_codes,
     text_values,
@@ -504,23 +505,45 @@ MEMORY_TABLE_COLUMNS = ["family", "cls", "dtypes", "calls", "bytes", "us", "gbps
 
 
 def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
-    m = calls.loc[(calls["kind"].to_numpy() == "memory") & calls["bytes"].notna().to_numpy(),
-                  ["name", "cls", "dtype", "bytes", "us"]]
-    if not len(m):
+    """Memory-op calls per (family, class), in order of first appearance, then by time: calls, bytes,
+    time, achieved GB/s and share of the device's bandwidth, and the dtypes seen."""
+    pos = np.flatnonzero((calls["kind"].to_numpy() == "memory") & calls["bytes"].notna().to_numpy())
+    if not len(pos):
         return pd.DataFrame(columns=MEMORY_TABLE_COLUMNS)
     # a family is one full kernel name: kernels that differ only in template arguments (the dtype a copy
-    # casts to, tile sizes) are different kernels and keep their own rows
-    codes, names = factorize_text(m["name"].to_numpy(dtype=object))  # converted once per distinct name
-    m["family"] = pd.Series(pd.Series(names, dtype=object).astype(str).array.take(codes), index=m.index)
-    m["bytes"] = m["bytes"].astype(float)
-    m["host"] = np.array([bool(_HOST_LINK.search(str(n))) for n in names.tolist()], dtype=bool)[codes]
-    agg = m.groupby(["family", "cls"], sort=False).agg(
-        calls=("us", "size"), bytes=("bytes", "sum"), us=("us", "sum"), host=("host", "any")).reset_index()
-    # the dtypes of each family from one row per distinct (family, class, dtype): the groups come out
-    # in the same order, first appearance
-    dts = m[["family", "cls", "dtype"]].drop_duplicates().groupby(["family", "cls"], sort=False)["dtype"].agg(
-        lambda s: sorted({x for x in s if isinstance(x, str) and x}))
-    agg["dtypes"] = pd.Series(list(dts.to_numpy()), dtype=object)
+    # casts to, tile sizes) are different kernels and keep their own rows. Grouped on integer codes:
+    # a family is the name's text, and rows without a family or class are left out (as grouping by
+    # those columns would)
+    codes, names = factorize_text(calls["name"].to_numpy(dtype=object)[pos])
+    texts = np.array([None if x is None or x != x else str(x) for x in names.tolist()], dtype=object)
+    fam_codes, fam = factorize_text(texts[codes])
+    cls_codes, cls = factorize_text(calls["cls"].to_numpy(dtype=object)[pos])
+    keep = _present(fam)[fam_codes] & _present(cls)[cls_codes]
+    if not keep.all():
+        pos, codes, fam_codes, cls_codes = pos[keep], codes[keep], fam_codes[keep], cls_codes[keep]
+    if not len(pos):
+        return pd.DataFrame(columns=MEMORY_TABLE_COLUMNS)
+    grp, first = groups(fam_codes, cls_codes)
+    n = len(first)
+    host = np.array([bool(_HOST_LINK.search(str(x))) for x in names.tolist()], dtype=bool)[codes]
+    us = calls["us"].to_numpy(dtype=float)[pos]
+    agg = pd.DataFrame({
+        "family": fam[fam_codes[first]], "cls": cls[cls_codes[first]],
+        "calls": np.bincount(grp, minlength=n).astype(np.int64),
+        # pandas' group sums (compensated), as grouping the columns would give
+        "bytes": pd.Series(calls["bytes"].to_numpy()[pos].astype(float)).groupby(grp).sum().to_numpy(),
+        "us": pd.Series(us).groupby(grp).sum().to_numpy(),
+        "host": np.bincount(grp[host], minlength=n) > 0,
+    })
+    # the dtypes of each group, from its distinct (group, dtype) pairs
+    dt_codes, dts = factorize_text(calls["dtype"].to_numpy(dtype=object)[pos])
+    per_group: list[set[str]] = [set() for _ in range(n)]
+    pairs = np.unique(grp * len(dts) + dt_codes)
+    for g, d in zip((pairs // len(dts)).tolist(), (pairs % len(dts)).tolist(), strict=True):
+        x = dts[d]
+        if isinstance(x, str) and x:
+            per_group[g].add(x)
+    agg["dtypes"] = pd.Series([sorted(v) for v in per_group], dtype=object)
     with np.errstate(divide="ignore", invalid="ignore"):
         agg["gbps"] = np.where(agg["us"] > 0, agg["bytes"] / agg["us"] / 1e3, np.nan)
     bw = spec.mem_bw_gbps if spec and spec.mem_bw_gbps else None
@@ -528,6 +551,11 @@ def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
     agg["reason"] = np.where(agg["host"], "host link copy: not bounded by device memory bandwidth",
                              "" if bw else "GPU not in the spec table")
     return agg.sort_values("us", ascending=False)[MEMORY_TABLE_COLUMNS].reset_index(drop=True)
+
+
+def _present(values: np.ndarray) -> np.ndarray:
+    """Which values are not missing (None or NaN)."""
+    return np.array([not (v is None or (isinstance(v, float) and v != v)) for v in values.tolist()], dtype=bool)
 
 
 # ----------------------------------------------------------------------------- MoE
