@@ -11,6 +11,7 @@ import pandas as pd
 
 from traceinspect.classify.graphs import captured_ops
 from traceinspect.classify.runfacts import decide as decide_run
+from traceinspect.classify.runfacts import op_names
 from traceinspect.classify.table import ClassTable, default_table
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel
@@ -76,7 +77,7 @@ def model_has_experts(ts: TraceSet, table: ClassTable | None = None, run: RunMod
                  if (m := _RULE_ID.match(str(e))) and m.group(1) not in generic}
         if named:
             return True, "MoE routing / dispatch kernels in the trace"
-    if len(ts.cpu_ops) and pd.Series(ts.op_names()[1], dtype=object).str.contains(_MOE_OPS, na=False).any():
+    if len(ts.cpu_ops) and pd.Series(op_names(ts)[1], dtype=object).str.contains(_MOE_OPS, na=False).any():
         return True, "MoE ops in the trace"
     return False, "no expert count (server_info, --experts, router shapes) and no expert GEMM, MoE routing kernel or MoE op in the trace"
 

@@ -268,9 +268,16 @@ def _pool_from_shapes(ts: TraceSet, steps: pd.DataFrame | None, graph_ops: Graph
     return None
 
 
+def op_names(ts: TraceSet) -> tuple[np.ndarray, np.ndarray]:
+    """``ts.cpu_ops.name`` as (codes, texts): :meth:`TraceSet.op_names`, or made here for a trace set's
+    stand-in that carries only the tables."""
+    of = getattr(ts, "op_names", None)
+    return of() if of is not None else factorize_text(ts.cpu_ops["name"].to_numpy(dtype=object))
+
+
 def _named(ts: TraceSet, names: Any) -> np.ndarray:
     """Which of ``ts.cpu_ops`` are named one of ``names`` (tested once per distinct name)."""
-    codes, texts = ts.op_names()
+    codes, texts = op_names(ts)
     return text_isin(texts, names)[codes]
 
 
