@@ -64,6 +64,14 @@ class Efficiency:
     moe: dict[str, Any] = field(default_factory=dict)
     spec: GpuSpec | None = None
     spec_reason: str = ""
+    _gemm_calls: pd.DataFrame | None = field(default=None, repr=False, compare=False)
+
+    def gemm_calls(self) -> pd.DataFrame:
+        """The GEMM rows of ``calls``, selected once (the GEMM table, the judge's shape rows and the
+        replay's GEMM edits all read them)."""
+        if self._gemm_calls is None:
+            self._gemm_calls = self.calls[self.calls["kind"].to_numpy() == "gemm"] if len(self.calls) else self.calls
+        return self._gemm_calls
 
     def to_json(self) -> dict[str, Any]:
         """The ``gemm``, ``memory_bound``, ``moe`` and ``gpu`` sections of the analysis JSON."""
@@ -130,8 +138,10 @@ def measure_efficiency(a: Analysis) -> Efficiency:
     calls = pd.concat([_calls(src), _copy_events(k)], ignore_index=True) if len(k) else \
         pd.DataFrame(columns=CALL_COLUMNS)
     _rates(calls, spec)
-    return Efficiency(calls=calls, gemm=_gemm_table(calls), memory_bound=_memory_table(calls, spec),
-                      moe=_moe(a, calls), spec=spec, spec_reason=why)
+    eff = Efficiency(calls=calls, gemm=pd.DataFrame(), memory_bound=_memory_table(calls, spec),
+                     moe=_moe(a, calls), spec=spec, spec_reason=why)
+    eff.gemm = _gemm_table(eff.gemm_calls())
+    return eff
 
 
 def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
@@ -474,8 +484,10 @@ def _gemm_keys(g: pd.DataFrame) -> pd.DataFrame:
     return g
 
 
-def _gemm_table(calls: pd.DataFrame) -> pd.DataFrame:
-    g = calls.loc[calls["kind"].to_numpy() == "gemm", [*_GEMM_KEYS, "us", "flops", "bytes", "peak_tflops"]]
+def _gemm_table(gemm_calls: pd.DataFrame) -> pd.DataFrame:
+    if not len(gemm_calls):
+        return pd.DataFrame(columns=GEMM_TABLE_COLUMNS)
+    g = gemm_calls[[*_GEMM_KEYS, "us", "flops", "bytes", "peak_tflops"]]
     if not len(g):
         return pd.DataFrame(columns=GEMM_TABLE_COLUMNS)
     # the keys are prepared once per distinct combination of their columns (a few per shape), the sums

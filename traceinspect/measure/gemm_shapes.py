@@ -78,7 +78,8 @@ def gemm_shapes(calls: Any) -> pd.DataFrame | None:
     ranks. None when the efficiency stage produced no GEMM calls."""
     if not isinstance(calls, pd.DataFrame) or not len(calls) or "kind" not in calls.columns:
         return None
-    g = calls[calls["kind"] == "gemm"]
+    gemm = calls["kind"].to_numpy() == "gemm"
+    g = calls if gemm.all() else calls[gemm]  # (given Efficiency.gemm_calls: already the GEMM rows)
     if not len(g):
         return None
     # the keys are prepared once per distinct combination of the columns they come from; the sums run

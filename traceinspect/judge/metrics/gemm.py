@@ -53,7 +53,8 @@ class GemmMetrics:
     def gemm_rows(self) -> pd.DataFrame | None:
         """The GEMM calls of the efficiency stage per shape (:func:`traceinspect.measure.gemm_shapes.gemm_shapes`)."""
         if self._gemm_cache is None:
-            self._gemm_cache = gemm_shapes(getattr(self.a.efficiency, "calls", None))
+            eff = self.a.efficiency
+            self._gemm_cache = gemm_shapes(eff.gemm_calls() if eff is not None else None)
         return self._gemm_cache
 
     def gemm_row_values(self, rows: pd.DataFrame, i: int) -> dict[str, Any]:

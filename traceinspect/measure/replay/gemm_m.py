@@ -23,7 +23,7 @@ def scale_m(a: Analysis, m: Model, mask: np.ndarray, factor: float,
     eff = a.efficiency
     if eff is None or not len(eff.calls):
         return [], ["no GEMM shapes were measured (the efficiency stage has no GEMM calls)"]
-    c = eff.calls[eff.calls["kind"] == "gemm"]
+    c = eff.gemm_calls()
     M, N, K = _floats(c["m"]), _floats(c["n"]), _floats(c["k"])
     fl, by, us = _floats(c["flops"]), _floats(c["bytes"]), c["us"].to_numpy(dtype=np.float64)
     ok = (M > 0) & (N > 0) & (K > 0) & (fl > 0) & (us > 0)
