@@ -132,10 +132,13 @@ def build_document(a: Analysis, report: bool = True) -> dict[str, Any]:
     samples = a.step_samples()
     n_steps = a.steps_per_rank()
     ranks = []
+    # each rank's kernel time, from the columns (not a copy of the rank's rows of every column)
+    k_rank, k_dur = ts.kernels["rank"].to_numpy(), ts.kernels["dur"].to_numpy()
+    is_kernel = (ts.kernels["kind"] == "kernel").to_numpy()
     for info in ts.ranks:
         sel = a.selected[a.selected["rank"] == info.rank]
         ct = a.class_totals[a.class_totals["rank"] == info.rank]
-        rk = ts.kernels[(ts.kernels["rank"] == info.rank) & (ts.kernels["kind"] == "kernel")]
+        rk_dur = pd.Series(k_dur[(k_rank == info.rank) & is_kernel])
         rsteps = a.steps[a.steps["rank"] == info.rank]
         ns = max(len(sel), 1)
         ranks.append({
@@ -149,7 +152,7 @@ def build_document(a: Analysis, report: bool = True) -> dict[str, Any]:
             "gpu_busy_us": json_num(percentile(sel["busy_us"], 50)),
             "idle_us": json_num(percentile(sel["idle_us"], 50)),
             "kernel_us": json_num(float(sel["kernel_us"].sum())),
-            "kernel_us_total": json_num(float(rk["dur"].sum())),
+            "kernel_us_total": json_num(float(rk_dur.sum())),
             "classes": {r.cls: {"us": json_num(r.us), "us_per_step": json_num(r.us / ns), "share": json_num(r.share, 6),
                                 "calls": int(r.calls)} for r in ct.itertuples()},
         })
