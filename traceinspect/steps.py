@@ -326,7 +326,7 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
     for info in ts.ranks:
         rank = info.rank
         kmask = (k["rank"] == rank).to_numpy()
-        kr = k[kmask]
+        kr = k.loc[kmask, ["rt_idx", "ts", "end", "dur"]]  # the columns read here (not a copy of every one)
         rt_idx = kr["rt_idx"].to_numpy()
         launch = np.where(rt_idx >= 0, rt_ts[np.maximum(rt_idx, 0)] if len(rt_ts) else np.nan, np.nan)
         win = (_span_windows(ts, rank) or _profiler_windows(ts, rank) or _forward_windows(ts, rank)
