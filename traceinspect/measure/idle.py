@@ -8,6 +8,8 @@ import re
 import numpy as np
 import pandas as pd
 
+from traceinspect.tables import text_isin
+
 TINY_KERNEL_US = 5.0
 GAP_MIN_US = 2.0
 SYNC_CALLS = frozenset({
@@ -39,9 +41,10 @@ def host_syncs(runtime: pd.DataFrame, kernels: pd.DataFrame, selected: pd.DataFr
     rt = runtime
     if not len(rt) or not len(selected):
         return 0, 0.0, 0.0
-    rt = rt[rt["name"].isin(SYNC_CALLS)]
+    rt = rt[text_isin(rt["name"].to_numpy(dtype=object), SYNC_CALLS)]
     calls, call_us, bubble = 0, 0.0, 0.0
-    allk = kernels
+    # each rank's GPU activities from the columns (not a copy of the rank's rows of every column)
+    k_rank, k_ts, k_end = kernels["rank"].to_numpy(), kernels["ts"].to_numpy(), kernels["end"].to_numpy()
     for rank, steps in selected.groupby("rank"):
         r = rt[rt["rank"] == rank]
         if not len(r):
@@ -57,9 +60,11 @@ def host_syncs(runtime: pd.DataFrame, kernels: pd.DataFrame, selected: pd.DataFr
             continue
         calls += int(inside.sum())
         call_us += float((end - ts)[inside].sum())
-        rk = allk[allk["rank"] == rank]
-        kts = np.sort(rk["ts"].to_numpy())
-        kend_sorted_by_ts = rk.sort_values("ts")["end"].to_numpy()
+        mine = k_rank == rank
+        rk_ts = k_ts[mine]
+        by_ts = np.argsort(rk_ts)
+        kts = rk_ts[by_ts]
+        kend_sorted_by_ts = k_end[mine][by_ts]
         run_end = np.maximum.accumulate(kend_sorted_by_ts) if len(kend_sorted_by_ts) else kend_sorted_by_ts
         for t0, e in zip(ts[inside], end[inside], strict=True):
             j = np.searchsorted(kts, e, side="left")  # first GPU activity starting after the call returned
