@@ -310,3 +310,35 @@ def test_ops_inside_steps_equal_the_direct_test() -> None:
             if np.isfinite(a) and np.isfinite(b):
                 want |= (ops["rank"].to_numpy() == r) & (ts >= a) & (ts <= b)
         assert np.array_equal(_inside_steps(ops, sel), want), trial
+
+
+@pytest.mark.parametrize("source,edits", [
+    ("fixture:kv-full-cast-eager", ["remove class=kv_cast"]),
+    ("fixture:kv-full-cast-graph", ["kv-rows class=kv_cast", "async"]),
+    ("fixture:slow-rank-eager", ["host-from 1 0", "transfer 0.5"]),
+    ("fixture:tp1-l6-gather-eager-hostdelay", ["host-gaps 0", "launch-cost 0"]),
+    ("real:param__dlrm_8rank", ["transfer 0.5"]),
+    ("real:tracelens__h100__Qwen_Qwen1.5-0.5B-Chat__1016005.json.gz", ["launch-cost 0"]),
+])
+def test_native_critical_walk_equals_the_python_walk(source: str, edits: list[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay's critical path walked by the native scanner: the same sums, bit for bit, in the same key
+    order, as the Python walk, replayed as measured and with edits."""
+    from traceinspect.load.native import native_available
+    from traceinspect.measure.replay.edits import apply_edits
+    from traceinspect.measure.replay.sim import simulate
+
+    if not native_available():
+        pytest.skip("the native scanner is not built")
+    kind, name = source.split(":", 1)
+    a = _fixture(name) if kind == "fixture" else _analysis(str(real_trace(name)), "all")
+    rp = Replayer(a)
+    runs = [(rp.base, rp.base_params)]
+    p = apply_edits(a, rp.model, [parse_edit(e) for e in edits], rp.base_params).params
+    runs.append((simulate(rp.model, p), p))
+    for run, params in runs:
+        native = rp._path(run, params)
+        monkeypatch.setenv("TRACEINSPECT_NATIVE", "0")
+        plain = rp._path(run, params)
+        monkeypatch.delenv("TRACEINSPECT_NATIVE")
+        assert plain and list(native.items()) == list(plain.items())

@@ -2078,11 +2078,201 @@ static int buf8(PyObject *o, Py_buffer *b, char kind, const char *what) {
              (kind == 'd' ? f[0] == 'd' : (f[0] == 'l' || f[0] == 'q'));
     if (!ok) {
         PyBuffer_Release(b);
-        PyErr_Format(PyExc_TypeError, "longest_path takes %s as a buffer of %s", what,
+        PyErr_Format(PyExc_TypeError, "%s must be a buffer of %s", what,
                      kind == 'd' ? "float64" : "int64");
         return -1;
     }
     return 0;
+}
+
+/* critical_walk(order, bounds, g_inst, g_key, g_prev, g_xprev, g_launch, bind, last_op, g_start, g_end,
+ *               h_wait, h_prev, h_waited, h_start, dur, r, (n_keys, comm, gap, launch, host),
+ *               (by_stream, by_xstream, by_launch)) -> (sums, first, steps)
+ * The walk back along a replay's critical path of Replayer._path (traceinspect/measure/replay/__init__.py),
+ * step by step: ``order`` holds the ops grouped by step position (ascending within a group), ``bounds``
+ * the groups' limits; each walk starts at the op of its group that ends last (the first one, a NaN end
+ * counting as the latest, as numpy's argmax has it). Integer arrays are int64 (bind, h_waited: 0/1 as
+ * int64), times float64; an index reads as Python reads it (-1: the last item). ``sums`` (float64 per
+ * key) adds each key's values in the walk's order, ``first`` (int64 per key) numbers the keys in the
+ * order the walk first touched them (-1: never), ``steps`` counts the walks. */
+typedef struct {
+    Py_buffer b;
+    int held;
+} CwBuf;
+
+static int cw_index(int64_t i, Py_ssize_t n, int64_t *out) {
+    if (i < 0) i += (int64_t)n;
+    if (i < 0 || i >= (int64_t)n) {
+        PyErr_SetString(PyExc_IndexError, "critical_walk: index out of range");
+        return -1;
+    }
+    *out = i;
+    return 0;
+}
+
+static PyObject *critical_walk(PyObject *Py_UNUSED(m), PyObject *args) {
+    enum { ORDER, BOUNDS, G_INST, G_KEY, G_PREV, G_XPREV, G_LAUNCH, BIND, LAST_OP, G_START, G_END, H_WAIT,
+           H_PREV, H_WAITED, H_START, DUR, R, NBUF };
+    static const char kinds[NBUF] = {'q', 'q', 'q', 'q', 'q', 'q', 'q', 'q', 'q', 'd', 'd',
+                                     'q', 'q', 'q', 'd', 'd', 'd'};
+    static const char *names[NBUF] = {"order", "bounds", "g_inst", "g_key", "g_prev", "g_xprev", "g_launch",
+                                      "bind", "last_op", "g_start", "g_end", "h_wait", "h_prev", "h_waited",
+                                      "h_start", "dur", "r"};
+    PyObject *o[NBUF];
+    Py_ssize_t n_keys, k_comm, k_gap, k_launch, k_host, by_stream, by_xstream, by_launch;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOOOO(nnnnn)(nnn)", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5],
+                          &o[6], &o[7], &o[8], &o[9], &o[10], &o[11], &o[12], &o[13], &o[14], &o[15], &o[16],
+                          &n_keys, &k_comm, &k_gap, &k_launch, &k_host, &by_stream, &by_xstream, &by_launch))
+        return NULL;
+    CwBuf bufs[NBUF];
+    for (int i = 0; i < NBUF; i++) bufs[i].held = 0;
+    PyObject *res = NULL, *sums_o = NULL, *first_o = NULL;
+    int64_t *mark = NULL;
+    for (int i = 0; i < NBUF; i++) {
+        if (buf8(o[i], &bufs[i].b, kinds[i], names[i]) < 0) goto done;
+        bufs[i].held = 1;
+    }
+    if (n_keys <= 0 || n_keys > (PY_SSIZE_T_MAX / 8) || k_comm < 0 || k_comm >= n_keys || k_gap < 0 ||
+        k_gap >= n_keys || k_launch < 0 || k_launch >= n_keys || k_host < 0 || k_host >= n_keys) {
+        PyErr_SetString(PyExc_ValueError, "critical_walk: the fixed keys must lie in [0, n_keys)");
+        goto done;
+    }
+#define CW_LEN(i) (bufs[i].b.len / 8)
+#define CW_I(i) ((const int64_t *)bufs[i].b.buf)
+#define CW_D(i) ((const double *)bufs[i].b.buf)
+    {
+        Py_ssize_t G = CW_LEN(G_INST), H = CW_LEN(H_WAIT), n_order = CW_LEN(ORDER), n_bounds = CW_LEN(BOUNDS);
+        const int g_arrays[] = {G_KEY, G_PREV, G_XPREV, G_LAUNCH, BIND, LAST_OP, G_START, G_END, DUR};
+        for (size_t i = 0; i < sizeof g_arrays / sizeof g_arrays[0]; i++) {
+            if (CW_LEN(g_arrays[i]) != G) {
+                PyErr_Format(PyExc_ValueError, "critical_walk: %s must have one item per op", names[g_arrays[i]]);
+                goto done;
+            }
+        }
+        if (CW_LEN(H_PREV) != H || CW_LEN(H_WAITED) != H || CW_LEN(H_START) != H || CW_LEN(R) != H) {
+            PyErr_SetString(PyExc_ValueError, "critical_walk: the host arrays must have one length");
+            goto done;
+        }
+        const int64_t *order = CW_I(ORDER), *bounds = CW_I(BOUNDS), *g_inst = CW_I(G_INST), *g_key = CW_I(G_KEY),
+                      *g_prev = CW_I(G_PREV), *g_xprev = CW_I(G_XPREV), *g_launch = CW_I(G_LAUNCH),
+                      *bind = CW_I(BIND), *last_op = CW_I(LAST_OP), *h_wait = CW_I(H_WAIT), *h_prev = CW_I(H_PREV),
+                      *h_waited = CW_I(H_WAITED);
+        const double *g_start = CW_D(G_START), *g_end = CW_D(G_END), *h_start = CW_D(H_START), *dur = CW_D(DUR),
+                     *r = CW_D(R);
+        for (Py_ssize_t i = 0; i < G; i++) {
+            if (g_key[i] < 0 || g_key[i] >= n_keys) {
+                PyErr_SetString(PyExc_ValueError, "critical_walk: an op's key lies outside [0, n_keys)");
+                goto done;
+            }
+        }
+        for (Py_ssize_t i = 0; i + 1 < n_bounds; i++) {
+            if (bounds[i] < 0 || bounds[i] > bounds[i + 1] || bounds[i + 1] > n_order) {
+                PyErr_SetString(PyExc_ValueError, "critical_walk: bounds must rise within the order");
+                goto done;
+            }
+        }
+        for (Py_ssize_t i = 0; i < n_order; i++) {
+            if (order[i] < 0 || order[i] >= G) {
+                PyErr_SetString(PyExc_ValueError, "critical_walk: order names an op outside the model");
+                goto done;
+            }
+        }
+        sums_o = PyByteArray_FromStringAndSize(NULL, n_keys * 8);
+        first_o = PyByteArray_FromStringAndSize(NULL, n_keys * 8);
+        mark = (int64_t *)PyMem_Malloc((size_t)(G > 0 ? G : 1) * 8);
+        if (!sums_o || !first_o || !mark) {
+            if (!mark) PyErr_NoMemory();
+            goto done;
+        }
+        double *sums = (double *)(void *)PyByteArray_AS_STRING(sums_o);
+        int64_t *first = (int64_t *)(void *)PyByteArray_AS_STRING(first_o);
+        for (Py_ssize_t k = 0; k < n_keys; k++) {
+            sums[k] = 0.0;
+            first[k] = -1;
+        }
+        for (Py_ssize_t i = 0; i < G; i++) mark[i] = -1;
+        int64_t touched = 0, steps = 0;
+#define CW_ADD(key, v)                          \
+    do {                                        \
+        if (first[key] < 0) first[key] = touched++; \
+        sums[key] += (v);                       \
+    } while (0)
+#define CW_AT(i, n, out) \
+    if (cw_index((i), (n), &(out)) < 0) goto done
+#define CW_POS(x) ((0.0 > (x)) ? 0.0 : (x)) /* max(x, 0.0) as Python has it (NaN and -0.0 pass) */
+        for (Py_ssize_t g = 0; g + 1 < n_bounds; g++) {
+            int64_t lo = bounds[g], hi = bounds[g + 1];
+            if (lo == hi) continue;
+            int64_t cur = order[lo];
+            for (int64_t j = lo + 1; j < hi && g_end[cur] == g_end[cur]; j++) {
+                int64_t i = order[j];
+                if (g_end[i] != g_end[i] || g_end[i] > g_end[cur]) cur = i;
+            }
+            steps++;
+            while (cur >= 0) {
+                if (cur >= G) {
+                    PyErr_SetString(PyExc_IndexError, "critical_walk: index out of range");
+                    goto done;
+                }
+                if (mark[cur] == g) break; /* met again on this walk: a cycle */
+                mark[cur] = g;
+                if (g_inst[cur] >= 0) {
+                    int64_t last;
+                    CW_AT(last_op[cur], G, last);
+                    CW_ADD(k_comm, g_end[cur] - g_start[last]);
+                    cur = last;
+                } else {
+                    CW_ADD(g_key[cur], dur[cur]);
+                }
+                int64_t how = bind[cur];
+                if (how == by_stream) {
+                    int64_t pv;
+                    CW_AT(g_prev[cur], G, pv);
+                    CW_ADD(k_gap, CW_POS(g_start[cur] - g_end[pv]));
+                    cur = g_prev[cur];
+                } else if (how == by_xstream) {
+                    cur = g_xprev[cur];
+                } else if (how == by_launch && g_launch[cur] >= 0) {
+                    int64_t h;
+                    CW_AT(g_launch[cur], H, h);
+                    CW_ADD(k_launch, CW_POS(g_start[cur] - h_start[h]));
+                    cur = -1;
+                    for (Py_ssize_t guard = 0; h >= 0; guard++) {
+                        if (guard > H) {
+                            PyErr_SetString(PyExc_ValueError, "critical_walk: the host calls' links form a cycle");
+                            goto done;
+                        }
+                        if (h_waited[h] && h_wait[h] >= 0) {
+                            CW_ADD(k_host, r[h]);
+                            cur = h_wait[h];
+                            break;
+                        }
+                        int64_t pv = h_prev[h];
+                        if (pv < 0) break;
+                        CW_AT(pv, H, pv);
+                        CW_ADD(k_host, CW_POS(h_start[h] - h_start[pv]));
+                        h = pv;
+                    }
+                } else {
+                    cur = -1;
+                }
+            }
+        }
+#undef CW_ADD
+#undef CW_AT
+#undef CW_POS
+        res = Py_BuildValue("(OOL)", sums_o, first_o, (long long)steps);
+    }
+#undef CW_LEN
+#undef CW_I
+#undef CW_D
+done:
+    for (int i = 0; i < NBUF; i++)
+        if (bufs[i].held) PyBuffer_Release(&bufs[i].b);
+    Py_XDECREF(sums_o);
+    Py_XDECREF(first_o);
+    PyMem_Free(mark);
+    return res;
 }
 
 /* longest_path(n, weight, src, dst, source, sink) -> bytearray of int64 node ids, or None when the graph
@@ -2259,6 +2449,8 @@ static PyMethodDef module_methods[] = {
     {"column_types", col_types, METH_NOARGS, "column name -> storage ('f', 'i', 's', 'r')"},
     {"factorize", factorize, METH_O, "factorize(list) -> (int64 codes as a bytearray, uniques)"},
     {"nest_parents", nest_parents, METH_VARARGS, "nest_parents(key, ts, end) -> int64 parent positions"},
+    {"critical_walk", critical_walk, METH_VARARGS,
+     "critical_walk(order, bounds, ...) -> (sums, first, steps): a replay's critical path, per key"},
     {"longest_path", longest_path, METH_VARARGS,
      "longest_path(n, weight, src, dst, source, sink) -> int64 path, or None on a cycle"},
     {NULL, NULL, 0, NULL},

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from traceinspect.load.native import native_available, native_module
 from traceinspect.measure.replay.edits import Edit, EditError, apply_edits, parse_edit
 from traceinspect.measure.replay.model import Model, build_model, describe
 from traceinspect.measure.replay.sim import (
@@ -32,6 +33,14 @@ if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
 __all__ = ["Edit", "EditError", "Prediction", "Replayer", "parse_edit", "replayer"]
+
+
+def _i64(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.int64)
+
+
+def _f64(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float64)
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:
@@ -145,6 +154,7 @@ class Replayer:
         self._base_steps = self._step_table(self.base)
         self._base_path: dict[str, float] | None = None
         self._walk: tuple[list[Any], ...] | None = None  # the model's links as lists, for path walks
+        self._keys: tuple[Any, ...] | None = None  # the model's keys and step groups, for the native walk
         self._memo: dict[tuple[str, ...], Prediction] = {}
         # facts edits need, found once (e.g. the active KV rows), and the replayed steps' rows
         self.cache: dict[str, Any] = {"steps": a.steps.loc[self.model.step_rows["step"].to_numpy()]}
@@ -217,6 +227,9 @@ class Replayer:
         comp: dict[str, float] = defaultdict(float)
         if not m.n_ops:
             return {}
+        native = native_module() if native_available() else None
+        if native is not None:
+            return self._path_native(native, run, p)
         # the walk reads single elements: Python lists read them several times faster than arrays
         if self._walk is None:
             self._walk = (m.g_inst.tolist(), [str(c) for c in m.g_cls.tolist()], m.g_prev.tolist(),
@@ -262,6 +275,28 @@ class Replayer:
                 else:
                     cur = -1
         return {k: v / max(steps, 1) for k, v in comp.items()}
+
+    def _path_native(self, native: Any, run: Run, p: Params) -> dict[str, float]:
+        """:meth:`_path` by the native scanner's ``critical_walk``: the same walk, sums and key order."""
+        m = self.model
+        if self._keys is None:
+            # one key per distinct text: a kernel class may share a name with a fixed key ("comm")
+            canon: dict[str, int] = {}
+            g_key = np.array([canon.setdefault(str(c), len(canon)) for c in m.g_cls.tolist()], dtype=np.int64)
+            fixed = tuple(canon.setdefault(k, len(canon)) for k in ("comm", "gap", "launch", "host"))
+            order = np.argsort(m.g_pos, kind="stable")  # the ops of each step position, in index order
+            gp = m.g_pos[order]
+            bounds = np.flatnonzero(np.r_[True, gp[1:] != gp[:-1], True]).astype(np.int64)
+            self._keys = (list(canon), g_key, fixed, order.astype(np.int64), bounds)
+        names, g_key, fixed, order, bounds = self._keys
+        sums, first, steps = native.critical_walk(
+            order, bounds, _i64(m.g_inst), g_key, _i64(m.g_prev), _i64(m.g_xprev), _i64(m.g_launch),
+            _i64(run.bind), _i64(run.last_rank_op), _f64(run.g_start), _f64(run.g_end), _i64(m.h_wait),
+            _i64(m.h_prev), _i64(run.h_waited), _f64(run.h_start), _f64(p.dur), _f64(p.r), (len(names), *fixed),
+            (BY_STREAM, BY_XSTREAM, BY_LAUNCH))
+        total, rank = np.frombuffer(sums, dtype=np.float64), np.frombuffer(first, dtype=np.int64)
+        touched = np.flatnonzero(rank >= 0)
+        return {names[k]: float(total[k]) / max(steps, 1) for k in touched[np.argsort(rank[touched])].tolist()}
 
 
 def replayer(a: Analysis) -> Replayer:
