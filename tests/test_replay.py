@@ -342,3 +342,25 @@ def test_native_critical_walk_equals_the_python_walk(source: str, edits: list[st
         plain = rp._path(run, params)
         monkeypatch.delenv("TRACEINSPECT_NATIVE")
         assert plain and list(native.items()) == list(plain.items())
+
+
+def test_native_critical_walk_refuses_arrays_that_do_not_fit() -> None:
+    from traceinspect.load.native import native_available, native_module
+
+    if not native_available():
+        pytest.skip("the native scanner is not built")
+    walk = native_module().critical_walk
+    i, f = np.zeros(3, dtype=np.int64), np.zeros(3)
+    ok = dict(order=np.arange(3), bounds=np.array([0, 3]), g_inst=i - 1, g_key=i, g_prev=i - 1, g_xprev=i - 1,
+              g_launch=i - 1, bind=i + 3, last_op=i, g_start=f, g_end=f, h_wait=i - 1, h_prev=i - 1, h_waited=i,
+              h_start=f, dur=f + 1.0, r=f)
+    sums, first, steps = walk(*ok.values(), (5, 1, 2, 3, 4), (1, 2, 0))
+    assert steps == 1 and np.frombuffer(sums)[0] == 1.0 and np.frombuffer(first, dtype=np.int64)[0] == 0
+    for name, bad, err in (("order", np.array([0, 1, 7]), ValueError), ("bounds", np.array([0, 4]), ValueError),
+                           ("g_key", i + 9, ValueError), ("g_prev", np.zeros(2, dtype=np.int64), ValueError),
+                           ("g_end", i, TypeError), ("last_op", i + 5, IndexError)):
+        args = {**ok, name: bad}
+        if name == "last_op":
+            args["g_inst"] = i  # collectives: their last op is read
+        with pytest.raises(err):
+            walk(*args.values(), (5, 1, 2, 3, 4), (1, 2, 0))
