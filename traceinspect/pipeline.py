@@ -32,6 +32,7 @@ from traceinspect.measure.clock import clock_warnings
 from traceinspect.measure.collectives import Collectives, analyze_collectives
 from traceinspect.measure.gemm import Efficiency, measure_efficiency
 from traceinspect.measure.host import HostActivity, host_activity
+from traceinspect.measure.specs import default_gpu_specs
 from traceinspect.measure.time import class_step_time, class_totals
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel, user_facts
@@ -211,7 +212,8 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
     # rules and stated facts first: a bad rule or config file is reported before the traces are read
     rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
     user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
-    default_table()  # the kernel class table too (read once): on a large trace, while its scan runs
+    default_table()  # the kernel class and GPU spec tables too (read once): on a large trace, while its scan runs
+    default_gpu_specs()
     ts = load(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs, executor=opts.executor,
               use_cache=opts.use_cache)
     # the loaded tables hold ~1e6 long-lived objects: keep the cyclic garbage collector from rescanning

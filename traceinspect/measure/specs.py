@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,12 @@ def load_gpu_specs(path: str | Path | None = None) -> list[GpuSpec]:
     return _parse(doc, p)
 
 
+@lru_cache(maxsize=1)
+def default_gpu_specs() -> tuple[GpuSpec, ...]:
+    """The shipped spec table, read once."""
+    return tuple(load_gpu_specs())
+
+
 def _looks_like_path(s: str) -> bool:
     return s.endswith((".yaml", ".yml", ".json")) or "/" in s or "\\" in s or Path(s).is_file()
 
@@ -129,13 +136,12 @@ def resolve_gpu(name: str | None, compute_capability: str | None = None,
                 return specs[0], f"from --gpu file {ov}"
             spec, why = _match(specs, name, compute_capability)
             return spec, f"{why} (table {ov})"
-        specs = load_gpu_specs()
-        for s in specs:
+        for s in default_gpu_specs():
             if s.name.lower() == ov.lower():
                 return s, f"--gpu {ov}"
-        names = ", ".join(s.name for s in specs)
+        names = ", ".join(s.name for s in default_gpu_specs())
         raise ConfigError(f"--gpu {ov!r} is neither a GPU in the spec table ({names}) nor a YAML file")
-    return _match(load_gpu_specs(), name, compute_capability)
+    return _match(list(default_gpu_specs()), name, compute_capability)
 
 
 def _match(specs: list[GpuSpec], name: str | None, cc: str | None) -> tuple[GpuSpec | None, str]:
