@@ -204,7 +204,8 @@ def build_model(a: Analysis, settings: Settings | None = None, max_steps: int | 
     launching = np.unique(rt_idx[rt_idx >= 0])
     rt_pos = np.arange(len(rt))
     labels = rt.index.to_numpy()
-    keep = np.isin(labels, launching) | per_distinct(rt["name"], lambda x: bool(st.blocking.search(str(x))))
+    rt_block = per_distinct(rt["name"], lambda x: bool(st.blocking.search(str(x))))  # a blocking call's name
+    keep = np.isin(labels, launching) | rt_block
     rt_rank = rt["rank"].to_numpy()
     rt_t = rt["ts"].to_numpy(dtype=np.float64)
     picked: list[np.ndarray] = []
@@ -229,8 +230,7 @@ def build_model(a: Analysis, settings: Settings | None = None, max_steps: int | 
                          "tid": rt["tid"].to_numpy()[hp], "name": rt["name"].to_numpy(dtype=object)[hp],
                          "t": rt_t[hp] - off_h, "dur": rt["dur"].to_numpy(dtype=np.float64)[hp]})
     is_launch = np.isin(host["rt"].to_numpy(), launching)
-    is_block = per_distinct(host["name"], lambda x: bool(st.blocking.search(str(x)))) if len(host) else \
-        np.zeros(0, dtype=bool)
+    is_block = rt_block[hp]
     host = host[is_launch | is_block].copy()
     host["launches"] = is_launch[is_launch | is_block]
     host["block_cand"] = is_block[is_launch | is_block]
