@@ -370,16 +370,23 @@ def _blocking(m: Model, cand: np.ndarray, st: Settings) -> None:
         return
     g_end = m.g_t + m.g_dur
     launch_t = np.where(m.g_launch >= 0, m.h_t[np.maximum(m.g_launch, 0)], m.g_t)
-    for key in np.unique(m.h_rank[cand] * 1_000_000 + m.h_pos[cand]):
-        r, p = divmod(int(key), 1_000_000)
-        ops = np.nonzero((m.g_rank == r) & (m.g_pos == p))[0]
+    # the ops and the candidate calls of each (rank, step position), in index order: one sort each
+    g_key = np.where((m.g_pos >= 0) & (m.g_pos < 1_000_000), m.g_rank.astype(np.int64) * 1_000_000 + m.g_pos, -1)
+    g_order = np.argsort(g_key, kind="stable")
+    g_sorted = g_key[g_order]
+    h_key = m.h_rank.astype(np.int64) * 1_000_000 + m.h_pos
+    hc = np.nonzero(cand)[0]
+    hc = hc[np.argsort(h_key[hc], kind="stable")]
+    hc_sorted = h_key[hc]
+    for key in np.unique(h_key[cand]).tolist():
+        ops = g_order[np.searchsorted(g_sorted, key, "left"):np.searchsorted(g_sorted, key, "right")]
         if not len(ops):
             continue
         o = ops[np.argsort(launch_t[ops], kind="stable")]
         lt = launch_t[o]
         run_end = np.maximum.accumulate(g_end[o])
         run_arg = o[_argmax_accumulate(g_end[o])]
-        for h in np.nonzero(cand & (m.h_rank == r) & (m.h_pos == p))[0]:
+        for h in hc[np.searchsorted(hc_sorted, key, "left"):np.searchsorted(hc_sorted, key, "right")]:
             q = int(np.searchsorted(lt, m.h_t[h], side="right")) - 1
             if q < 0:
                 continue
