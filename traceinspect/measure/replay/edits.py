@@ -487,7 +487,7 @@ def _host_from(m: Model, p: Params, e: Edit) -> str | None:
     done = 0
     for q, di in dst.items():
         si = src.get(q)
-        if si is None or len(si) != len(di) or any(m.h_name[x] != m.h_name[y] for x, y in zip(di, si, strict=True)):
+        if si is None or len(si) != len(di) or bool((m.h_name[di] != m.h_name[si]).any()):
             return (f"the host call sequences of ranks {e.dst} and {e.src} differ in step position {q} "
                     f"({len(di)} vs {0 if si is None else len(si)} calls)")
         keep = m.h_prev[di] >= 0
