@@ -176,6 +176,17 @@ def test_any_cut_into_pieces(size: int) -> None:
     # decoder refuses (which sends the event through the rules, where these strings are read too)
     (b'{"traceEvents": [{"args": "X", "name": "c\x90\x81"}]}', "not valid JSON"),
     (b'{"traceEvents": [{"ph": "X", "cat": "zzz", "args": "X", "tid": "\xff"}]}', "not valid JSON"),
+    # ... or at an earlier place of a repeated key (every place of ph, cat, name and tid is read), after a
+    # type the typed decoder refuses (a fuzz finding: the rules read only the last place)
+    (b'{"traceEvents": [{"ph": "X", "cat": "kernel", "ts": "1.5", "tid": "s\xfc\xfc", "tid": 3}]}', "not valid JSON"),
+    (b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "ts": "1", "name": "\xc3", "name": "k"}]}', "not valid JSON"),
+    (b'{"traceEvents": [{"ph": "i", "ts": "1", "cat": "a\xfc", "cat": "x", "ph": "\xfc", "ph": "X"}]}',
+     "not valid JSON"),
+    # invalid UTF-8 in a kernel's grid or block, kept raw by the typed decoder (once a crash there)
+    (b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "args": {"grid": ["\xfc"]}}]}',
+     "not valid JSON"),
+    (b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": "1", "args": {"block": "\xfc"}}]}',
+     "not valid JSON"),
     (b'{"traceEvents": [{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}", "not valid JSON"),
     (b'{"traceEvents": [{"a": ' + b'{"b":' * 100_000 + b"}" * 100_000 + b"}]}", "not valid JSON"),
     (b'{"traceEvents": [{"ts": 01}]}', "not valid JSON"),
@@ -190,6 +201,21 @@ def test_broken_documents_are_one_clean_error(text: bytes, message: str) -> None
             _native_pieces(text, size)
     with pytest.raises(TraceInputError):
         parse.parse_bytes_whole(text, Path("x.json"))
+
+
+@pytest.mark.parametrize("text", [
+    # invalid UTF-8 where neither reader decodes it: an unknown member, an args value kept raw, a repeated
+    # ts or grid whose last place is sound (both keep the last)
+    b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": "1.5", "zz": "\xfc", "tid": 1}]}',
+    b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "k", "ts": "1", "args": {"Input Dims": ["\xfc"]}}]}',
+    b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": "1.5", "ts": "\xfc", "ts": 2, "tid": 3}]}',
+    b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "args": {"grid": "\xfc", "grid": [1]}}]}',
+])
+def test_invalid_utf8_neither_reader_decodes_is_read_alike(text: bytes) -> None:
+    want = parse.parse_bytes_whole(text, Path("x.json"))
+    assert want.n_events == 1
+    for size in (1, 5, 1 << 30):
+        assert_same(_native_pieces(text, size), want)
 
 
 def test_a_surrogate_pair_in_a_skipped_string_is_read() -> None:

@@ -239,6 +239,10 @@ class _Columns:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+class InvalidText(ValueError):
+    """Text of the document that is not valid UTF-8, found while the tables are built."""
+
+
 class _Builder:
     """Turns decoded event pieces into column pieces; holds no reference to the decoded text."""
 
@@ -371,7 +375,10 @@ class _Builder:
                     b = bytes(raw)
                     v = smemo.get(b)
                     if v is None:
-                        v = smemo[b] = intern(b.decode())
+                        try:
+                            v = smemo[b] = intern(b.decode())
+                        except UnicodeDecodeError:  # (kept raw by the decoder: its UTF-8 is checked here)
+                            raise InvalidText("invalid UTF-8 in a string") from None
                     out(v)
                 x = a.bytes
                 aby(-1 if x is None else x)

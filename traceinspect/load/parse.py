@@ -55,6 +55,7 @@ same values as the fast path wherever that one succeeds:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import re
 from collections.abc import Callable, Iterator
@@ -62,12 +63,14 @@ from pathlib import Path
 
 import msgspec
 
+from traceinspect.errors import TraceInputError
 from traceinspect.load.columns import (  # noqa: F401 - the tables' names, importable from here
     _DECODER,
     _EVENTS,
     _MISSING,
     MAX_BAD_GPU_SHARE,
     MAX_DUR_US,
+    InvalidText,
     ParsedRank,
     _Builder,
     _Event,
@@ -224,20 +227,30 @@ def _parse_stream(blocks: Iterator[bytes], path: Path) -> ParsedRank:
 
 
 
+@contextlib.contextmanager
+def _text_errors(path: Path) -> Iterator[None]:
+    """Invalid UTF-8 met while the tables are built reads as the decoder's own error would."""
+    try:
+        yield
+    except InvalidText as e:
+        raise TraceInputError(f"not valid JSON: {e}", path) from None
+
+
 def parse_bytes(data: bytes, path: Path) -> ParsedRank:
     """Decode the JSON text of one rank file into tables."""
     gc_was = gc.isenabled()
     gc.disable()  # millions of small objects: the collector would only rescan them
     try:
-        try:
-            return _parse_stream(iter([data]), path)
-        except _Fallback:
-            pass
-        trace = _decode_whole(data, path)
-        b = _Builder()
-        b.add(trace.traceEvents)
-        trace.traceEvents = []
-        return _ranked(b, trace, path)
+        with _text_errors(path):
+            try:
+                return _parse_stream(iter([data]), path)
+            except _Fallback:
+                pass
+            trace = _decode_whole(data, path)
+            b = _Builder()
+            b.add(trace.traceEvents)
+            trace.traceEvents = []
+            return _ranked(b, trace, path)
     finally:
         if gc_was:
             gc.enable()
@@ -262,7 +275,8 @@ def parse_file(path: str | Path, tap: Callable[[bytes], None] | None = None) -> 
         if size >= THREAD_MIN:
             blocks = _threaded(blocks)
         try:
-            return _parse_stream(blocks, path)
+            with _text_errors(path):
+                return _parse_stream(blocks, path)
         except _Fallback:
             pass
         finally:
@@ -291,7 +305,8 @@ def parse_bytes_whole(data: bytes, path: Path) -> ParsedRank:
     try:
         trace = _decode_whole(data, path)
         b = _Builder()
-        b.add(trace.traceEvents)
+        with _text_errors(path):
+            b.add(trace.traceEvents)
         trace.traceEvents = []
         del data
         return _ranked(b, trace, path)

@@ -4,6 +4,7 @@ the tolerance rules of :mod:`traceinspect.load.parse` (every value read as raw J
 from __future__ import annotations
 
 import re
+from json.decoder import scanstring
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +122,68 @@ def _salvage_args(raw: bytes) -> _Args | None:
                  concrete=r.concrete)
 
 
-def _salvage_event(raw: bytes, out: _Salvaged) -> None:
-    """Append one ``traceEvents`` entry that the typed decoder refused, read under the rules."""
+# the event members whose text the typed decoder and the native scanner decode wherever they stand: a
+# repeated key is read at each of its places (the value kept is the last), so each must be valid UTF-8
+_TEXT_KEYS = frozenset({"ph", "cat", "name", "tid"})
+
+
+def _check_text_members(raw: bytes) -> None:
+    """Raise ``msgspec.DecodeError`` where a string of a :data:`_TEXT_KEYS` member of this event object is
+    not valid UTF-8, at any of the key's places (the raw decoder keeps only the last). ``raw`` is an object
+    the raw decoder has read (its syntax is sound)."""
+    text = raw.decode("latin-1")  # one character per byte: positions are byte offsets
+    i = _ws(text, 0) + 1  # past '{'
+    while True:
+        i = _ws(text, i)
+        if text[i] == "}":
+            return
+        key, i = scanstring(text, i + 1, False)
+        i = _ws(text, _ws(text, i) + 1)  # past ':'
+        if text[i] == '"':
+            end = scanstring(text, i + 1, False)[1]
+            if key in _TEXT_KEYS:
+                try:
+                    raw[i:end].decode()
+                except UnicodeDecodeError:
+                    raise msgspec.DecodeError("Invalid UTF-8 encoded string") from None
+            i = end
+        else:
+            i = _value_end(text, i)
+        i = _ws(text, i)
+        if text[i] == ",":
+            i += 1
+
+
+def _ws(text: str, i: int) -> int:
+    while text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _value_end(text: str, i: int) -> int:
+    """The position after the JSON value (not a string) at ``i``, nested values walked without recursion."""
+    depth = 0
+    while True:
+        c = text[i]
+        if c == '"':
+            i = scanstring(text, i + 1, False)[1]
+            continue
+        if c in "[{":
+            depth += 1
+        elif c in "]}":
+            if depth == 0:
+                return i
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif depth == 0 and (c == "," or c in " \t\r\n"):
+            return i
+        i += 1
+
+
+def _salvage_event(raw: bytes, out: _Salvaged, check_text: bool = False) -> None:
+    """Append one ``traceEvents`` entry that the typed decoder refused, read under the rules
+    (``check_text``: the piece holds invalid UTF-8 somewhere, see :func:`_check_text_members`)."""
     try:
         out.append(_EVENT.decode(raw))
         return
@@ -133,6 +194,8 @@ def _salvage_event(raw: bytes, out: _Salvaged) -> None:
     except msgspec.ValidationError:  # not an object
         out.drop("not_object", False)
         return
+    if check_text:
+        _check_text_members(raw)
     ph, cat = _raw_str(bytes(r.ph)) if r.ph else "", _raw_str(bytes(r.cat)) if r.cat else ""
     kind = _KIND.get(cat.lower()) if ph == "X" and cat is not None else None
     if kind is None:
@@ -162,8 +225,13 @@ def _salvage(text: bytes | memoryview) -> _Salvaged:
     out = _Salvaged()
     raws = _RAW_LIST.decode(text)
     out.entries = len(raws)
+    try:
+        bytes(text).decode()
+        check_text = False
+    except UnicodeDecodeError:
+        check_text = True
     for raw in raws:
-        _salvage_event(bytes(raw), out)
+        _salvage_event(bytes(raw), out, check_text)
     return out
 
 
