@@ -83,11 +83,9 @@ def _analysis(args: list[str], out: Path, capsys: pytest.CaptureFixture[str]) ->
     return json.loads(out.read_text())
 
 
-def test_cli_analysis_is_the_same_with_and_without_the_early_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    d = str(fixture_dir("kv-full-cast-eager"))
-    out = tmp_path / "a.json"
-    calls: list[int] = []
+def _record_takes(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each file the loader asked for had been read early (the list fills as the loader runs)."""
+    calls: list[bool] = []
     real_take = early.take
 
     def take(path: Path, root: Path | None) -> Any:
@@ -96,6 +94,14 @@ def test_cli_analysis_is_the_same_with_and_without_the_early_read(tmp_path: Path
         return got
 
     monkeypatch.setattr(early, "take", take)
+    return calls
+
+
+def test_cli_analysis_is_the_same_with_and_without_the_early_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    d = str(fixture_dir("kv-full-cast-eager"))
+    out = tmp_path / "a.json"
+    calls = _record_takes(monkeypatch)
     with_early = _analysis([d, "--jobs", "1", "--no-cache"], out, capsys)
     assert calls == [True, True]
     monkeypatch.setattr(early, "start", lambda *a, **k: None)
@@ -109,13 +115,7 @@ def test_cli_analysis_is_the_same_with_and_without_the_early_read(tmp_path: Path
 def test_diff_and_gate_read_a_trace_set_baseline_early(command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     base, cand = str(fixture_dir("tp1-l6-full-eager")), str(fixture_dir("tp1-l6-gather-eager"))
-    calls: list[bool] = []
-    real_take = early.take
-
-    def take(path: Path, root: Path | None) -> Any:
-        got = real_take(path, root)
-        calls.append(got is not None)
-        return got
+    calls = _record_takes(monkeypatch)
 
     def run(*sides: str) -> dict[str, Any]:
         out = tmp_path / f"{command}.json"
@@ -125,7 +125,6 @@ def test_diff_and_gate_read_a_trace_set_baseline_early(command: str, tmp_path: P
         capsys.readouterr()
         return json.loads(out.read_text())
 
-    monkeypatch.setattr(early, "take", take)
     with_early = run(base, cand)
     assert calls == [True, False]  # the baseline's one rank file was read early, the candidate's by the loader
     stored = tmp_path / "base.json"
