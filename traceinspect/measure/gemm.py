@@ -70,7 +70,7 @@ class Efficiency:
         """The GEMM rows of ``calls``, selected once (the GEMM table, the judge's shape rows and the
         replay's GEMM edits all read them)."""
         if self._gemm_calls is None:
-            self._gemm_calls = self.calls[self.calls["kind"].to_numpy() == "gemm"] if len(self.calls) else self.calls
+            self._gemm_calls = _gemm_rows(self.calls)
         return self._gemm_calls
 
     def to_json(self) -> dict[str, Any]:
@@ -138,10 +138,13 @@ def measure_efficiency(a: Analysis) -> Efficiency:
     calls = pd.concat([_calls(src), _copy_events(k)], ignore_index=True) if len(k) else \
         pd.DataFrame(columns=CALL_COLUMNS)
     _rates(calls, spec)
-    eff = Efficiency(calls=calls, gemm=pd.DataFrame(), memory_bound=_memory_table(calls, spec),
-                     moe=_moe(a, calls), spec=spec, spec_reason=why)
-    eff.gemm = _gemm_table(eff.gemm_calls())
-    return eff
+    gemm_calls = _gemm_rows(calls)
+    return Efficiency(calls=calls, gemm=_gemm_table(gemm_calls), memory_bound=_memory_table(calls, spec),
+                      moe=_moe(a, calls), spec=spec, spec_reason=why, _gemm_calls=gemm_calls)
+
+
+def _gemm_rows(calls: pd.DataFrame) -> pd.DataFrame:
+    return calls[calls["kind"].to_numpy() == "gemm"] if len(calls) else calls
 
 
 def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
@@ -488,8 +491,6 @@ def _gemm_table(gemm_calls: pd.DataFrame) -> pd.DataFrame:
     if not len(gemm_calls):
         return pd.DataFrame(columns=GEMM_TABLE_COLUMNS)
     g = gemm_calls[[*_GEMM_KEYS, "us", "flops", "bytes", "peak_tflops"]]
-    if not len(g):
-        return pd.DataFrame(columns=GEMM_TABLE_COLUMNS)
     # the keys are prepared once per distinct combination of their columns (a few per shape), the sums
     # run over all rows in row order as grouping by the keys would
     agg, grp = key_groups(g, _GEMM_KEYS, _gemm_keys, _GEMM_KEYS)

@@ -224,12 +224,12 @@ class Replayer:
         """Mean per step of the time on the replay's critical path, by kernel class, 'comm' (transfer),
         'host', 'launch' (latency) and 'gap' (back-to-back gaps on a stream)."""
         m = self.model
-        comp: dict[str, float] = defaultdict(float)
         if not m.n_ops:
             return {}
         native = native_module() if native_available() else None
         if native is not None:
             return self._path_native(native, run, p)
+        comp: dict[str, float] = defaultdict(float)
         # the walk reads single elements: Python lists read them several times faster than arrays
         if self._walk is None:
             self._walk = (m.g_inst.tolist(), [str(c) for c in m.g_cls.tolist()], m.g_prev.tolist(),
