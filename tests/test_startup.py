@@ -1,0 +1,66 @@
+"""What the console entry point does before an analysis: pandas is imported with pyarrow hidden from it
+(and only from it), and what the commands write is what the library gives under a pandas that has it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, fixture_dir, real_trace
+
+from traceinspect.document import write_document
+from traceinspect.pipeline import analyze
+
+pytest.importorskip("pyarrow")
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, check=True,
+                          env={**os.environ, **(env or {})})
+
+
+def _doc(path: Path) -> dict[str, Any]:
+    doc = json.loads(path.read_text())
+    doc["source"].pop("command")
+    return doc
+
+
+def test_the_command_imports_pandas_without_pyarrow(tmp_path: Path) -> None:
+    r = _cli("-X", "importtime", "-m", "traceinspect", "analyze", "--no-cache", "-q",
+             str(fixture_dir("tp1-l6-gather-eager")))
+    mods = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    # (an import refused is listed too: pyarrow's own modules are not)
+    assert "pandas" in mods and not {m for m in mods if m.startswith("pyarrow.")}
+
+
+def test_pyarrow_is_hidden_only_while_pandas_imports() -> None:
+    code = ("import sys; from traceinspect import cli; f = cli._PandasWithoutArrow(); sys.meta_path.insert(0, f); "
+            "import pandas, pandas.compat as c; import pyarrow.parquet; "
+            "print(c.HAS_PYARROW, pandas.Series(['a']).dtype.storage, f in sys.meta_path)")
+    assert _cli("-c", code).stdout.split() == ["False", "python", "False"]
+    # a pandas imported before the finder is installed is left as it is
+    code = ("import sys, pandas, pandas.compat as c; from traceinspect import cli; "
+            "sys.meta_path.insert(0, cli._PandasWithoutArrow()); import pyarrow; print(c.HAS_PYARROW)")
+    assert _cli("-c", code).stdout.split() == ["True"]
+
+
+@pytest.mark.parametrize("trace", [
+    lambda: fixture_dir("kv-full-cast-graph"),
+    lambda: real_trace("tracelens__inference__sglang_decode__sglang_Qwen3-8B_decode.json.gz"),
+], ids=["fixture", "tracelens-sglang-decode"])
+def test_the_command_writes_what_the_library_gives(trace: Any, tmp_path: Path) -> None:
+    path = trace()
+    lib = tmp_path / "lib.json"
+    write_document(lib, analyze([path], use_cache=False).to_json())
+    want = _doc(lib)
+    cache = {"TRACEINSPECT_CACHE": str(tmp_path / "cache")}
+    for run in ("cold", "warm"):  # the cache written, then read, through pyarrow imported after pandas
+        out = tmp_path / f"{run}.json"
+        _cli("-m", "traceinspect", "analyze", "-q", "--json", str(out), str(path), env=cache)
+        assert _doc(out) == want, run
+    assert list((tmp_path / "cache").rglob("meta.json"))
