@@ -39,6 +39,8 @@ import json, sys, time
 w0, c0 = time.perf_counter(), time.process_time()
 out = {}
 path, html = sys.argv[1], sys.argv[2]
+from traceinspect.cli import hide_pyarrow_from_pandas
+hide_pyarrow_from_pandas()  # as the command line does
 from traceinspect.load import early
 early.start([path], use_cache=False, jobs=None, executor="local")
 import traceinspect.pipeline as p

@@ -39,14 +39,14 @@ def test_the_command_imports_pandas_without_pyarrow(tmp_path: Path) -> None:
 
 
 def test_pyarrow_is_hidden_only_while_pandas_imports() -> None:
-    code = ("import sys; from traceinspect import cli; f = cli._PandasWithoutArrow(); sys.meta_path.insert(0, f); "
+    code = ("import sys; from traceinspect import cli; cli.hide_pyarrow_from_pandas(); f = sys.meta_path[0]; "
             "import pandas, pandas.compat as c; import pyarrow.parquet; "
             "print(c.HAS_PYARROW, pandas.Series(['a']).dtype.storage, f in sys.meta_path)")
     assert _cli("-c", code).stdout.split() == ["False", "python", "False"]
     # a pandas imported before the finder is installed is left as it is
     code = ("import sys, pandas, pandas.compat as c; from traceinspect import cli; "
-            "sys.meta_path.insert(0, cli._PandasWithoutArrow()); import pyarrow; print(c.HAS_PYARROW)")
-    assert _cli("-c", code).stdout.split() == ["True"]
+            "n = len(sys.meta_path); cli.hide_pyarrow_from_pandas(); print(c.HAS_PYARROW, len(sys.meta_path) - n)")
+    assert _cli("-c", code).stdout.split() == ["True", "0"]
 
 
 @pytest.mark.parametrize("trace", [

@@ -92,7 +92,7 @@ class _PandasWithoutArrow:
     text as categoricals and object arrays and never ask for Arrow storage; with pyarrow hidden, pandas
     keeps inferred strings in its Python storage, whose values, order and missing values are the same.
     pyarrow stays importable afterwards (the parsed-table cache imports it directly), and the finder
-    leaves ``sys.meta_path`` once pandas is imported. Installed by :func:`run` only: a program that
+    leaves ``sys.meta_path`` once pandas is imported. Installed by the console entry point only (:func:`run`): a program that
     imports traceinspect as a library keeps its pandas as it is."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
@@ -106,6 +106,12 @@ class _PandasWithoutArrow:
         return None
 
 
+def hide_pyarrow_from_pandas() -> None:
+    """Hide pyarrow from pandas' import to come (:class:`_PandasWithoutArrow`); nothing if pandas is imported."""
+    if "pandas" not in sys.modules:
+        sys.meta_path.insert(0, _PandasWithoutArrow())
+
+
 def run() -> None:
     """Console entry point: :func:`main`, then a prompt exit. An analysis leaves a large heap of tables
     behind; freeing it object by object at interpreter shutdown takes a noticeable part of a second
@@ -116,8 +122,7 @@ def run() -> None:
     import gc
 
     gc.disable()
-    if "pandas" not in sys.modules:
-        sys.meta_path.insert(0, _PandasWithoutArrow())
+    hide_pyarrow_from_pandas()
 
     code = 0
     try:
