@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.measure.gemm_shapes import key_groups
+from traceinspect.measure.gemm_shapes import gemm_shapes, key_groups
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
 from traceinspect.model.classes import GEMM_CLASSES
 from traceinspect.model.shapes import (  # noqa: F401 - importable from here
@@ -65,6 +65,7 @@ class Efficiency:
     spec: GpuSpec | None = None
     spec_reason: str = ""
     _gemm_calls: pd.DataFrame | None = field(default=None, repr=False, compare=False)
+    _shapes: tuple[pd.DataFrame | None] | None = field(default=None, repr=False, compare=False)
 
     def gemm_calls(self) -> pd.DataFrame:
         """The GEMM rows of ``calls``, selected once (the GEMM table, the judge's shape rows and the
@@ -72,6 +73,13 @@ class Efficiency:
         if self._gemm_calls is None:
             self._gemm_calls = _gemm_rows(self.calls)
         return self._gemm_calls
+
+    def shapes(self) -> pd.DataFrame | None:
+        """The GEMM calls aggregated per shape (:func:`~traceinspect.measure.gemm_shapes.gemm_shapes`, made
+        once; callers only read it): the rows of the judge's ``gemm`` scope."""
+        if self._shapes is None:
+            self._shapes = (gemm_shapes(self.gemm_calls()),)
+        return self._shapes[0]
 
     def to_json(self) -> dict[str, Any]:
         """The ``gemm``, ``memory_bound``, ``moe`` and ``gpu`` sections of the analysis JSON."""

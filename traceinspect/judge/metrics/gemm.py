@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.judge.metrics.registry import Subject, _fmt_num, _weighted_median, declare
-from traceinspect.measure.gemm_shapes import gemm_shapes
 from traceinspect.units import finite
 
 if TYPE_CHECKING:
@@ -48,14 +47,10 @@ class GemmMetrics:
     total_us: float
     run: dict[str, Any]
 
-    _gemm_cache: pd.DataFrame | None = None
-
     def gemm_rows(self) -> pd.DataFrame | None:
-        """The GEMM calls of the efficiency stage per shape (:func:`traceinspect.measure.gemm_shapes.gemm_shapes`)."""
-        if self._gemm_cache is None:
-            eff = self.a.efficiency
-            self._gemm_cache = gemm_shapes(eff.gemm_calls() if eff is not None else None)
-        return self._gemm_cache
+        """The GEMM calls of the efficiency stage per shape (:meth:`~traceinspect.measure.gemm.Efficiency.shapes`)."""
+        eff = self.a.efficiency
+        return eff.shapes() if eff is not None else None
 
     def gemm_row_values(self, rows: pd.DataFrame, i: int) -> dict[str, Any]:
         """Metrics of shape row ``i`` of ``rows`` (what ``select.gemm.where`` sees)."""
