@@ -363,6 +363,41 @@ def test_step_arrays_leaves_non_finite_times_to_the_python_builder() -> None:
     assert CP._step_arrays(act) is None
 
 
+def _summary_records(s: dict) -> dict:
+    return {**s, "segments": s["segments"].top(len(s["segments"].us))}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_step_summaries_of_all_steps_at_once_equal_each_step_alone(seed: int) -> None:
+    """The critical path reads every step's rows from one sort: the same summaries as building each
+    step's graph from its own rows with the Python builder, steps with non-finite times and cycles too."""
+    from traceinspect.measure import critical_path as CP
+
+    rng = np.random.default_rng(seed)
+    steps = []
+    for pos in rng.permutation(8).tolist():
+        one = _random_activities(rng).assign(pos=pos)
+        if pos == 3:  # left to the Python builder
+            one.iloc[0, one.columns.get_loc("end")] = np.nan
+        steps.append(one)
+    act = pd.concat(steps, ignore_index=True).sample(frac=1.0, random_state=seed)
+    got, failed = CP._step_summaries(act)
+    want, cycles = [], 0
+    for pos, pa in act.groupby("pos"):
+        G0, src, sink, t0, t1 = CP._step_graph(pa)
+        G = G0.arrays(src, sink)
+        try:
+            path = G.longest_path()
+        except CP.Cycle:
+            cycles += 1
+            continue
+        if not path or path[0] != src:
+            path = [src, *path]
+        want.append({**CP._path_summary(G, path, t0, t1), "pos": int(pos)})
+    assert failed == cycles and len(got) + failed == 8
+    assert [_summary_records(x) for x in got] == [_summary_records(x) for x in want]
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_longest_path_matches_networkx_with_ties(seed: int) -> None:
     from traceinspect.measure.collectives import _Graph

@@ -286,22 +286,37 @@ def _timeline(ts: np.ndarray, end: np.ndarray) -> np.ndarray:
     return np.where(left > 0, best_at[np.maximum(left - 1, 0)], -1)
 
 
+_STEP_COLUMNS = {"ts": np.float64, "end": np.float64, "stream": None, "rank": np.int64, "instance": np.int64,
+                 "launch": np.float64, "launch_end": np.float64, "residual_wait": np.float64, "dur": np.float64,
+                 "transfer_us": np.float64}
+
+
+def _step_columns(act: pd.DataFrame) -> dict[str, Any]:
+    """The columns :func:`_step_arrays` reads, as arrays (the text columns stay pandas columns: they are
+    numbered per step as :func:`pandas.factorize` numbers them)."""
+    cols: dict[str, Any] = {c: act[c].to_numpy(t) if t is not None else act[c].to_numpy()
+                            for c, t in _STEP_COLUMNS.items()}
+    cols["name"], cols["cls"] = act["name"], act["cls"]
+    return cols
+
+
 def _step_arrays(act: pd.DataFrame) -> tuple[StepGraph, float, float] | None:
     """:func:`_step_graph` on whole columns: the same nodes in the same numbering, the same edges in the
     same order. None where a start or end time is not finite (:func:`_step_graph` builds those)."""
-    t0 = float(act["ts"].min())
-    t1 = float(act["end"].max())
-    act = act.sort_values(["rank", "ts", "end"], kind="stable")
-    ts, end = act["ts"].to_numpy(np.float64), act["end"].to_numpy(np.float64)
-    stream = act["stream"].to_numpy()
+    return _step_arrays_of(_step_columns(act.sort_values(["rank", "ts", "end"], kind="stable")))
+
+
+def _step_arrays_of(col: dict[str, Any]) -> tuple[StepGraph, float, float] | None:
+    """:func:`_step_arrays` of one step's columns (:func:`_step_columns`), rows sorted by rank, start, end."""
+    ts, end, stream = col["ts"], col["end"], col["stream"]
     if not (np.isfinite(ts).all() and np.isfinite(end).all()) or stream.dtype.kind not in "iu":
         return None
-    n = len(act)
-    rank = act["rank"].to_numpy(np.int64)
-    inst = act["instance"].to_numpy(np.int64)
-    launch, launch_end = act["launch"].to_numpy(np.float64), act["launch_end"].to_numpy(np.float64)
-    name, names = pd.factorize(act["name"], use_na_sentinel=False)
-    acls, acls_names = pd.factorize(act["cls"], use_na_sentinel=False)
+    t0, t1 = float(ts.min()), float(end.max())
+    n = len(ts)
+    rank, inst = col["rank"], col["instance"]
+    launch, launch_end = col["launch"], col["launch_end"]
+    name, names = pd.factorize(col["name"], use_na_sentinel=False)
+    acls, acls_names = pd.factorize(col["cls"], use_na_sentinel=False)
     k = len(names)
     names_s = [str(x) for x in names]
     labels = [*names_s, *(f"idle before {x}" for x in names_s), *(f"host before {x}" for x in names_s),
@@ -356,13 +371,13 @@ def _step_arrays(act: pd.DataFrame) -> tuple[StepGraph, float, float] | None:
     nrank = np.full(nn, -1, dtype=np.int64)
     label = np.empty(nn, dtype=np.int64)
     cls[0], label[0], cls[sink], label[sink] = _START, 3 * k, _END, 3 * k + 1
-    w_act = np.where(is_comm, act["residual_wait"].to_numpy(np.float64), act["dur"].to_numpy(np.float64))
+    w_act = np.where(is_comm, col["residual_wait"], col["dur"])
     weight[n_in] = np.where(w_act < 0, 0.0, w_act)
     cls[n_in] = np.where(is_comm, _WAIT, acls + len(_FIXED_CLS))
     nrank[n_in] = rank
     label[n_in] = name
     xr = ci[first_i]
-    w_x = act["transfer_us"].to_numpy(np.float64)[xr]
+    w_x = col["transfer_us"][xr]
     weight[xnode] = np.where(w_x < 0, 0.0, w_x)
     cls[xnode] = _COMM
     label[xnode] = name[xr]
@@ -432,10 +447,7 @@ def _path_summary(G: StepGraph, path: list[int], t0: float, t1: float) -> dict[s
     heads = np.nonzero(new)[0]
     us = _sums(run, len(heads), w)
     count = np.bincount(run, minlength=len(heads)).tolist() if len(run) else []
-    labels = G.labels
-    segs = [{"rank": None if r < 0 else r, "cls": names[c], "us": u, "nodes": m, "first": labels[x]}
-            for r, c, u, m, x in zip(rank[heads].tolist(), cls[heads].tolist(), us, count, lab[heads].tolist(),
-                                     strict=True)]
+    segs = _Segments(rank[heads], cls[heads], us, count, lab[heads], names, G.labels)
     total = float(sum(comp.values()))
     bounding = max(by_rank, key=by_rank.get) if by_rank else None  # type: ignore[arg-type]
     every = G.rank[np.asarray(path, dtype=np.int64)]
@@ -449,9 +461,27 @@ def _path_summary(G: StepGraph, path: list[int], t0: float, t1: float) -> dict[s
     }
 
 
+class _Segments:
+    """A path's runs of one rank and class, as columns; :meth:`top` makes the records of the longest."""
+
+    __slots__ = ("cls", "count", "first", "labels", "names", "rank", "us")
+
+    def __init__(self, rank: np.ndarray, cls: np.ndarray, us: list[float], count: list[int], first: np.ndarray,
+                 names: list[str], labels: list[str]) -> None:
+        self.rank, self.cls, self.us, self.count, self.first = rank, cls, us, count, first
+        self.names, self.labels = names, labels
+
+    def top(self, n: int) -> list[dict[str, Any]]:
+        """The ``n`` runs of most time (ties in path order), as records."""
+        us = self.us
+        keep = sorted(range(len(us)), key=lambda i: -us[i])[:n]
+        return [{"rank": None if int(self.rank[i]) < 0 else int(self.rank[i]), "cls": self.names[int(self.cls[i])],
+                 "us": us[i], "nodes": self.count[i], "first": self.labels[int(self.first[i])]} for i in keep]
+
+
 def _jsonify_path(s: dict[str, Any], top: int = 12) -> dict[str, Any]:
     total = s["total_us"] or 1.0
-    segs = sorted(s["segments"], key=lambda x: -x["us"])[:top]
+    segs = s["segments"].top(top)
     return {
         "pos": s["pos"], "total_us": json_num(s["total_us"]), "span_us": json_num(s["span_us"]),
         "slack_us": json_num(s["slack_us"]), "nodes": s["nodes"],
@@ -468,28 +498,20 @@ def _jsonify_path(s: dict[str, Any], top: int = 12) -> dict[str, Any]:
     }
 
 
-def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str, Any]:
-    """Longest path through each aligned step's cross-rank dependency graph; the median
-    step in detail and the composition averaged over the steps (all of them, or an even sample of
-    ``critical_path.max_steps`` of rules/tables/collectives.yaml; see docs/collectives.md)."""
-    if not len(sel):
-        return {"applicable": False, "reason": "no analysed steps common to all ranks"}
-    # the positions of the steps with GPU activity
-    positions = sorted(sel.loc[sel.index.isin(a.kernels["step"].to_numpy()), "pos"].astype(np.int64).unique())
-    if not positions:
-        return {"applicable": False, "reason": "no GPU activity in the analysed steps"}
-    summaries = []
-    failed = 0
-    # the longest path is computed on at most max_steps evenly spaced steps
-    max_steps = load_settings().critical_path_max_steps
-    if len(positions) > max_steps:
-        keep = np.unique(np.linspace(0, len(positions) - 1, max_steps).round().astype(int))
-        positions = [positions[i] for i in keep]
-    act = _activities(a, sel, res, positions)
-    for pos, pa in act.groupby("pos", sort=True):
-        built = _step_arrays(pa)
+def _step_summaries(act: pd.DataFrame) -> tuple[list[dict[str, Any]], int]:
+    """The longest path of each step of ``act`` (:func:`_activities`) summarised (:func:`_path_summary`,
+    with its ``pos``), in step order, and how many steps had a cycle instead."""
+    # every step's rows at once, sorted as each step's graph reads them (by step, then rank, start, end)
+    act = act.sort_values(["pos", "rank", "ts", "end"], kind="stable")
+    cols = _step_columns(act)
+    at = act["pos"].to_numpy()
+    cuts = np.flatnonzero(np.r_[True, at[1:] != at[:-1], True]).tolist() if len(at) else [0]
+    summaries, failed = [], 0
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        built = _step_arrays_of({c: (v.iloc[lo:hi] if isinstance(v, pd.Series) else v[lo:hi])
+                                 for c, v in cols.items()})
         if built is None:
-            G0, src, sink, t0, t1 = _step_graph(pa)
+            G0, src, sink, t0, t1 = _step_graph(act.iloc[lo:hi])
             G = G0.arrays(src, sink)
         else:
             G, t0, t1 = built
@@ -502,8 +524,27 @@ def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str,
         if not path or path[0] != src:
             path = [src, *path]
         s = _path_summary(G, path, t0, t1)
-        s["pos"] = int(pos)
+        s["pos"] = int(at[lo])
         summaries.append(s)
+    return summaries, failed
+
+
+def critical_path(a: Analysis, sel: pd.DataFrame, res: Collectives) -> dict[str, Any]:
+    """Longest path through each aligned step's cross-rank dependency graph; the median
+    step in detail and the composition averaged over the steps (all of them, or an even sample of
+    ``critical_path.max_steps`` of rules/tables/collectives.yaml; see docs/collectives.md)."""
+    if not len(sel):
+        return {"applicable": False, "reason": "no analysed steps common to all ranks"}
+    # the positions of the steps with GPU activity
+    positions = sorted(sel.loc[sel.index.isin(a.kernels["step"].to_numpy()), "pos"].astype(np.int64).unique())
+    if not positions:
+        return {"applicable": False, "reason": "no GPU activity in the analysed steps"}
+    # the longest path is computed on at most max_steps evenly spaced steps
+    max_steps = load_settings().critical_path_max_steps
+    if len(positions) > max_steps:
+        keep = np.unique(np.linspace(0, len(positions) - 1, max_steps).round().astype(int))
+        positions = [positions[i] for i in keep]
+    summaries, failed = _step_summaries(_activities(a, sel, res, positions))
     if not summaries:
         return {"applicable": False, "reason": "the dependency graph of every step has a cycle "
                 "(collectives matched in inconsistent orders)"}
