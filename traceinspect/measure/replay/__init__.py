@@ -28,6 +28,7 @@ from traceinspect.measure.replay.sim import (
     simulate,
 )
 from traceinspect.steps import union_us
+from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -282,7 +283,9 @@ class Replayer:
         if self._keys is None:
             # one key per distinct text: a kernel class may share a name with a fixed key ("comm")
             canon: dict[str, int] = {}
-            g_key = np.array([canon.setdefault(str(c), len(canon)) for c in m.g_cls.tolist()], dtype=np.int64)
+            codes, uniq = factorize_text(m.g_cls)  # (distinct classes in order of first appearance)
+            g_key = np.array([canon.setdefault(str(c), len(canon)) for c in uniq.tolist()], dtype=np.int64)[codes] \
+                if len(codes) else np.zeros(0, dtype=np.int64)
             fixed = tuple(canon.setdefault(k, len(canon)) for k in ("comm", "gap", "launch", "host"))
             order = np.argsort(m.g_pos, kind="stable")  # the ops of each step position, in index order
             gp = m.g_pos[order]
