@@ -40,17 +40,16 @@ def rank_steps(selected: pd.DataFrame, kernels: pd.DataFrame, ranks: list[int], 
     sel["pos"] = sel.groupby("rank").cumcount()
     al = sel[sel["pos"] < aligned]
     k = kernels
-    kc = k[["rank", "step", "dur", "end"]]
     is_comm = (k["cls"] == "comm").to_numpy()
-    noncomm = kc[~is_comm]
-    comp = noncomm.groupby(["rank", "step"])["dur"].sum() if len(noncomm) else pd.Series(dtype=float)
-    comp_end = noncomm.groupby(["rank", "step"])["end"].max() if len(noncomm) else pd.Series(dtype=float)
-    comm = kc[is_comm]
-    comm_us = comm.groupby("rank")["dur"].sum() if len(comm) else pd.Series(dtype=float)
+    # a step is one rank's: grouping by step groups by (rank, step)
+    step, dur = k["step"].to_numpy(), k["dur"]
+    nc = ~is_comm
+    comp = dur[nc].groupby(step[nc]).sum() if nc.any() else pd.Series(dtype=float)
+    comp_end = k["end"][nc].groupby(step[nc]).max() if nc.any() else pd.Series(dtype=float)
+    comm_us = dur[is_comm].groupby(k["rank"].to_numpy()[is_comm]).sum() if is_comm.any() else pd.Series(dtype=float)
     steps_per = sel.groupby("rank").size()
     # each step's compute time and compute end, looked up for all steps at once
-    at = pd.MultiIndex.from_arrays([sel["rank"].to_numpy(), sel.index.to_numpy()])
-    sel_comp = comp.reindex(at).fillna(0.0).to_numpy(dtype=np.float64) if len(comp) else np.zeros(len(sel))
+    sel_comp = comp.reindex(sel.index).fillna(0.0).to_numpy(dtype=np.float64) if len(comp) else np.zeros(len(sel))
     sel_rank = sel["rank"].to_numpy()
     per_rank_comp = {int(r): median(sel_comp[sel_rank == r].tolist()) for r in np.unique(sel_rank)}
     multi = len(ranks) > 1
@@ -64,7 +63,7 @@ def rank_steps(selected: pd.DataFrame, kernels: pd.DataFrame, ranks: list[int], 
         first = al.groupby("pos")["gpu_start"].transform("min").to_numpy(dtype=np.float64)
         for r in pd.unique(rk):
             lag[int(r)] = (starts[rk == r] - first[rk == r]).tolist()
-        ends = (comp_end.reindex(pd.MultiIndex.from_arrays([rk, al.index.to_numpy()])).to_numpy(dtype=np.float64)
+        ends = (comp_end.reindex(al.index).to_numpy(dtype=np.float64)
                 if len(comp_end) else np.full(len(al), np.nan))
         # finishing last relative to the aligned steps' earliest start is what makes others wait
         rel = pd.Series(ends - first)

@@ -3,6 +3,7 @@ them from the measured results (:mod:`traceinspect.measure.idle`, the run model,
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -92,6 +93,20 @@ declare("run", "straggler_rank", "id", "The rank the collectives stage names as 
    "most collectives and causes most of the wait), None if none stands out.")
 
 
+def _mean_of_rank_medians(sel: pd.DataFrame, col: str) -> float | None:
+    """The mean over ranks of each rank's median of ``col`` over its steps (missing values left out, as
+    pandas' grouped median and mean leave them out); None when there is none."""
+    if not len(sel):
+        return None
+    rank, x = sel["rank"].to_numpy(), sel[col].to_numpy(dtype=np.float64)
+    order = np.argsort(rank, kind="stable")
+    cuts = np.flatnonzero(np.r_[True, rank[order][1:] != rank[order][:-1], True])
+    with warnings.catch_warnings():  # a rank whose values are all missing has a missing median
+        warnings.simplefilter("ignore", RuntimeWarning)
+        meds = np.array([np.nanmedian(x[order[a:b]]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)])
+        return finite(np.nanmean(meds))
+
+
 class RunMetrics:
     """The ``run`` scope of :class:`~traceinspect.judge.metrics.MetricContext`."""
 
@@ -120,11 +135,8 @@ class RunMetrics:
         samples = a.step_samples()
         v["step_us"] = finite(np.median(samples["step_us"])) if len(samples) else None
         v["step_us_p90"] = finite(np.percentile(samples["step_us"], 90)) if len(samples) else None
-        per_rank = sel.groupby("rank").agg(span=("span_us", "median"), busy=("busy_us", "median"),
-                                           idle=("idle_us", "median"))
-        v["span_us_per_step"] = finite(per_rank["span"].mean()) if len(per_rank) else None
-        v["busy_us_per_step"] = finite(per_rank["busy"].mean()) if len(per_rank) else None
-        v["idle_us_per_step"] = finite(per_rank["idle"].mean()) if len(per_rank) else None
+        for name, col in (("span", "span_us"), ("busy", "busy_us"), ("idle", "idle_us")):
+            v[f"{name}_us_per_step"] = _mean_of_rank_medians(sel, col)
         v["idle_share"] = (v["idle_us_per_step"] / v["span_us_per_step"]
                            if v["span_us_per_step"] and v["idle_us_per_step"] is not None else None)
         n = self.n_step_rows
