@@ -124,3 +124,23 @@ def test_text_isin_agrees_with_pandas_on_short_and_long_columns() -> None:
         want = pd.Series(arr, dtype=object).isin(["attention", "", "gemm_bf16"]).to_numpy()
         np.testing.assert_array_equal(got, want)
         assert got.dtype == bool and got.any() and not got.all()
+
+
+@pytest.mark.parametrize("categorical", [True, False], ids=["categorical", "object"])
+def test_class_matrix_equals_pivot_table(categorical: bool) -> None:
+    """The document's per-step class table equals pandas' pivot table of the class time rows."""
+    from traceinspect.document.build import _class_matrix
+
+    rng = np.random.default_rng(3)
+    cls = rng.choice(["gemm", "attention", "comm", "other"], 60)
+    cs = pd.DataFrame({"rank": rng.integers(0, 2, 60), "step": rng.permutation(200)[:60],
+                       "cls": pd.Categorical(cls, categories=["other", "gemm", "attention", "comm", "kv_cast"])
+                       if categorical else pd.Series(cls, dtype=object),
+                       "us": rng.random(60) * 100})
+    steps = pd.Index(np.r_[cs["step"].to_numpy()[::2], [900, 901]])  # some steps have no rows
+    names, present, values = _class_matrix(cs, steps)
+    wide = cs.pivot_table(index="step", columns="cls", values="us", aggfunc="sum", fill_value=0.0, observed=True)
+    assert names == [str(c) for c in wide.columns]
+    assert present == steps.isin(wide.index).tolist()
+    np.testing.assert_array_equal(values[np.array(present)], wide.reindex(steps[np.array(present)]).to_numpy())
+    assert not values[~np.array(present)].any()

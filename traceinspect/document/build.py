@@ -95,16 +95,36 @@ def _step_samples(samples: pd.DataFrame) -> list[dict[str, Any]]:
             for st, row in zip(step, values, strict=True)]
 
 
+def _class_matrix(cs: pd.DataFrame, steps: pd.Index) -> tuple[list[str], list[bool], np.ndarray | None]:
+    """The class time table (one row per rank, step and class) as one row per step of ``steps`` and one
+    column per class (observed classes in the column's order, 0.0 where a step has none of a class): the
+    class names, whether each step has any row, and the matrix (None when there are no classes)."""
+    if not len(cs):
+        return [], [False] * len(steps), None
+    cls = cs["cls"]
+    if isinstance(cls.dtype, pd.CategoricalDtype):
+        codes = cls.cat.codes.to_numpy().astype(np.int64)
+        seen = np.unique(codes[codes >= 0])
+        names = [str(c) for c in cls.cat.categories[seen]]
+        col = np.searchsorted(seen, codes)
+        ok = codes >= 0
+    else:
+        names_arr, col = np.unique(cls.to_numpy(dtype=object).astype(str), return_inverse=True)
+        names, ok = [str(c) for c in names_arr], np.ones(len(cs), dtype=bool)
+    row = steps.get_indexer(cs["step"].to_numpy())
+    ok &= row >= 0
+    values = np.zeros((len(steps), len(names)), dtype=np.float64)
+    np.add.at(values, (row[ok], col[ok]), cs["us"].to_numpy(dtype=np.float64)[ok])  # (one row per cell)
+    present = np.zeros(len(steps), dtype=bool)
+    present[row[ok]] = True
+    return names, present.tolist(), values
+
+
 def _rank_samples(a: Analysis) -> list[dict[str, Any]]:
     """One entry per analysed step of each rank: the rank's GPU span and its time per class. The gate
     pools these across ranks for classes whose time on one rank does not depend on the others."""
     sel = a.selected
-    cs = a.class_steps
-    wide = (cs.pivot_table(index="step", columns="cls", values="us", aggfunc="sum", fill_value=0.0, observed=True)
-            if len(cs) else pd.DataFrame())
-    cols = [str(c) for c in wide.columns]
-    present = sel.index.isin(wide.index).tolist() if cols else [False] * len(sel)
-    values = wide.reindex(sel.index).to_numpy() if cols else None  # one row per step, read row by row
+    cols, present, values = _class_matrix(a.class_steps, sel.index)
     out = []
     for i, (rank, span) in enumerate(zip(sel["rank"].tolist(), sel["span_us"].tolist(), strict=True)):
         row = zip(cols, values[i], strict=True) if present[i] and values is not None else ()
