@@ -7,9 +7,11 @@ import contextlib
 import dataclasses
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,36 @@ def _no_plan_left() -> Any:
     early.drop()
 
 
+def _other_threads_done() -> bool:
+    """Wait for the threads earlier reads left (reapers, readers): a process is forked from one thread."""
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and t.name.startswith("traceinspect-"):
+            t.join(30)
+    return threading.active_count() == 1
+
+
+@pytest.fixture(params=["thread", "process"])
+def plan_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the first file read on a thread (:class:`early._Plan`) and in a process
+    (:class:`early._ChildPlan`, Linux)."""
+    if request.param == "thread":
+        monkeypatch.setattr(early, "FORK_MAX", -1)
+    elif not early.process_supported() or not _other_threads_done():
+        pytest.skip("no early-read process here")
+    return request.param
+
+
+def _plan_class(kind: str) -> type:
+    return early._ChildPlan if kind == "process" else early._Plan
+
+
+def _first_read_done(plan: Any) -> bool:
+    """Whether the first file's early read has ended (within a minute)."""
+    if isinstance(plan, early._ChildPlan):
+        return bool(select.select([plan.res_r], [], [], 60)[0])
+    return plan.order[0][1].done.wait(60)
+
+
 def _no_parse(*_: Any) -> None:
     raise AssertionError("parsed by the loader although read early")
 
@@ -51,15 +83,15 @@ def assert_same(a: ParsedRank, b: ParsedRank) -> None:
             assert getattr(a, f.name) == getattr(b, f.name), f.name
 
 
-def _early_load(path: Path, root: Path | None, monkeypatch: pytest.MonkeyPatch) -> tuple[str, int, ParsedRank]:
-    monkeypatch.setattr(load, "parse_file", _no_parse)  # the early read must serve it
-    early.start([path], use_cache=root is not None, jobs=None, executor="local")
-    assert early._plan is not None
-    assert early._plan.order[0][1].done.wait(60)
-    monkeypatch.setattr(early, "read", _no_parse)  # (not a read of the loader's own)
-    got = load_rank_file(path, use_cache=root is not None)
-    monkeypatch.undo()
-    return got
+def _early_load(path: Path, root: Path | None, monkeypatch: pytest.MonkeyPatch, kind: str = "thread"
+                ) -> tuple[str, int, ParsedRank]:
+    with monkeypatch.context() as m:
+        m.setattr(load, "parse_file", _no_parse)  # the early read must serve it
+        early.start([path], use_cache=root is not None, jobs=None, executor="local")
+        assert isinstance(early._plan, _plan_class(kind))
+        assert _first_read_done(early._plan)
+        m.setattr(early, "read", _no_parse)  # (not a read of the loader's own)
+        return load_rank_file(path, use_cache=root is not None)
 
 
 @pytest.mark.parametrize("trace", [
@@ -67,12 +99,12 @@ def _early_load(path: Path, root: Path | None, monkeypatch: pytest.MonkeyPatch) 
     "real:tracelens__inference__sglang_decode__sglang_Qwen3-8B_decode.json.gz",
     "real:hyukjlee__traceMap__trace_file__examples__1_h100_1000isl_10osl_32con.pt.trace.json.gz",
 ])
-def test_early_read_gives_the_same_tables(trace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_early_read_gives_the_same_tables(trace: str, plan_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     where, name = trace.split(":")
     path = fixture_dir(name.split("/")[0]) / name.split("/")[1] if where == "fixture" else real_trace(name)
     monkeypatch.setenv("TRACEINSPECT_CACHE", "off")
     want = load_rank_file(path, use_cache=False)
-    got = _early_load(path, None, monkeypatch)
+    got = _early_load(path, None, monkeypatch, plan_kind)
     assert got[:2] == want[:2]  # digest, size
     assert_same(got[2], want[2])
 
@@ -153,18 +185,52 @@ def test_no_early_read_when_ranks_are_parsed_in_other_processes(monkeypatch: pyt
     assert early._plan is None
 
 
-def test_the_early_read_keeps_one_file_ahead_of_the_loader() -> None:
+def test_the_early_read_keeps_one_file_ahead_of_the_loader(plan_kind: str) -> None:
     d = fixture_dir("kv-full-cast-eager")
     early.start([d], use_cache=False, jobs=1, executor="local")
     plan = early._plan
-    assert plan is not None
-    (p0, first), (p1, second) = plan.order
-    assert first.done.wait(30)
-    assert not second.done.wait(0.3)  # not read before the loader takes the first
-    load_rank_file(p0, use_cache=False)
+    assert isinstance(plan, _plan_class(plan_kind))
+    assert _first_read_done(plan)
+    if plan_kind == "process":
+        p0, p1 = plan.files
+        assert plan.rest is None  # the second file is begun when the loader takes the first
+        load_rank_file(p0, use_cache=False)
+        assert plan.child is None and plan.fd < 0  # the process is done with, its memory file closed
+        threads = plan.rest
+        assert threads is not None and [p for p, _ in threads.order] == [p1]
+        second = threads.order[0][1]
+    else:
+        threads = plan
+        (p0, first), (p1, second) = plan.order
+        assert not second.done.wait(0.3)  # not read before the loader takes the first
+        load_rank_file(p0, use_cache=False)
     assert second.done.wait(30) and second.value is not None
     early.drop()
-    assert not plan.thread.is_alive()
+    assert not threads.thread.is_alive()
+
+
+def test_the_early_read_process_is_stopped_and_reaped_when_dropped() -> None:
+    if not early.process_supported() or not _other_threads_done():
+        pytest.skip("no early-read process here")
+    d = fixture_dir("kv-full-cast-eager")
+    early.start([d], use_cache=False, jobs=1, executor="local")
+    plan = early._plan
+    assert isinstance(plan, early._ChildPlan)
+    pid = plan.child
+    early.drop()  # before anything was taken
+    assert plan.child is None and plan.fd < 0 and plan.res_r < 0
+    assert _other_threads_done()  # (the reaper has waited for it)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    assert load_rank_file(plan.files[0], use_cache=False)[2] is not None  # the loader reads it itself
+
+
+def test_a_large_first_file_is_read_on_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = fixture_dir("kv-full-cast-eager")
+    size = min(p.stat().st_size for p in d.glob("*.trace.json.gz"))
+    monkeypatch.setattr(early, "FORK_MAX", size - 1)
+    early.start([d], use_cache=False, jobs=1, executor="local")
+    assert isinstance(early._plan, early._Plan)
 
 
 def _truncated(tmp_path: Path) -> Path:
@@ -183,7 +249,7 @@ def _error(fn: Any) -> str:
 
 
 @pytest.mark.parametrize("use_cache", [False, True])
-def test_errors_read_the_same_through_the_early_read(tmp_path: Path, use_cache: bool,
+def test_errors_read_the_same_through_the_early_read(tmp_path: Path, use_cache: bool, plan_kind: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRACEINSPECT_CACHE", str(tmp_path / "cache") if use_cache else "off")
     root = tmp_path / "cache" if use_cache else None
@@ -195,14 +261,21 @@ def test_errors_read_the_same_through_the_early_read(tmp_path: Path, use_cache: 
         want = _error(lambda p=path: load_rank_file(p, use_cache=use_cache))
         # the file vanishes (or never was) after discovery: the early read itself meets the error
         monkeypatch.setattr(early, "discover", lambda *_a, p=path, **_k: Discovery([RankFile(p)], None, {}, []))
+        if plan_kind == "process":
+            assert _other_threads_done()
         early.start([path], use_cache=use_cache, jobs=1, executor="local")
-        assert early._plan is not None and early._plan.root == root
-        early._plan.thread.join()
-        assert early._plan.order[0][1].error is not None  # met in the thread
-        got = _error(lambda p=path: load_rank_file(p, use_cache=use_cache))
+        plan = early._plan
+        # (a file that is not there is read on a thread: the process is for a file of a known small size)
+        assert isinstance(plan, _plan_class(plan_kind if path.exists() else "thread")) and plan.root == root
+        assert _first_read_done(plan)
+        if isinstance(plan, early._Plan):
+            assert plan.order[0][1].error is not None  # met in the thread
+        got = _error(lambda p=path: load_rank_file(p, use_cache=use_cache))  # (process: the loader's own read)
         assert got == want
         monkeypatch.undo()
         monkeypatch.setenv("TRACEINSPECT_CACHE", str(tmp_path / "cache") if use_cache else "off")
+        if plan_kind == "thread":
+            monkeypatch.setattr(early, "FORK_MAX", -1)
     assert not list(tmp_path.glob("cache/**/meta.json"))
 
 
@@ -252,11 +325,13 @@ def test_a_warm_cache_is_read_not_scanned(tmp_path: Path, monkeypatch: pytest.Mo
     assert warm == cold
 
 
-def test_the_cache_is_written_by_the_loader_not_the_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cache_is_written_by_the_loader_not_the_early_read(tmp_path: Path, plan_kind: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRACEINSPECT_CACHE", str(tmp_path / "cache"))
     path = fixture_dir("kv-full-cast-eager") / "fixture-TP-0.trace.json.gz"
     early.start([path], use_cache=True, jobs=1, executor="local")
-    early._plan.thread.join()  # read and scanned: nothing stored yet
+    assert isinstance(early._plan, _plan_class(plan_kind))
+    assert _first_read_done(early._plan)  # read and scanned: nothing stored yet
     assert not list((tmp_path / "cache").rglob("meta.json"))
     digest, _, parsed = load_rank_file(path, use_cache=True)
     assert len(list((tmp_path / "cache").rglob("meta.json"))) == 1

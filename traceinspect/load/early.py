@@ -3,18 +3,25 @@
 ``analyze``, ``report`` and ``gate`` spend a good part of a second importing pandas, numpy and the
 pipeline on one core before the loader reads a byte. :func:`start`, called first by those commands,
 finds the rank files as the loader will and, when the loader will read them in this process (the local
-executor, one parse process: see :func:`~traceinspect.load.raw.parse_processes`), reads them on one daemon thread, file by file in the loader's
-order and at most one file ahead of it: with the cache on, it hashes a file first and stops there when the cache holds its tables;
-otherwise it reads, hashes (beside the read) and scans it with the native scanner. The loader then
-:func:`take` s each file's (digest, size, scanner result), or the error its read raised, and does the
-rest as always: tables, cache store (never written from the thread), linking. Results not taken are
-dropped. Imports only light modules (no numpy, pandas or msgspec).
+executor, one parse process: see :func:`~traceinspect.load.raw.parse_processes`), reads them beside it,
+file by file in the loader's order and at most one file ahead of it: with the cache on, it hashes a file
+first and stops there when the cache holds its tables; otherwise it reads, hashes (beside the read) and
+scans it with the native scanner. On Linux, a first file of up to :data:`FORK_MAX` bytes is read by a
+process forked for it (:class:`_ChildPlan`: a thread would slow the imports it runs beside), the later
+files on one daemon thread (:class:`_Plan`, which reads them all otherwise). The loader then :func:`take`
+s each file's (digest, size, scanner result), or the error its read raised, and does the rest as always:
+tables, cache store (never written from the early read), linking. Results not taken are dropped.
+Imports only light modules (no numpy, pandas or msgspec).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import mmap
 import os
+import pickle
+import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -71,12 +78,198 @@ class _Plan:
             for _, item in self.order:
                 item.done.set()
 
+    def start(self) -> None:
+        self.thread.start()
 
-def read(path: Path, root: Path | None, stop: threading.Event | None = None) -> Read:
+    def take(self, path: Path) -> Read | None:
+        try:
+            item = self.items.pop(path.resolve(), None)
+        except OSError:
+            return None
+        if item is None:
+            return None
+        item.taken.set()
+        item.done.wait()
+        if item.error is not None:
+            raise item.error
+        value, item.value = item.value, None  # the scanner result is the loader's now: it frees it with its tables
+        return value
+
+    def drop(self) -> None:
+        self.stop.set()
+        for _, item in self.order:
+            item.taken.set()  # (the thread may be waiting for the loader to take the file before)
+        self.thread.join()
+
+
+class _ChildPlan:
+    """The first file read early by a process forked for it; the later files by a :class:`_Plan`
+    thread, begun when the loader takes the first (and reading while it builds that file's tables).
+
+    A thread reading beside the imports costs them about a fifth more time on two cores: every mapping
+    change the imports make (loading an extension module, freeing an arena) must then be flushed from
+    the other core's TLB too, by an interrupt that a virtual machine makes slow; and the read's own
+    threads (inflate, hash, scan) take turns with the imports for the cores. The process has mappings of
+    its own and reads on one thread (read, hash, inflate and scan in turn: it is done before the imports
+    are). Its result's column buffers come through a memory file, mapped copy-on-write (not copied);
+    its strings and counts in a pickle through a pipe. A read that fails there is left to the loader,
+    which reads that file itself and reports what it finds. The later files stay on a thread: there,
+    the loader would have to fault in the buffers of every file itself."""
+
+    def __init__(self, files: list[Path], root: Path | None) -> None:
+        self.root = root
+        self.pid = os.getpid()
+        self.files = files
+        self.first = files[0].resolve()
+        self.child: int | None = None
+        self.fd = os.memfd_create("traceinspect-read", os.MFD_CLOEXEC)
+        self.res_r = -1
+        self.rest: _Plan | None = None
+
+    def start(self) -> None:
+        res_r, res_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: read, send, exit (never back into the caller)
+            code = 1
+            try:
+                os.close(res_r)
+                _serve(self.files[0], self.root, self.fd, res_w)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(res_w)
+        self.child, self.res_r = pid, res_r
+
+    def take(self, path: Path) -> Read | None:
+        if self.rest is not None:
+            return self.rest.take(path)
+        try:
+            first = path.resolve() == self.first
+        except OSError:
+            return None
+        if self.child is None or not first:
+            return None  # (not the file the process read: the loader reads it itself)
+        try:
+            status, value = pickle.loads(_recv(self.res_r))
+        except (OSError, EOFError, ValueError, pickle.UnpicklingError):  # the process died
+            status, value = "error", None
+        self._end()
+        if status != "ok":
+            return None
+        digest, size, res, spans = value
+        if res is not None:
+            res["strings"] = [sys.intern(t) for t in res["strings"]]  # (as the scanner gives them)
+            end = os.fstat(self.fd).st_size
+            view = memoryview(mmap.mmap(self.fd, end, flags=mmap.MAP_PRIVATE | _POPULATE,
+                                        prot=mmap.PROT_READ | mmap.PROT_WRITE)) if end else None
+            for (k, col), (off, n) in spans.items():
+                res["kinds"][k][col] = view[off:off + n] if n and view is not None else bytearray()
+        self._close_file()
+        if len(self.files) > 1:  # the next files on a thread, while the loader builds this one's tables
+            self.rest = _Plan(self.files[1:], self.root)
+            self.rest.start()
+        return digest, size, res
+
+    def drop(self) -> None:
+        self._end()
+        self._close_file()
+        if self.rest is not None:
+            self.rest.drop()
+
+    def _end(self) -> None:
+        """The process stopped (if still running) and reaped beside; the pipe closed."""
+        pid, self.child = self.child, None
+        fd, self.res_r = self.res_r, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if pid is None:
+            return
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)  # (it is about to exit or has exited, unless the read was given up)
+        # its exit (unmapping the read's buffers) is waited for beside, not here
+        threading.Thread(target=_reap, args=(pid,), name="traceinspect-reap", daemon=True).start()
+
+    def _close_file(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, 0)
+
+
+def _serve(path: Path, root: Path | None, fd: int, out: int) -> None:
+    """The early-read process: the read of ``path`` stored in the memory file ``fd`` and announced on
+    ``out`` (an error announced as such)."""
+    try:
+        msg: tuple[str, Any] = ("ok", _store(fd, read(path, root, threads=False)))
+    except BaseException:  # noqa: BLE001 - the loader reads the file itself and reports the error
+        msg = ("error", None)
+    _send(out, pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _store(fd: int, value: Read) -> tuple[str, int, dict[str, Any] | None, dict[tuple[int, str], tuple[int, int]]]:
+    """A read with its column buffers written to the memory file ``fd`` (64-byte aligned) and taken out
+    of the result: (digest, size, the rest of the result, (kind, column) -> (offset, length))."""
+    digest, size, res = value
+    spans: dict[tuple[int, str], tuple[int, int]] = {}
+    if res is None:
+        return digest, size, None, spans
+    off = 0
+    kinds = []
+    for k, cols in enumerate(res["kinds"]):
+        rest = {}
+        for col, v in cols.items():
+            if not isinstance(v, bytearray):
+                rest[col] = v
+                continue
+            spans[(k, col)] = (off, len(v))
+            view, at = memoryview(v), off
+            while view:
+                n = os.pwrite(fd, view, at)
+                view, at = view[n:], at + n
+            off += (len(v) + 63) & ~63
+        kinds.append(rest)
+    os.ftruncate(fd, off)
+    return digest, size, {**res, "kinds": kinds}, spans
+
+
+def _send(fd: int, data: bytes) -> None:
+    view = memoryview(len(data).to_bytes(8, "little") + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _recv(fd: int) -> bytes:
+    head = _read_exactly(fd, 8)
+    return _read_exactly(fd, int.from_bytes(head, "little"))
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        b = os.read(fd, min(left, 1 << 20))
+        if not b:
+            raise EOFError("the early-read process ended")
+        parts.append(b)
+        left -= len(b)
+    return b"".join(parts)
+
+
+def read(path: Path, root: Path | None, stop: threading.Event | None = None, threads: bool = True) -> Read:
     """The read of one rank file before its tables are built, for cache root ``root`` (None: no cache):
     with the cache on, the file is hashed first and not scanned when the cache holds its tables; without
-    it, it is hashed beside the read. Here or on the early-read thread (which gives ``stop``), the same."""
+    it, it is hashed beside the read. Here, on the early-read thread (which gives ``stop``) or in the
+    early-read process, the same; ``threads=False`` reads, hashes, inflates and scans on this thread alone."""
     if root is None:
+        if not threads:
+            h = hashlib.sha256()
+            res = read_scan(path, h.update, stop, threads=False)
+            return h.hexdigest(), path.stat().st_size, res
         hasher = Sha256Beside()
         try:
             res = read_scan(path, hasher, stop)
@@ -89,10 +282,10 @@ def read(path: Path, root: Path | None, stop: threading.Event | None = None) -> 
         raise Stopped
     if cache.has_entry(root, digest):
         return digest, size, None
-    return digest, size, read_scan(path, None, stop)
+    return digest, size, read_scan(path, None, stop, threads=threads)
 
 
-_plan: _Plan | None = None
+_plan: _Plan | _ChildPlan | None = None
 
 
 def start(paths: Sequence[str | Path], *, use_cache: bool, jobs: int | None, executor: str,
@@ -110,8 +303,31 @@ def start(paths: Sequence[str | Path], *, use_cache: bool, jobs: int | None, exe
         return
     if not files or parse_processes(len(files), jobs) > 1:
         return  # several files on several processes: nothing runs beside the imports
-    _plan = _Plan(files, cache.cache_dir() if use_cache else None)
-    _plan.thread.start()
+    root = cache.cache_dir() if use_cache else None
+    _plan = _ChildPlan(files, root) if _process_possible(files) else _Plan(files, root)
+    _plan.start()
+
+
+FORK_MAX = 16 << 20  # the first file's size (on disk) up to which the files are read by a process
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # a result's buffers mapped in one call, not page by page
+
+
+def process_supported() -> bool:
+    """Whether this platform can read in a forked process (Linux: fork and memory files)."""
+    return sys.platform.startswith("linux") and hasattr(os, "memfd_create") and hasattr(os, "fork")
+
+
+def _process_possible(files: list[Path]) -> bool:
+    """Whether the early reads go to a forked process (:class:`_ChildPlan`): on Linux, from a process
+    with no other thread (one that could hold a lock the child needs), when the first file is small
+    enough that one thread reads it while the imports run (a larger first file keeps the read's three
+    threads, and its buffers need not pass between processes: :class:`_Plan`)."""
+    if not process_supported() or threading.active_count() > 1:
+        return False
+    try:
+        return files[0].stat().st_size <= FORK_MAX
+    except OSError:
+        return False
 
 
 def _memory_settings() -> None:
@@ -158,28 +374,14 @@ def take(path: Path, root: Path | None) -> Read | None:
     plan = _plan
     if plan is None or plan.pid != os.getpid() or plan.root != root:
         return None
-    try:
-        item = plan.items.pop(path.resolve(), None)
-    except OSError:
-        return None
-    if item is None:
-        return None
-    item.taken.set()
-    item.done.wait()
-    if item.error is not None:
-        raise item.error
-    value, item.value = item.value, None  # the scanner result is the loader's now: it frees it with its tables
-    return value
+    return plan.take(path)
 
 
 def drop() -> None:
     """Give up the early reads not taken: the thread ends at its next block, and has ended on return
-    (so that no process is forked while it runs)."""
+    (so that no process is forked while it runs); a reading process is stopped."""
     global _plan
     plan, _plan = _plan, None
     if plan is None or plan.pid != os.getpid():
         return
-    plan.stop.set()
-    for _, item in plan.order:
-        item.taken.set()  # (the thread may be waiting for the loader to take the file before)
-    plan.thread.join()
+    plan.drop()

@@ -292,15 +292,16 @@ def scan(blocks: Iterator[bytes], path: Path) -> dict[str, Any]:
 
 
 def read_scan(path: Path, tap: Callable[[bytes], None] | None = None,
-              stop: threading.Event | None = None) -> dict[str, Any]:
+              stop: threading.Event | None = None, threads: bool = True) -> dict[str, Any]:
     """Read one rank file and :func:`scan` it (``tap``: see :func:`_blocks`); a large file is inflated on
-    a second thread. Once ``stop`` is set, the read ends at the next block with :class:`Stopped`."""
+    a second thread unless ``threads`` is false. Once ``stop`` is set, the read ends at the next block
+    with :class:`Stopped`."""
     try:
         size = path.stat().st_size
     except OSError:
         size = 0
     blocks = _blocks(path, tap)
-    if size >= THREAD_MIN:
+    if threads and size >= THREAD_MIN:
         blocks = _threaded(blocks)
     try:
         return scan(blocks if stop is None else _until(blocks, stop), path)
