@@ -379,3 +379,20 @@ def test_the_commands_keep_numpy_arrays_on_small_pages(env: str | None, want: st
     r = subprocess.run([sys.executable, "-c", _HUGEPAGE, str(fixture_dir("tp1-l6-gather-eager"))], env=e,
                        capture_output=True, text=True, check=True, cwd=ROOT)
     assert r.stdout.split() == want.split()
+
+
+def test_no_process_to_spare_reads_on_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not early.process_supported() or not _other_threads_done():
+        pytest.skip("no early-read process here")
+
+    def no_fork() -> int:
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", no_fork)
+    path = fixture_dir("kv-full-cast-eager") / "fixture-TP-0.trace.json.gz"
+    fds = len(os.listdir("/proc/self/fd"))
+    early.start([path], use_cache=False, jobs=1, executor="local")
+    assert isinstance(early._plan, early._Plan)
+    assert _first_read_done(early._plan)
+    assert len(os.listdir("/proc/self/fd")) == fds  # the memory file and pipe of the process not made are closed
+    assert load_rank_file(path, use_cache=False)[2] is not None

@@ -122,13 +122,19 @@ class _ChildPlan:
         self.files = files
         self.first = files[0].resolve()
         self.child: int | None = None
-        self.fd = os.memfd_create("traceinspect-read", os.MFD_CLOEXEC)
+        self.fd = -1
         self.res_r = -1
         self.rest: _Plan | None = None
 
     def start(self) -> None:
+        self.fd = os.memfd_create("traceinspect-read", os.MFD_CLOEXEC)
         res_r, res_w = os.pipe()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(res_r)
+            os.close(res_w)
+            raise
         if pid == 0:  # the child: read, send, exit (never back into the caller)
             code = 1
             try:
@@ -304,7 +310,16 @@ def start(paths: Sequence[str | Path], *, use_cache: bool, jobs: int | None, exe
     if not files or parse_processes(len(files), jobs) > 1:
         return  # several files on several processes: nothing runs beside the imports
     root = cache.cache_dir() if use_cache else None
-    _plan = _ChildPlan(files, root) if _process_possible(files) else _Plan(files, root)
+    if _process_possible(files):
+        child = _ChildPlan(files, root)
+        try:
+            child.start()
+        except OSError:  # no process (or memory file) to spare: a thread reads them
+            child.drop()
+        else:
+            _plan = child
+            return
+    _plan = _Plan(files, root)
     _plan.start()
 
 
