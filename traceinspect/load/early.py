@@ -166,7 +166,7 @@ class _ChildPlan:
         if res is not None:
             res["strings"] = [sys.intern(t) for t in res["strings"]]  # (as the scanner gives them)
             end = os.fstat(self.fd).st_size
-            view = memoryview(mmap.mmap(self.fd, end, flags=mmap.MAP_PRIVATE | _POPULATE,
+            view = memoryview(mmap.mmap(self.fd, end, flags=mmap.MAP_PRIVATE,
                                         prot=mmap.PROT_READ | mmap.PROT_WRITE)) if end else None
             for (k, col), (off, n) in spans.items():
                 res["kinds"][k][col] = view[off:off + n] if n and view is not None else bytearray()
@@ -324,7 +324,6 @@ def start(paths: Sequence[str | Path], *, use_cache: bool, jobs: int | None, exe
 
 
 FORK_MAX = 16 << 20  # the first file's size (on disk) up to which the files are read by a process
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # a result's buffers mapped in one call, not page by page
 
 
 def process_supported() -> bool:
