@@ -9,7 +9,9 @@ in any way is also retried here, so errors read exactly as in a serial run.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import sys
 import threading
 from collections.abc import Callable
@@ -18,17 +20,18 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 
-def _child(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _child(out: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     try:
-        out = ("ok", fn(*args))
+        res = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - the parent runs it again and raises the real error
-        out = ("error", None)
+        res = ("error", None)
     try:
-        conn.send(out)
+        data = pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - an unpicklable result: the parent runs it again
-        conn.send(("error", None))
-    finally:
-        conn.close()
+        data = pickle.dumps(("error", None))
+    view = memoryview(data)
+    while view:
+        view = view[os.write(out, view):]
 
 
 class Beside(Generic[T]):
@@ -36,41 +39,50 @@ class Beside(Generic[T]):
 
     def __init__(self, fn: Callable[..., T], *args: Any, jobs: int | None = None) -> None:
         self.fn, self.args = fn, args
-        self._proc: Any = None
-        self._conn: Any = None
+        self._pid: int | None = None
+        self._fd = -1
         if not _can_fork(jobs):
             return
-        import multiprocessing as mp
-
-        ctx = mp.get_context("fork")
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(send, fn, args), daemon=True)
+        r, w = os.pipe()
         try:
-            proc.start()
+            pid = os.fork()
         except OSError:  # no process to spare: run it here later
-            recv.close()
-            send.close()
+            os.close(r)
+            os.close(w)
             return
-        send.close()
-        self._proc, self._conn = proc, recv
+        if pid == 0:  # the child: compute, send, exit (never back into the caller)
+            code = 1
+            try:
+                os.close(r)
+                _child(w, fn, args)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        self._pid, self._fd = pid, r
 
     def result(self) -> T:
         """The result: the child's, or computed here."""
-        if self._proc is not None:
+        if self._pid is not None:
+            pid, fd = self._pid, self._fd
+            self._pid, self._fd = None, -1
             status, value = "error", None
             try:
-                status, value = self._conn.recv()
-            except (EOFError, OSError):  # the child died before sending
+                with os.fdopen(fd, "rb") as f:  # to the end: the child closes it by exiting
+                    status, value = pickle.loads(f.read())
+            except Exception:  # noqa: BLE001 - the child died before sending: run it here
                 pass
-            finally:
-                self._conn.close()
-                # the child's exit (unmapping a copy of this process) takes tens of ms: it is reaped
-                # beside, not waited for
-                threading.Thread(target=self._proc.join, name="traceinspect-reap", daemon=True).start()
-                self._proc = None
+            # the child's exit (unmapping a copy of this process) takes tens of ms: it is reaped beside,
+            # not waited for
+            threading.Thread(target=_reap, args=(pid,), name="traceinspect-reap", daemon=True).start()
             if status == "ok":
                 return value
         return self.fn(*self.args)
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, 0)
 
 
 def _can_fork(jobs: int | None) -> bool:
@@ -78,9 +90,8 @@ def _can_fork(jobs: int | None) -> bool:
         return False
     if (os.cpu_count() or 1) < 2:
         return False
-    if sys.platform != "linux":  # fork with threads is unsafe on macOS; Windows has none
+    if sys.platform != "linux" or not hasattr(os, "fork"):  # fork with threads is unsafe on macOS; Windows has none
         return False
-    import multiprocessing as mp
-
-    # a daemon (a pool or dask worker, say) may not start processes
-    return "fork" in mp.get_all_start_methods() and not mp.current_process().daemon
+    # a multiprocessing daemon (a pool or dask worker, say) may not start processes
+    mp = sys.modules.get("multiprocessing")
+    return mp is None or not mp.current_process().daemon

@@ -104,10 +104,11 @@ def _progress(paths: list[Path], quiet: bool | None) -> tuple[Callable[[int], No
 
 def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool, advance: Callable[[int], None],
                  prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[str, int, ParsedRank]]:
-    import multiprocessing as mp
+    import sys
 
     jobs = parse_processes(len(paths), jobs)
-    if mp.current_process().daemon:  # a daemon (a pool worker, say) may not start processes
+    mp = sys.modules.get("multiprocessing")  # (not imported: this is no pool worker)
+    if mp is not None and mp.current_process().daemon:  # a daemon (a pool worker, say) may not start processes
         jobs = 1
     if jobs <= 1 or len(paths) <= 1:
         out = []
@@ -115,6 +116,7 @@ def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool, advance: 
             out.append(load_rank_file(p, use_cache, prepare))
             advance(i)
         return out
+    import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from traceinspect.load import early
