@@ -43,23 +43,8 @@ class Beside(Generic[T]):
         self._fd = -1
         if not _can_fork(jobs):
             return
-        r, w = os.pipe()
-        try:
-            pid = os.fork()
-        except OSError:  # no process to spare: run it here later
-            os.close(r)
-            os.close(w)
-            return
-        if pid == 0:  # the child: compute, send, exit (never back into the caller)
-            code = 1
-            try:
-                os.close(r)
-                _child(w, fn, args)
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(w)
-        self._pid, self._fd = pid, r
+        with contextlib.suppress(OSError):  # no process to spare: it runs here later
+            self._pid, self._fd = fork_with_pipe(lambda out: _child(out, fn, args))
 
     def result(self) -> T:
         """The result: the child's, or computed here."""
@@ -72,12 +57,39 @@ class Beside(Generic[T]):
                     status, value = pickle.loads(f.read())
             except Exception:  # noqa: BLE001 - the child died before sending: run it here
                 pass
-            # the child's exit (unmapping a copy of this process) takes tens of ms: it is reaped beside,
-            # not waited for
-            threading.Thread(target=_reap, args=(pid,), name="traceinspect-reap", daemon=True).start()
+            reap_beside(pid)
             if status == "ok":
                 return value
         return self.fn(*self.args)
+
+
+def fork_with_pipe(child: Callable[[int], None]) -> tuple[int, int]:
+    """Fork a process that runs ``child(fd)`` and exits, never returning into the caller (status 1 if
+    ``child`` raised); ``fd`` is the writing end of a pipe whose reading end this process gets, with the
+    child's pid: (pid, fd). OSError when no process can be forked."""
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        raise
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            child(w)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+def reap_beside(pid: int) -> None:
+    """Wait for a child's exit on a daemon thread: its exit (unmapping its copy of this process) takes
+    milliseconds that this one need not wait."""
+    threading.Thread(target=_reap, args=(pid,), name="traceinspect-reap", daemon=True).start()
 
 
 def _reap(pid: int) -> None:

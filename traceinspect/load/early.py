@@ -31,6 +31,7 @@ from typing import Any
 from traceinspect.load import cache
 from traceinspect.load.discover import discover
 from traceinspect.load.raw import Sha256Beside, Stopped, _sha256, native_available, parse_processes, read_scan
+from traceinspect.parallel import fork_with_pipe, reap_beside
 
 Read = tuple[str, int, dict[str, Any] | None]  # digest, size, scanner result (None: in the cache)
 
@@ -127,24 +128,8 @@ class _ChildPlan:
         self.rest: _Plan | None = None
 
     def start(self) -> None:
-        self.fd = os.memfd_create("traceinspect-read", os.MFD_CLOEXEC)
-        res_r, res_w = os.pipe()
-        try:
-            pid = os.fork()
-        except OSError:
-            os.close(res_r)
-            os.close(res_w)
-            raise
-        if pid == 0:  # the child: read, send, exit (never back into the caller)
-            code = 1
-            try:
-                os.close(res_r)
-                _serve(self.files[0], self.root, self.fd, res_w)
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(res_w)
-        self.child, self.res_r = pid, res_r
+        self.fd = fd = os.memfd_create("traceinspect-read", os.MFD_CLOEXEC)
+        self.child, self.res_r = fork_with_pipe(lambda out: _serve(self.files[0], self.root, fd, out))
 
     def take(self, path: Path) -> Read | None:
         if self.rest is not None:
@@ -193,19 +178,13 @@ class _ChildPlan:
             return
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)  # (it is about to exit or has exited, unless the read was given up)
-        # its exit (unmapping the read's buffers) is waited for beside, not here
-        threading.Thread(target=_reap, args=(pid,), name="traceinspect-reap", daemon=True).start()
+        reap_beside(pid)
 
     def _close_file(self) -> None:
         fd, self.fd = self.fd, -1
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def _reap(pid: int) -> None:
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, 0)
 
 
 def _serve(path: Path, root: Path | None, fd: int, out: int) -> None:
