@@ -20,20 +20,6 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 
-def _child(out: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    try:
-        res = ("ok", fn(*args))
-    except BaseException:  # noqa: BLE001 - the parent runs it again and raises the real error
-        res = ("error", None)
-    try:
-        data = pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - an unpicklable result: the parent runs it again
-        data = pickle.dumps(("error", None))
-    view = memoryview(data)
-    while view:
-        view = view[os.write(out, view):]
-
-
 class Beside(Generic[T]):
     """``fn(*args)`` running in a forked child (or deferred, where that is not possible)."""
 
@@ -44,19 +30,14 @@ class Beside(Generic[T]):
         if not _can_fork(jobs):
             return
         with contextlib.suppress(OSError):  # no process to spare: it runs here later
-            self._pid, self._fd = fork_with_pipe(lambda out: _child(out, fn, args))
+            self._pid, self._fd = fork_call(lambda: fn(*args))
 
     def result(self) -> T:
         """The result: the child's, or computed here."""
         if self._pid is not None:
             pid, fd = self._pid, self._fd
             self._pid, self._fd = None, -1
-            status, value = "error", None
-            try:
-                with os.fdopen(fd, "rb") as f:  # to the end: the child closes it by exiting
-                    status, value = pickle.loads(f.read())
-            except Exception:  # noqa: BLE001 - the child died before sending: run it here
-                pass
+            status, value = receive(fd)
             reap_beside(pid)
             if status == "ok":
                 return value
@@ -84,6 +65,37 @@ def fork_with_pipe(child: Callable[[int], None]) -> tuple[int, int]:
             os._exit(code)
     os.close(w)
     return pid, r
+
+
+def fork_call(fn: Callable[[], Any]) -> tuple[int, int]:
+    """Fork a process that sends ``("ok", fn())`` as a pickle through a pipe and exits, or
+    ``("error", None)`` when ``fn`` raised or its result cannot be pickled; (pid, the pipe's reading end,
+    for :func:`receive`). OSError when no process can be forked."""
+
+    def child(out: int) -> None:
+        try:
+            res = ("ok", fn())
+        except BaseException:  # noqa: BLE001 - the parent does the work itself and meets the real error
+            res = ("error", None)
+        try:
+            data = pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - an unpicklable result: the parent does the work itself
+            data = pickle.dumps(("error", None))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(out, view):]
+
+    return fork_with_pipe(child)
+
+
+def receive(fd: int) -> tuple[str, Any]:
+    """What a :func:`fork_call` process sent, read to the end of its pipe (the process closes it by
+    exiting), which is then closed here; ``("error", None)`` when it died before sending."""
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return pickle.loads(f.read())
+    except Exception:  # noqa: BLE001 - a process that died sent nothing readable
+        return "error", None
 
 
 def reap_beside(pid: int) -> None:

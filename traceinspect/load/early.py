@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import mmap
 import os
-import pickle
 import signal
 import sys
 import threading
@@ -31,7 +30,7 @@ from typing import Any
 from traceinspect.load import cache
 from traceinspect.load.discover import discover
 from traceinspect.load.raw import Sha256Beside, Stopped, _sha256, native_available, parse_processes, read_scan
-from traceinspect.parallel import fork_with_pipe, reap_beside
+from traceinspect.parallel import fork_call, reap_beside, receive
 
 Read = tuple[str, int, dict[str, Any] | None]  # digest, size, scanner result (None: in the cache)
 
@@ -129,7 +128,7 @@ class _ChildPlan:
 
     def start(self) -> None:
         self.fd = fd = os.memfd_create("traceinspect-read", os.MFD_CLOEXEC)
-        self.child, self.res_r = fork_with_pipe(lambda out: _serve(self.files[0], self.root, fd, out))
+        self.child, self.res_r = fork_call(lambda: _store(fd, read(self.files[0], self.root, threads=False)))
 
     def take(self, path: Path) -> Read | None:
         if self.rest is not None:
@@ -140,10 +139,8 @@ class _ChildPlan:
             return None
         if self.child is None or not first:
             return None  # (not the file the process read: the loader reads it itself)
-        try:
-            status, value = pickle.loads(_recv(self.res_r))
-        except (OSError, EOFError, ValueError, pickle.UnpicklingError):  # the process died
-            status, value = "error", None
+        fd, self.res_r = self.res_r, -1
+        status, value = receive(fd)  # (an error there: the loader reads the file itself and reports it)
         self._end()
         if status != "ok":
             return None
@@ -187,16 +184,6 @@ class _ChildPlan:
                 os.close(fd)
 
 
-def _serve(path: Path, root: Path | None, fd: int, out: int) -> None:
-    """The early-read process: the read of ``path`` stored in the memory file ``fd`` and announced on
-    ``out`` (an error announced as such)."""
-    try:
-        msg: tuple[str, Any] = ("ok", _store(fd, read(path, root, threads=False)))
-    except BaseException:  # noqa: BLE001 - the loader reads the file itself and reports the error
-        msg = ("error", None)
-    _send(out, pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-
 def _store(fd: int, value: Read) -> tuple[str, int, dict[str, Any] | None, dict[tuple[int, str], tuple[int, int]]]:
     """A read with its column buffers written to the memory file ``fd`` (64-byte aligned) and taken out
     of the result: (digest, size, the rest of the result, (kind, column) -> (offset, length))."""
@@ -221,28 +208,6 @@ def _store(fd: int, value: Read) -> tuple[str, int, dict[str, Any] | None, dict[
         kinds.append(rest)
     os.ftruncate(fd, off)
     return digest, size, {**res, "kinds": kinds}, spans
-
-
-def _send(fd: int, data: bytes) -> None:
-    view = memoryview(len(data).to_bytes(8, "little") + data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _recv(fd: int) -> bytes:
-    head = _read_exactly(fd, 8)
-    return _read_exactly(fd, int.from_bytes(head, "little"))
-
-
-def _read_exactly(fd: int, n: int) -> bytes:
-    parts, left = [], n
-    while left:
-        b = os.read(fd, min(left, 1 << 20))
-        if not b:
-            raise EOFError("the early-read process ended")
-        parts.append(b)
-        left -= len(b)
-    return b"".join(parts)
 
 
 def read(path: Path, root: Path | None, stop: threading.Event | None = None, threads: bool = True) -> Read:
