@@ -1,9 +1,9 @@
 """Build: the package, ``rules/`` shipped as ``traceinspect/rules`` and ``fixtures/`` (the trace sets the
 shipped rules name in ``tests.fires``/``silent``, so ``traceinspect rules test`` runs installed) as
-``traceinspect/fixtures``, and the native Kineto scanner.
+``traceinspect/fixtures``, the native Kineto scanner and the merged trace's row writer.
 
-The scanner is optional: where no C compiler is available the build goes on without it and the
-loader uses its pure-Python (msgspec) path.
+Both are optional: where no C compiler is available the build goes on without them, the loader uses
+its pure-Python (msgspec) path and the merged trace is encoded from Python objects.
 """
 
 from setuptools import Extension, find_packages, setup
@@ -20,6 +20,12 @@ setup(
             ["traceinspect/load/_kineto_scan.c"],
             extra_compile_args=["-O2", "-std=c99"],
             optional=True,
-        )
+        ),
+        Extension(
+            "traceinspect.render._json_rows",
+            ["traceinspect/render/_json_rows.c"],
+            extra_compile_args=["-O2", "-std=c99"],
+            optional=True,
+        ),
     ],
 )

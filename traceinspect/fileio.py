@@ -3,12 +3,14 @@ rename, so a reader never sees half a file and a failed run leaves nothing that 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 def _umask() -> int:
@@ -17,19 +19,27 @@ def _umask() -> int:
     return mask
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory."""
+@contextlib.contextmanager
+def atomic_output(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary file that becomes ``path`` when the block ends without an error (written to a temporary
+    file in the same directory and renamed); on an error nothing is left behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs are made to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory."""
+    with atomic_output(path) as f:
+        f.write(data)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

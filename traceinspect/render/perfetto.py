@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import msgspec
 import numpy as np
 import pandas as pd
 
-from traceinspect.fileio import write_bytes_atomic
+from traceinspect.fileio import atomic_output
 from traceinspect.render.palette import CHROME_CNAME
+from traceinspect.tables import factorize_text
 from traceinspect.version import __version__
+
+try:
+    from traceinspect.render import _json_rows as _rows_native
+except ImportError:  # built without a C compiler: the events are encoded as Python objects
+    _rows_native = None
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -92,6 +98,41 @@ def _finding_args(f: dict[str, Any]) -> dict[str, Any]:
 def build_trace(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, Any]:
     """The merged Chrome trace as a dict (``traceEvents`` plus metadata)."""
     doc = doc if doc is not None else a.to_json()
+    events, pids, gpu_tids = _process_events(a)
+    events.extend(_kernel_events(a, pids, gpu_tids))
+    for table, cat in _cpu_tables(a):
+        events.extend(_cpu_events(table, cat, pids))
+    events.extend(_step_events(a, pids))
+    events.extend(_finding_events(a, doc, pids, gpu_tids))
+    return {"traceEvents": events, **_trace_meta(a, doc)}
+
+
+def _trace_meta(a: Analysis, doc: dict[str, Any]) -> dict[str, Any]:
+    """The merged trace's keys after ``traceEvents``."""
+    ts = a.trace
+    return {
+        "displayTimeUnit": "ms",
+        "deviceProperties": [{"name": d.name, "computeCapability": d.compute_capability,
+                              "totalGlobalMem": d.total_memory_bytes, "numSms": d.num_sms, "rank": info.rank}
+                             for info in ts.ranks for d in info.devices[:1]],
+        "otherData": {
+            "generator": f"traceinspect {__version__}",
+            "schema": doc.get("schema"),
+            "sources": [{"rank": f.get("label"), "path": f.get("path"), "sha256": f.get("sha256")}
+                        for f in (doc.get("source") or {}).get("files") or []],
+            "findings": len(doc.get("findings") or []),
+        },
+    }
+
+
+def _cpu_tables(a: Analysis) -> list[tuple[pd.DataFrame, str]]:
+    ts = a.trace
+    return [(ts.runtime, "cuda_runtime"), (ts.cpu_ops, "cpu_op"), (ts.annotations, "user_annotation")]
+
+
+def _process_events(a: Analysis) -> tuple[list[dict[str, Any]], dict[int, str], dict[tuple[int, int], int]]:
+    """Each rank's process and thread metadata and its GPU annotations; the process name of each rank and
+    the thread id of each (rank, GPU stream)."""
     ts = a.trace
     k = ts.kernels
     events: list[dict[str, Any]] = []
@@ -141,25 +182,7 @@ def build_trace(a: Analysis, doc: dict[str, Any] | None = None) -> dict[str, Any
         events.extend({"ph": "X", "cat": "gpu_user_annotation", "name": r.name, "pid": pid, "tid": gpu_ann_tid,
                        "ts": r.ts, "dur": r.dur} for r in ga.itertuples())
 
-    events.extend(_kernel_events(a, pids, gpu_tids))
-    for table, cat in ((ts.runtime, "cuda_runtime"), (ts.cpu_ops, "cpu_op"), (ts.annotations, "user_annotation")):
-        events.extend(_cpu_events(table, cat, pids))
-    events.extend(_step_events(a, pids))
-    events.extend(_finding_events(a, doc, pids, gpu_tids))
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "deviceProperties": [{"name": d.name, "computeCapability": d.compute_capability,
-                              "totalGlobalMem": d.total_memory_bytes, "numSms": d.num_sms, "rank": info.rank}
-                             for info in ts.ranks for d in info.devices[:1]],
-        "otherData": {
-            "generator": f"traceinspect {__version__}",
-            "schema": doc.get("schema"),
-            "sources": [{"rank": f.get("label"), "path": f.get("path"), "sha256": f.get("sha256")}
-                        for f in (doc.get("source") or {}).get("files") or []],
-            "findings": len(doc.get("findings") or []),
-        },
-    }
+    return events, pids, gpu_tids
 
 
 def _kernel_events(a: Analysis, pids: dict[int, str], gpu_tids: dict[tuple[int, int], int]
@@ -276,18 +299,206 @@ def _finding_events(a: Analysis, doc: dict[str, Any], pids: dict[int, str],
                                "args": dict(args, step=int(idx))}
 
 
-def encode(trace: dict[str, Any]) -> bytes:
+def encode(trace: Any) -> bytes:
     """JSON bytes with ``<``, ``>`` and ``&`` written as ``\\u`` escapes (same values; safe to embed or
     to show in any HTML-based viewer)."""
-    data = msgspec.json.encode(trace)
+    return _escape(msgspec.json.encode(trace))
+
+
+def _escape(data: bytes) -> bytes:
     return data.replace(b"<", b"\\u003c").replace(b">", b"\\u003e").replace(b"&", b"\\u0026")
 
 
 def write_perfetto(a: Analysis, path: str | Path, doc: dict[str, Any] | None = None) -> Path:
-    """Write the merged trace to ``path`` (gzipped when the name ends in ``.gz``), atomically."""
-    data = encode(build_trace(a, doc))
+    """Write the merged trace to ``path`` (gzipped when the name ends in ``.gz``), atomically. The events
+    of the trace's tables are written a block of rows at a time (:func:`trace_pieces`)."""
+    doc = doc if doc is not None else a.to_json()
     path = Path(path)
-    if path.name.endswith(".gz"):
-        data = gzip.compress(data, compresslevel=6)
-    write_bytes_atomic(path, data)
+    with atomic_output(path) as raw:
+        out: Any = _gzip_writer(raw) if path.name.endswith(".gz") else raw
+        for piece in trace_pieces(a, doc):
+            out.write(piece)
+        if out is not raw:
+            out.close()
     return path
+
+
+def _gzip_writer(raw: BinaryIO) -> Any:
+    """A gzip stream over ``raw``: ISA-L's level 2 where isal is installed (about ten times zlib's level 6
+    and a third larger), else zlib's level 1 (about as large)."""
+    try:
+        from isal import igzip
+    except ImportError:
+        return gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1, mtime=0)
+    return igzip.IGzipFile(fileobj=raw, mode="wb", compresslevel=2, mtime=0)
+
+
+def trace_pieces(a: Analysis, doc: dict[str, Any]) -> Iterator[bytes]:
+    """The merged trace's JSON text in pieces, the same document as ``encode(build_trace(a, doc))``. With
+    the native row writer, the kernel and CPU events are written from the tables' columns, a block of
+    rows at a time, instead of as one Python object each."""
+    if _rows_native is None:
+        yield encode(build_trace(a, doc))
+        return
+    events, pids, gpu_tids = _process_events(a)
+
+    def parts() -> Iterator[bytes]:  # each a run of events, every one led by a comma
+        yield _joined(events)
+        yield from _kernel_rows(a, pids, gpu_tids)
+        for table, cat in _cpu_tables(a):
+            yield from _cpu_rows(table, cat, pids)
+        yield _joined(list(_step_events(a, pids)))
+        yield _joined(list(_finding_events(a, doc, pids, gpu_tids)))
+
+    yield b'{"traceEvents":['
+    first = True
+    for part in parts():
+        if part:
+            yield part[1:] if first else part
+            first = False
+    yield b"]," + encode(_trace_meta(a, doc))[1:]
+
+
+# ----------------------------------------------------------------------------- the native row writer
+
+CHUNK_ROWS = 100_000  # rows written at a time (a few tens of MB of text)
+
+
+def _joined(events: list[dict[str, Any]]) -> bytes:
+    """``events`` as JSON, each led by a comma."""
+    return b"," + encode(events)[1:-1] if events else b""
+
+
+def _distinct(col: pd.Series) -> tuple[np.ndarray, list[Any]]:
+    """(codes, values): the column's values as a row of ``itertuples`` gives them are ``values[codes]``."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        codes = col.cat.codes.to_numpy().astype(np.int64)
+        values = [*col.cat.categories.tolist(), np.nan]
+        codes[codes < 0] = len(values) - 1
+        return codes, values
+    codes, uniq = factorize_text(col.to_numpy(dtype=object))
+    return codes, uniq.tolist()
+
+
+def _texts(col: pd.Series, text: Callable[[Any], bytes]) -> tuple[np.ndarray, list[bytes]]:
+    """A TEXT operation's (codes, texts): ``text`` of each distinct value of the column."""
+    codes, values = _distinct(col)
+    return codes, [text(v) for v in values]
+
+
+def _member(key: str, *, test: Callable[[Any], bool] = bool) -> Callable[[Any], bytes]:
+    """The text of an optional member ``,"key":<str(v)>``, empty (left out) where ``test(v)`` is false."""
+    lead = b',"' + key.encode() + b'":'
+    return lambda v: lead + encode(str(v)) if test(v) else b""
+
+
+def _ints(col: pd.Series) -> np.ndarray:
+    """An integer column as int64, a missing or negative value as -1 (left out by INT_OPT)."""
+    v = pd.to_numeric(col, errors="coerce").to_numpy(dtype=float)
+    out = np.full(len(v), -1, dtype=np.int64)
+    ok = np.isfinite(v) & (v >= 0)
+    out[ok] = v[ok].astype(np.int64)
+    return out
+
+
+def _pid_texts(rank: np.ndarray, pids: dict[int, str]) -> tuple[np.ndarray, list[bytes]]:
+    ranks, codes = np.unique(rank, return_inverse=True)
+    return codes.reshape(-1).astype(np.int64), [b',"pid":' + encode(pids[int(r)]) for r in ranks.tolist()]
+
+
+def _run(program: tuple[tuple[Any, ...], ...], n: int) -> Iterator[bytes]:
+    assert _rows_native is not None
+    for start in range(0, n, CHUNK_ROWS):
+        yield _rows_native.rows(program, start, min(start + CHUNK_ROWS, n))
+
+
+def _kernel_rows(a: Analysis, pids: dict[int, str], gpu_tids: dict[tuple[int, int], int]) -> Iterator[bytes]:
+    """The kernel events (and their launch flows) of :func:`_kernel_events`, from the columns."""
+    J = _rows_native
+    assert J is not None
+    ts = a.trace
+    k = ts.kernels
+    n = len(k)
+    if not n:
+        return
+    rank = k["rank"].to_numpy(dtype=np.int64)
+    stream = k["stream"].to_numpy(dtype=np.int64)
+    pairs, at = np.unique(np.stack([rank, stream]), axis=1, return_inverse=True)
+    tid = np.array([gpu_tids[(int(r), int(s))] for r, s in pairs.T.tolist()], dtype=np.int64)[at.reshape(-1)]
+    pid = _pid_texts(rank, pids)
+    ts_ = np.ascontiguousarray(k["ts"].to_numpy(dtype=float))
+    corr = k["correlation"].to_numpy(dtype=np.int64)
+    prog: list[tuple[Any, ...]] = [
+        (J.LIT, b',{"ph":"X"'),
+        (J.TEXT, *_texts(k["kind"], lambda v: b',"cat":' + encode(KIND_CAT.get(str(v), "kernel")))),
+        (J.TEXT, *_texts(k["name"], lambda v: b',"name":' + encode(v))),
+        (J.TEXT, *pid),
+        (J.INT, b',"tid":', tid),
+        (J.FLOAT, b',"ts":', ts_),
+        (J.FLOAT, b',"dur":', np.ascontiguousarray(k["dur"].to_numpy(dtype=float))),
+        (J.INT, b',"args":{"device":', k["device"].to_numpy(dtype=np.int64)),
+        (J.INT, b',"stream":', stream),
+        (J.INT_OPT, b',"correlation":', np.where(corr >= 0, corr, -1)),
+        (J.INT_OPT, b',"External id":', np.maximum(k["external_id"].to_numpy(dtype=np.int64), -1)),
+        (J.TEXT, *_texts(k["grid"], lambda v: b',"grid":' + encode(_json_arg(v)) if v else b"")),
+        (J.TEXT, *_texts(k["block"], lambda v: b',"block":' + encode(_json_arg(v)) if v else b"")),
+        (J.FLOAT_OPT, b',"bytes":', np.ascontiguousarray(k["bytes"].to_numpy(dtype=float))),
+    ]
+    if "cls" in k.columns:
+        prog.append((J.TEXT, *_texts(k["cls"], _member("class", test=lambda v: True))))
+        for col, key in (("cls2", "class2"), ("cls_evidence", "class_evidence")):
+            if col in k.columns:
+                prog.append((J.TEXT, *_texts(k[col], _member(key))))
+    if "step" in k.columns:
+        step = k["step"].to_numpy(dtype=np.int64)
+        analysed = np.isin(step, a.selected.index.to_numpy()).astype(np.int64)
+        prog.append((J.INT_OPT, b',"step":', np.maximum(step, -1)))
+        prog.append((J.TEXT, np.where(step >= 0, analysed, -1), [b',"analysed":false', b',"analysed":true']))
+    if "op_name" in k.columns:
+        prog.append((J.TEXT, *_texts(k["op_name"], _member("op"))))
+    if "graph_replay" in k.columns:
+        prog.append((J.TEXT, k["graph_replay"].to_numpy(dtype=bool).astype(np.int64), [b"", b',"graph_replay":true']))
+    prog.append((J.LIT, b"}"))
+    if "cls" in k.columns:
+        prog.append((J.TEXT, *_texts(k["cls"], lambda v: b',"cname":' + encode(CHROME_CNAME[str(v)])
+                                     if str(v) in CHROME_CNAME else b"")))
+    prog.append((J.LIT, b"}"))
+    # the flow arrow from the launching runtime call, as :func:`_kernel_events` writes it
+    rt_idx = k["rt_idx"].to_numpy(dtype=np.int64) if "rt_idx" in k.columns else np.full(n, -1, dtype=np.int64)
+    flow = (rt_idx >= 0) & (corr >= 0)
+    if flow.any():
+        safe = np.where(flow, rt_idx, 0)
+        rt_tid = ts.runtime["tid"].to_numpy(dtype=np.int64)[safe]
+        rt_ts = ts.runtime["ts"].to_numpy(dtype=float)[safe]
+        fid = (rank << 40) | np.where(flow, corr, 0)
+        arrow = [
+            (J.INT, b',{"ph":"s","cat":"ac2g","name":"ac2g","id":', fid), (J.TEXT, *pid), (J.INT, b',"tid":', rt_tid),
+            (J.FLOAT, b',"ts":', rt_ts),
+            (J.INT, b'},{"ph":"f","cat":"ac2g","name":"ac2g","id":', fid), (J.TEXT, *pid), (J.INT, b',"tid":', tid),
+            (J.FLOAT, b',"ts":', ts_), (J.LIT, b',"bp":"e"}'),
+        ]
+        prog += [(J.IF, flow.astype(np.uint8), len(arrow)), *arrow]
+    yield from _run(tuple(prog), n)
+
+
+def _cpu_rows(table: pd.DataFrame, cat: str, pids: dict[int, str]) -> Iterator[bytes]:
+    """The events of :func:`_cpu_events`, from the columns."""
+    J = _rows_native
+    assert J is not None
+    n = len(table)
+    if not n:
+        return
+    prog: list[tuple[Any, ...]] = [
+        (J.LIT, b',{"ph":"X","cat":' + encode(cat)),
+        (J.TEXT, *_texts(table["name"], lambda v: b',"name":' + encode(v))),
+        (J.TEXT, *_pid_texts(table["rank"].to_numpy(dtype=np.int64), pids)),
+        (J.INT, b',"tid":', table["tid"].to_numpy(dtype=np.int64)),
+        (J.FLOAT, b',"ts":', np.ascontiguousarray(table["ts"].to_numpy(dtype=float))),
+        (J.FLOAT, b',"dur":', np.ascontiguousarray(table["dur"].to_numpy(dtype=float))),
+        (J.GROUP, b',"args":{'),
+    ]
+    for col, key in (("correlation", "correlation"), ("external_id", "External id")):
+        if col in table.columns:
+            prog.append((J.INT_OPT, b',"' + key.encode() + b'":', _ints(table[col])))
+    prog += [(J.END, b"}"), (J.LIT, b"}")]
+    yield from _run(tuple(prog), n)
