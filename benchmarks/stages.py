@@ -1,7 +1,8 @@
 """Where the time of ``analyze`` and ``report`` goes, stage by stage, in fresh processes.
 
 Each run is a new interpreter that does what the command does (start the early read of the rank files,
-import the pipeline, run the stages, build the document, write the HTML for ``report``), with every
+import the pipeline, run the stages, build the document; for ``report``, write the HTML and the merged
+Perfetto trace, as ``report --perfetto`` does), with every
 pipeline stage timed: wall seconds, and CPU seconds of all this process's threads (a process forked
 beside a stage is not counted). Cache off. The table gives the median over ``--repeat`` runs of each
 stage, for the benchmark's 114 MB rank file (``analyze``) and its 8 x 122 MB set (``report``)::
@@ -32,15 +33,17 @@ STAGES = [("start", "start-up: interpreter, imports (the early read beside them)
           ("load", "load: the rest of the read, tables, link"), ("steps", "steps"), ("classify", "classify"),
           ("select", "step selection and the analysis record"), ("measure", "measure (GEMM, memory; collectives and host activity beside)"),
           ("judge", "judge (rules, what-if replays)"), ("document", "document (the JSON contract)"),
-          ("html", "HTML report"), ("total", "whole process")]
+          ("html", "HTML report"), ("perfetto", "merged Perfetto trace (`--perfetto`, gzipped)"),
+          ("total", "whole process")]
 
 CHILD = r"""
-import json, sys, time
+import gc, json, sys, time
 w0, c0 = time.perf_counter(), time.process_time()
 out = {}
 path, html = sys.argv[1], sys.argv[2]
+gc.disable()  # as the command line does, with pyarrow hidden from pandas
 from traceinspect.cli import hide_pyarrow_from_pandas
-hide_pyarrow_from_pandas()  # as the command line does
+hide_pyarrow_from_pandas()
 from traceinspect.load import early
 early.start([path], use_cache=False, jobs=None, executor="local")
 import traceinspect.pipeline as p
@@ -65,6 +68,8 @@ doc = timed("document", a.to_json)(report=html != "-")
 if html != "-":
     from traceinspect.render.html import write_html
     timed("html", write_html)(doc, html)
+    from traceinspect.render.perfetto import write_perfetto
+    timed("perfetto", write_perfetto)(a, html + ".trace.json.gz", doc)
 out["total"] = [time.perf_counter() - w0 + float(sys.argv[3]), time.process_time() - c0]
 print(json.dumps(out))
 """
@@ -95,7 +100,7 @@ def table(res: dict[str, Any]) -> str:
         cells = []
         for c in cases.values():
             s = c["stages"].get(key)
-            cells += ["", ""] if s is None or (key == "html" and not c["html"]) else [f"{s['wall_s']:.2f}",
+            cells += ["", ""] if s is None or (key in ("html", "perfetto") and not c["html"]) else [f"{s['wall_s']:.2f}",
                                                                                       f"{s['cpu_s']:.2f}"]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     out.append("")

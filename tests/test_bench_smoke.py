@@ -115,6 +115,7 @@ def test_stages_smoke(tmp_path: Path) -> None:
         parts = sum(v["wall_s"] for k, v in st.items() if k != "total")
         assert st["total"]["wall_s"] >= 0.9 * parts, name  # the stages add up to no more than the process
     assert doc["cases"]["ranks"]["stages"]["html"]["wall_s"] > 0
+    assert doc["cases"]["ranks"]["stages"]["perfetto"]["wall_s"] > 0
     assert "| stage |" in p.stderr and "not edited by hand" in p.stderr
     readme = (ROOT / "benchmarks" / "README.md").read_text()
     block = readme[readme.index("<!-- bench:stages:start -->"):readme.index("<!-- bench:stages:end -->")]
