@@ -275,17 +275,19 @@ def _finding_events(a: Analysis, doc: dict[str, Any], pids: dict[int, str],
     k = a.kernels
     names = set(k["name"].unique().tolist())
     all_ranks = [info.rank for info in a.trace.ranks]
+    rank_of = k["rank"].to_numpy()
     for f in findings:
         label = f"{str(f.get('severity', '')).upper()}: {f.get('title') or f.get('rule')}"
         args = _finding_args(f)
         ranks = f.get("ranks")
         ranks = [r for r in ranks if r in pids] if isinstance(ranks, list) and ranks else all_ranks
         cited = _cited_names(f.get("evidence"), names)
+        is_cited = k["name"].isin(cited).to_numpy() if cited else None
         for rank in ranks:
-            kr = k[k["rank"] == rank]
-            if cited:
-                hit = kr[kr["name"].isin(cited)]
-                # every launch of a cited kernel in the analysed steps (capped per rank)
+            if is_cited is not None:
+                # every launch of a cited kernel in the analysed steps (capped per rank); only those rows
+                # are taken from the table
+                hit = k.loc[is_cited & (rank_of == rank), ["ts", "stream", "name", "step"]]
                 for r in hit.sort_values("ts").head(MAX_KERNEL_MARKS).itertuples(index=False):
                     yield {"ph": "i", "s": "t", "cat": "traceinspect.finding", "name": label, "pid": pids[rank],
                            "tid": gpu_tids[(rank, int(r.stream))], "ts": float(r.ts),
