@@ -136,3 +136,19 @@ def test_optional_members_groups_and_skips() -> None:
 def test_malformed_programs_are_refused(prog: tuple, start: int, stop: int, error: type) -> None:
     with pytest.raises(error):
         J.rows(prog, start, stop)
+
+
+def test_a_failed_compression_is_raised_and_leaves_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    a = analyze(str(fixture_dir("tp1-l6-full-graph")))
+
+    class Full:
+        def write(self, _: bytes) -> None:
+            raise OSError(28, "No space left on device")
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(pf, "_gzip_writer", lambda raw: Full())
+    with pytest.raises(OSError, match="No space left"):
+        pf.write_perfetto(a, tmp_path / "x.trace.json.gz", a.to_json())
+    assert not list(tmp_path.iterdir())
