@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import queue
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -319,51 +317,12 @@ def write_perfetto(a: Analysis, path: str | Path, doc: dict[str, Any] | None = N
     doc = doc if doc is not None else a.to_json()
     path = Path(path)
     with atomic_output(path) as raw:
-        if not path.name.endswith(".gz"):
-            for piece in trace_pieces(a, doc):
-                raw.write(piece)
-            return path
-        gz = _gzip_writer(raw)
-        behind = _WriterThread(gz)  # compression (which releases the GIL) beside the writing of the text
-        try:
-            for piece in trace_pieces(a, doc):
-                behind.write(piece)
-        finally:
-            behind.close()
-        gz.close()
+        out: Any = _gzip_writer(raw) if path.name.endswith(".gz") else raw
+        for piece in trace_pieces(a, doc):
+            out.write(piece)
+        if out is not raw:
+            out.close()
     return path
-
-
-class _WriterThread:
-    """Hands pieces to ``out.write`` on a thread of its own, at most two pieces behind; an error of the
-    thread is raised at the next :meth:`write` or at :meth:`close`."""
-
-    def __init__(self, out: Any) -> None:
-        self._out = out
-        self._q: queue.Queue[bytes | None] = queue.Queue(maxsize=2)
-        self._error: BaseException | None = None
-        self._t = threading.Thread(target=self._run, name="traceinspect-perfetto-write", daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while (piece := self._q.get()) is not None:
-            if self._error is None:
-                try:
-                    self._out.write(piece)
-                except BaseException as e:  # noqa: BLE001 - raised in the writing thread
-                    self._error = e
-
-    def write(self, piece: bytes) -> None:
-        if self._error is not None:
-            raise self._error
-        self._q.put(piece)
-
-    def close(self) -> None:
-        """Wait for the pieces handed over; raise the thread's error, if any."""
-        self._q.put(None)
-        self._t.join()
-        if self._error is not None:
-            raise self._error
 
 
 def _gzip_writer(raw: BinaryIO) -> Any:
