@@ -41,13 +41,16 @@ typedef struct {
     Py_ssize_t ntexts;
 } Op;
 
+/* the text is written straight into a bytes object, grown as needed and cut to size at the end (no copy
+   of the whole text is made) */
 typedef struct {
+    PyObject *b;
     char *p;
     size_t n, cap;
 } Out;
 
 static int out_reserve(Out *o, size_t extra) {
-    if (extra <= o->cap - o->n)
+    if (o->b && extra <= o->cap - o->n)
         return 0;
     size_t cap = o->cap ? o->cap : 1 << 16;
     while (cap - o->n < extra) {
@@ -57,12 +60,14 @@ static int out_reserve(Out *o, size_t extra) {
         }
         cap *= 2;
     }
-    char *p = PyMem_RawRealloc(o->p, cap);
-    if (!p) {
-        PyErr_NoMemory();
-        return -1;
+    if (!o->b) {
+        o->b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)cap);
+        if (!o->b)
+            return -1;
+    } else if (_PyBytes_Resize(&o->b, (Py_ssize_t)cap) < 0) {
+        return -1; /* (o->b is NULL and freed) */
     }
-    o->p = p;
+    o->p = PyBytes_AS_STRING(o->b);
     o->cap = cap;
     return 0;
 }
@@ -201,7 +206,9 @@ static PyObject *rows(PyObject *Py_UNUSED(m), PyObject *args) {
         PyMem_Free(views);
         return PyErr_NoMemory();
     }
-    Out o = {NULL, 0, 0};
+    Out o = {NULL, NULL, 0, 0};
+    /* about 300 bytes a row (a kernel event with its flows): most blocks need no growing */
+    size_t guess = (size_t)(stop - start) < ((size_t)PY_SSIZE_T_MAX >> 10) ? (size_t)(stop - start) * 320 : 0;
     for (Py_ssize_t i = 0; i < nops; i++) {
         PyObject *t = PyTuple_GET_ITEM(program, i);
         Op *op = &ops[i];
@@ -269,6 +276,8 @@ static PyObject *rows(PyObject *Py_UNUSED(m), PyObject *args) {
             break;
         }
     }
+    if (guess && out_reserve(&o, guess) < 0)
+        goto fail;
     for (Py_ssize_t r = start; r < stop; r++) {
         const char *pending = NULL; /* an open group not yet written */
         Py_ssize_t pendn = 0;
@@ -348,12 +357,14 @@ static PyObject *rows(PyObject *Py_UNUSED(m), PyObject *args) {
                 goto fail;
         }
     }
-    PyObject *res = PyBytes_FromStringAndSize(o.p ? o.p : "", (Py_ssize_t)o.n);
-    PyMem_RawFree(o.p);
     ops_free(ops, nops, views);
-    return res;
+    if (!o.b)
+        return PyBytes_FromStringAndSize("", 0);
+    if (_PyBytes_Resize(&o.b, (Py_ssize_t)o.n) < 0)
+        return NULL;
+    return o.b;
 fail:
-    PyMem_RawFree(o.p);
+    Py_XDECREF(o.b);
     ops_free(ops, nops, views);
     return NULL;
 }
