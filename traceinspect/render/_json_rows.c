@@ -246,25 +246,19 @@ static PyObject *rows(PyObject *Py_UNUSED(m), PyObject *args) {
         switch (op->op) {
         case OP_FLOAT:
         case OP_FLOAT_OPT:
-            if (column(PyTuple_GET_ITEM(t, 2), &views[i], 8, stop, "float") < 0)
-                goto fail;
-            op->col = views[i].buf;
-            break;
         case OP_INT:
         case OP_INT_OPT:
-            if (column(PyTuple_GET_ITEM(t, 2), &views[i], 8, stop, "int") < 0)
+            if (column(PyTuple_GET_ITEM(t, 2), &views[i], 8, stop,
+                       op->op == OP_FLOAT || op->op == OP_FLOAT_OPT ? "float" : "int") < 0)
                 goto fail;
-            op->col = views[i].buf;
             break;
         case OP_TEXT:
             if (column(a1, &views[i], 8, stop, "code") < 0 || texts(PyTuple_GET_ITEM(t, 2), op) < 0)
                 goto fail;
-            op->col = views[i].buf;
             break;
         case OP_IF:
             if (column(a1, &views[i], 1, stop, "mask") < 0)
                 goto fail;
-            op->col = views[i].buf;
             op->count = PyLong_AsSsize_t(PyTuple_GET_ITEM(t, 2));
             if (op->count < 0 || op->count > nops - 1 - i) {
                 if (!PyErr_Occurred())
@@ -275,6 +269,7 @@ static PyObject *rows(PyObject *Py_UNUSED(m), PyObject *args) {
         default:
             break;
         }
+        op->col = views[i].buf; /* (NULL for an operation without a column) */
     }
     if (guess && out_reserve(&o, guess) < 0)
         goto fail;
