@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
+import hashlib
 import json
 import os
+import pickle
 import select
 import shutil
 import subprocess
@@ -25,7 +28,7 @@ from traceinspect.errors import TraceInputError
 from traceinspect.load import early, load_rank_file
 from traceinspect.load.discover import Discovery, RankFile
 from traceinspect.load.parse import ParsedRank
-from traceinspect.load.raw import native_available
+from traceinspect.load.raw import Sha256After, native_available
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="the early read needs the native scanner")
 
@@ -394,5 +397,47 @@ def test_no_process_to_spare_reads_on_a_thread(monkeypatch: pytest.MonkeyPatch) 
     early.start([path], use_cache=False, jobs=1, executor="local")
     assert isinstance(early._plan, early._Plan)
     assert _first_read_done(early._plan)
+    early._plan.order[0][1].digest.hexdigest()  # (the hash, begun after the scan, holds the file until done)
     assert len(os.listdir("/proc/self/fd")) == fds  # the memory file and pipe of the process not made are closed
     assert load_rank_file(path, use_cache=False)[2] is not None
+
+
+def test_without_the_cache_the_hash_runs_after_the_scan_and_is_the_files(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRACEINSPECT_CACHE", "off")
+    src = fixture_dir("kv-full-cast-eager") / "fixture-TP-0.trace.json.gz"
+    path = tmp_path / "plain-TP-0.trace.json"
+    path.write_bytes(gzip.decompress(src.read_bytes()))
+    want = hashlib.sha256(path.read_bytes()).hexdigest()
+    order: list[str] = []
+    real_scan = early.read_scan
+
+    def scan(*a: Any, **k: Any) -> Any:
+        order.append("scan")
+        return real_scan(*a, **k)
+
+    real_start = Sha256After.start
+
+    def start(self: Sha256After) -> Sha256After:
+        if self._t is None:
+            order.append("hash")
+        return real_start(self)
+
+    monkeypatch.setattr(early, "read_scan", scan)
+    monkeypatch.setattr(Sha256After, "start", start)
+    ts = load.load_trace_set([path], use_cache=False, jobs=1)
+    assert isinstance(ts.ranks[0].digest, Sha256After)
+    assert order == ["scan", "hash"]  # the hash begun once the scan is over
+    assert ts.ranks[0].sha256 == want and ts.ranks[0].digest == want  # resolved once, then the text
+    # the loader's own callers get the text; a pending digest pickles as its text
+    assert load_rank_file(path, use_cache=False)[0] == want
+    later = Sha256After(path)
+    assert pickle.loads(pickle.dumps(later)) == want
+    # where the thread never ran (a forked process, say), the digest is computed where it is asked
+    never = Sha256After(path)
+    never._t = threading.Thread(target=lambda: None)
+    never._t.start()
+    assert never.hexdigest() == want
+    gone = tmp_path / "gone.trace.json"
+    with pytest.raises(TraceInputError, match="no such file"):
+        Sha256After(gone)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from traceinspect.errors import TraceInputError
 from traceinspect.load.discover import RankFile, discover, read_server_info
-from traceinspect.load.raw import _sha256, parse_processes
+from traceinspect.load.raw import Digest, _sha256, hex_digest, parse_processes
 
 if TYPE_CHECKING:
     import numpy as np
@@ -35,7 +35,8 @@ def parse_file(path: str | Path, tap: Callable[[bytes], None] | None = None) -> 
 
 
 def load_rank_file(path: str | Path, use_cache: bool = True,
-                   prepare: Callable[[ParsedRank], None] | None = None) -> tuple[str, int, ParsedRank]:
+                   prepare: Callable[[ParsedRank], None] | None = None,
+                   defer_digest: bool = False) -> tuple[Digest, int, ParsedRank]:
     """Hash, then read one rank file from the cache or parse it (and cache the tables).
 
     This is the unit of work a local process or a dask worker runs: it touches only the file and the
@@ -43,6 +44,9 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
     after ``prepare`` (the pipeline passes the link stage's per-rank linking: kernel -> runtime event ->
     CPU op is per rank). Where the CLI began reading the file beside its imports
     (:mod:`traceinspect.load.early`), the hash and the scan (or the error they met) are taken from there.
+    With ``defer_digest`` and the cache off, the hash may still be under way on return (a
+    :class:`~traceinspect.load.raw.Sha256After`, computed beside what the caller does next); otherwise
+    the digest is the hex text.
     """
     from traceinspect.load import cache, early, parse
 
@@ -50,7 +54,7 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
     root = cache.cache_dir() if use_cache else None
     got = early.take(path, root)  # read beside the imports (the CLI), else None
     if got is None and parse.native_available():
-        got = early.read(path, root)  # what the early read does, here
+        got = early.read(path, root, defer=defer_digest)  # what the early read does, here
     if got is not None:
         digest, size, res = got  # res None: the cache holds the tables
     else:  # the msgspec path
@@ -65,7 +69,7 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
     if prepare is not None:
         prepare(parsed)
     vars(parsed).pop("_name_codes", None)  # what prepare did not use stays here
-    return digest, size, parsed
+    return (digest if defer_digest else hex_digest(digest)), size, parsed
 
 
 def _progress(paths: list[Path], quiet: bool | None) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -103,7 +107,7 @@ def _progress(paths: list[Path], quiet: bool | None) -> tuple[Callable[[int], No
 
 
 def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool, advance: Callable[[int], None],
-                 prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[str, int, ParsedRank]]:
+                 prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[Digest, int, ParsedRank]]:
     import sys
 
     jobs = parse_processes(len(paths), jobs)
@@ -113,7 +117,7 @@ def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool, advance: 
     if jobs <= 1 or len(paths) <= 1:
         out = []
         for i, p in enumerate(paths):
-            out.append(load_rank_file(p, use_cache, prepare))
+            out.append(load_rank_file(p, use_cache, prepare, defer_digest=True))
             advance(i)
         return out
     import multiprocessing as mp
@@ -189,7 +193,7 @@ def _parse_dask(paths: list[Path], executor: str, jobs: int | None, use_cache: b
 
 
 def _parse_all(paths: list[Path], jobs: int | None, executor: str, use_cache: bool, quiet: bool | None = None,
-               prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[str, int, ParsedRank]]:
+               prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[Digest, int, ParsedRank]]:
     if executor != "local" and executor != "dask" and not executor.startswith("dask://"):
         raise TraceInputError(f"unknown executor {executor!r} (use local, dask or dask://HOST:PORT)")
     from traceinspect.load import early
@@ -205,7 +209,7 @@ def _parse_all(paths: list[Path], jobs: int | None, executor: str, use_cache: bo
         close()
 
 
-def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], hashes: list[str], fsizes: list[int],
+def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], hashes: list[Digest], fsizes: list[int],
                   warnings: list[str]) -> list[RankInfo]:
     from traceinspect.model import RankInfo
 
@@ -248,7 +252,7 @@ def _assign_ranks(files: list[RankFile], parsed: list[ParsedRank], hashes: list[
             tp=f.tp, dp=f.dp, pp=f.pp, ep=f.ep, stage=f.stage, profile_id=f.profile_id,
             devices=p.devices, distributed_info=p.distributed_info,
             cuda_runtime_version=p.cuda_runtime_version, cuda_driver_version=p.cuda_driver_version,
-            trace_id=p.trace_id, size_bytes=fsizes[idx], sha256=hashes[idx],
+            trace_id=p.trace_id, size_bytes=fsizes[idx], digest=hashes[idx],
             n_events=p.n_events,
         ))
     if source == "filename" and len({i.rank for i in infos}) != len(infos):

@@ -23,28 +23,38 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from traceinspect.load import cache
 from traceinspect.load.discover import discover
-from traceinspect.load.raw import Sha256Beside, Stopped, _sha256, native_available, parse_processes, read_scan
+from traceinspect.load.raw import (
+    Digest,
+    Sha256After,
+    Sha256Beside,
+    Stopped,
+    _sha256,
+    native_available,
+    parse_processes,
+    read_scan,
+)
 from traceinspect.parallel import fork_call, reap_beside, receive
 
-Read = tuple[str, int, dict[str, Any] | None]  # digest, size, scanner result (None: in the cache)
+Read = tuple[Digest, int, dict[str, Any] | None]  # digest, size, scanner result (None: in the cache)
 
 
 class _Item:
     """One file's early read: done once the thread is through with it (or has given up)."""
 
-    __slots__ = ("done", "taken", "value", "error")
+    __slots__ = ("done", "taken", "value", "error", "digest")
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.taken = threading.Event()
         self.value: Read | None = None
         self.error: BaseException | None = None
+        self.digest: Sha256After | None = None  # the hash to come (cache off), once the read has begun
 
 
 class _Plan:
@@ -66,7 +76,8 @@ class _Plan:
                 if self.stop.is_set():
                     return
                 try:
-                    item.value = read(path, self.root, self.stop)
+                    item.value = read(path, self.root, self.stop, defer=True,
+                                      begun=lambda d, item=item: setattr(item, "digest", d))
                 except Stopped:
                     return
                 except Exception as e:  # noqa: BLE001 - the loader raises it when it comes to this file
@@ -89,6 +100,8 @@ class _Plan:
         if item is None:
             return None
         item.taken.set()
+        if item.digest is not None:  # this thread waits from here: the core it leaves hashes the file
+            item.digest.start()
         item.done.wait()
         if item.error is not None:
             raise item.error
@@ -210,16 +223,30 @@ def _store(fd: int, value: Read) -> tuple[str, int, dict[str, Any] | None, dict[
     return digest, size, {**res, "kinds": kinds}, spans
 
 
-def read(path: Path, root: Path | None, stop: threading.Event | None = None, threads: bool = True) -> Read:
+def read(path: Path, root: Path | None, stop: threading.Event | None = None, threads: bool = True,
+         defer: bool = False, begun: Callable[[Sha256After], None] | None = None) -> Read:
     """The read of one rank file before its tables are built, for cache root ``root`` (None: no cache):
     with the cache on, the file is hashed first and not scanned when the cache holds its tables; without
-    it, it is hashed beside the read. Here, on the early-read thread (which gives ``stop``) or in the
-    early-read process, the same; ``threads=False`` reads, hashes, inflates and scans on this thread alone."""
+    it, it is hashed beside the read, or with ``defer`` on a thread of its own begun once the scan is
+    over or earlier by whoever starts the :class:`~traceinspect.load.raw.Sha256After` that is the digest
+    then (given to ``begun`` before the scan starts). Here, on the early-read thread (which gives
+    ``stop``) or in the early-read process, the same; ``threads=False`` reads, hashes, inflates and
+    scans on this thread alone."""
     if root is None:
         if not threads:
             h = hashlib.sha256()
             res = read_scan(path, h.update, stop, threads=False)
             return h.hexdigest(), path.stat().st_size, res
+        if defer:
+            later = Sha256After(path)
+            if begun is not None:
+                begun(later)
+            try:
+                res = read_scan(path, None, stop)
+            except BaseException:
+                later.close()
+                raise
+            return later.start(), path.stat().st_size, res
         hasher = Sha256Beside()
         try:
             res = read_scan(path, hasher, stop)

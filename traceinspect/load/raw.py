@@ -220,6 +220,74 @@ class Sha256Beside:
         return self._h.hexdigest()
 
 
+class Sha256After:
+    """SHA-256 of a file, computed on a thread of its own once :meth:`start` is called: after the file's
+    scan, so that the hash runs beside the analysis of the tables instead of taking a core from the scan
+    (on two cores, hashing beside the scan of a 1 GB file made the scan about a fifth slower).
+
+    The file is opened here, before it is read, so the file hashed is the one scanned even if its name is
+    taken away meanwhile. :meth:`hexdigest` waits for the hash; pickled, the object is its hex digest."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f = _open(path)
+        self._digest: str | None = None
+        self._error: TraceInputError | None = None
+        self._t: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _run(self) -> None:
+        h = hashlib.sha256()
+        buf = bytearray(self.CHUNK)
+        view = memoryview(buf)
+        try:
+            with self._f as f:
+                while n := f.readinto(buf):
+                    h.update(view[:n])
+        except OSError as e:
+            self._error = TraceInputError(f"cannot read file: {e.strerror or e}", self.path)
+        else:
+            self._digest = h.hexdigest()
+
+    def start(self) -> Sha256After:
+        """Begin hashing (on a thread), once."""
+        with self._lock:
+            if self._t is None:
+                self._t = threading.Thread(target=self._run, name="traceinspect-sha256", daemon=True)
+                self._t.start()
+        return self
+
+    def hexdigest(self) -> str:
+        """The digest, once the thread is through (begun here if it was not)."""
+        self.start()
+        assert self._t is not None
+        self._t.join()
+        if self._error is not None:
+            raise self._error
+        if self._digest is None:  # a process forked while the thread ran: the thread is not in it
+            self._digest = _sha256(self.path)
+        return self._digest
+
+    def close(self) -> None:
+        """Give up a hash never begun (its file closed)."""
+        with self._lock:
+            if self._t is None:
+                self._f.close()
+
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        return str, (self.hexdigest(),)
+
+
+Digest = str | Sha256After  # a file's SHA-256, or the hash under way that gives it
+
+
+def hex_digest(d: Digest) -> str:
+    """The hex digest of ``d``, waiting for it when it is still being computed."""
+    return d if isinstance(d, str) else d.hexdigest()
+
+
 def _threaded(blocks: Iterator[bytes], depth: int = 3) -> Iterator[bytes]:
     """Run ``blocks`` on a second thread, ``depth`` blocks ahead of the consumer."""
     q: queue.Queue[Any] = queue.Queue(maxsize=depth)

@@ -72,8 +72,18 @@ class RankInfo:
     cuda_driver_version: str | None = None
     trace_id: str | None = None
     size_bytes: int = 0
-    sha256: str = ""
+    # the file's SHA-256 as hex, or the hash under way (a load without the cache hashes the file beside
+    # the analysis): read it as :attr:`sha256`
+    digest: Any = field(default="", repr=False)
     n_events: int = 0
+
+    @property
+    def sha256(self) -> str:
+        """The file's SHA-256 (hex); where it is still being computed, waited for here, once."""
+        d = self.digest
+        if not isinstance(d, str):
+            self.digest = d = d.hexdigest()
+        return d
 
     @property
     def device(self) -> DeviceInfo | None:
