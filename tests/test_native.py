@@ -248,6 +248,34 @@ def test_scanner_refuses_misuse() -> None:
         bad.feed(b'{"traceEvents": [{"ph": "X", "cat": "kernel"}]}', final=True)
 
 
+def test_result_columns_are_the_scanners_buffers_handed_over() -> None:
+    """The result's columns are the scanner's own buffers (no copy), writable, and outlive the scanner."""
+    import gc
+
+    import numpy as np
+
+    s = parse._native.Scanner([["name", "ts", "tid"]], lambda c: 0)
+    s.feed(b'{"traceEvents": [{"ph": "X", "cat": "k", "name": "a", "ts": 1.5, "tid": 7},'
+           b' {"ph": "X", "cat": "k", "name": "b", "ts": 2.5, "tid": "x"}]}', final=True)
+    res = s.result()
+    del s
+    gc.collect()
+    cols = res["kinds"][0]
+    assert all(isinstance(cols[c], parse._native.Column) for c in ("name", "ts", "tid", "tid_rows", "tid_strs"))
+    ts = np.frombuffer(cols["ts"], dtype=np.float64)
+    assert ts.tolist() == [1.5, 2.5] and len(cols["ts"]) == 16 and ts.flags.writeable
+    tid = np.frombuffer(cols["tid"], dtype=np.int64)
+    tid[np.frombuffer(cols["tid_rows"], dtype=np.int64)] = 9  # the loader writes string tids in place
+    assert np.frombuffer(cols["tid"], dtype=np.int64).tolist() == [7, 9]
+    assert bytes(memoryview(cols["name"])) == np.array([0, 1], dtype=np.int32).tobytes()
+    empty = parse._native.Scanner([["ts"]], lambda c: 0)
+    empty.feed(b'{"traceEvents": []}', final=True)
+    none = empty.result()["kinds"][0]["ts"]
+    assert len(none) == 0 and np.frombuffer(none, dtype=np.float64).size == 0
+    del res, ts, tid
+    gc.collect()  # (a column freed while arrays viewed it would crash here under ASan)
+
+
 # ------------------------------------------------------------------ differential, mutated traces
 
 hypothesis = pytest.importorskip("hypothesis")

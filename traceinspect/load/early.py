@@ -30,6 +30,7 @@ from typing import Any
 from traceinspect.load import cache
 from traceinspect.load.discover import discover
 from traceinspect.load.raw import (
+    COLUMN_TYPES,
     Digest,
     Sha256After,
     Sha256Beside,
@@ -209,7 +210,7 @@ def _store(fd: int, value: Read) -> tuple[str, int, dict[str, Any] | None, dict[
     for k, cols in enumerate(res["kinds"]):
         rest = {}
         for col, v in cols.items():
-            if not isinstance(v, bytearray):
+            if not isinstance(v, COLUMN_TYPES):
                 rest[col] = v
                 continue
             spans[(k, col)] = (off, len(v))

@@ -30,6 +30,8 @@ except ImportError:  # pragma: no cover - built by pip install; the msgspec path
     _native = None
 
 _ZLIB_ERRORS: tuple[type[Exception], ...] = (zlib.error, getattr(_zlib, "error", zlib.error))
+# the types of a scanner result's column buffers (the scanner's own, or a copy made elsewhere)
+COLUMN_TYPES: tuple[type, ...] = (bytearray, memoryview) + ((_native.Column,) if _native is not None else ())
 
 BLOCK = 1 << 20  # compressed bytes read at a time
 PIECE = 8 << 20  # decompressed bytes decoded at a time
