@@ -257,7 +257,7 @@ class Sha256After:
     def start(self) -> Sha256After:
         """Begin hashing (on a thread), once."""
         with self._lock:
-            if self._t is None:
+            if self._t is None and not self._f.closed:  # (closed: given up, a read that failed)
                 self._t = threading.Thread(target=self._run, name="traceinspect-sha256", daemon=True)
                 self._t.start()
         return self
@@ -265,8 +265,8 @@ class Sha256After:
     def hexdigest(self) -> str:
         """The digest, once the thread is through (begun here if it was not)."""
         self.start()
-        assert self._t is not None
-        self._t.join()
+        if self._t is not None:
+            self._t.join()
         if self._error is not None:
             raise self._error
         if self._digest is None:  # a process forked while the thread ran: the thread is not in it
