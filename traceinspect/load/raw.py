@@ -30,8 +30,8 @@ except ImportError:  # pragma: no cover - built by pip install; the msgspec path
     _native = None
 
 _ZLIB_ERRORS: tuple[type[Exception], ...] = (zlib.error, getattr(_zlib, "error", zlib.error))
-# the types of a scanner result's column buffers (the scanner's own, or a copy made elsewhere)
-COLUMN_TYPES: tuple[type, ...] = (bytearray, memoryview) + ((_native.Column,) if _native is not None else ())
+# the type of a scanner result's column buffers (none without the compiled scanner)
+COLUMN_TYPES: tuple[type, ...] = (_native.Column,) if _native is not None else ()
 
 BLOCK = 1 << 20  # compressed bytes read at a time
 PIECE = 8 << 20  # decompressed bytes decoded at a time
@@ -131,17 +131,24 @@ def _truncated(path: Path) -> TraceInputError:
                            "capture still being written?)", path)
 
 
-def _sha256(path: Path) -> str:
+def _hash_file(f: Any) -> str:
+    """SHA-256 (hex) of an open binary file from its position to the end, through one reused buffer."""
     h = hashlib.sha256()
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    while n := f.readinto(buf):
+        h.update(view[:n])
+    return h.hexdigest()
+
+
+def _sha256(path: Path) -> str:
     try:
         with path.open("rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+            return _hash_file(f)
     except FileNotFoundError:
         raise TraceInputError("no such file", path) from None
     except OSError as e:
         raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
-    return h.hexdigest()
 
 
 def _blocks(path: Path, tap: Callable[[bytes], None] | None = None) -> Iterator[bytes]:
@@ -231,8 +238,6 @@ class Sha256After:
     The file is opened here, before it is read, so the file hashed is the one scanned even if its name is
     taken away meanwhile. :meth:`hexdigest` waits for the hash; pickled, the object is its hex digest."""
 
-    CHUNK = 1 << 20
-
     def __init__(self, path: Path) -> None:
         self.path = path
         self._f = _open(path)
@@ -242,17 +247,11 @@ class Sha256After:
         self._lock = threading.Lock()
 
     def _run(self) -> None:
-        h = hashlib.sha256()
-        buf = bytearray(self.CHUNK)
-        view = memoryview(buf)
         try:
             with self._f as f:
-                while n := f.readinto(buf):
-                    h.update(view[:n])
+                self._digest = _hash_file(f)
         except OSError as e:
             self._error = TraceInputError(f"cannot read file: {e.strerror or e}", self.path)
-        else:
-            self._digest = h.hexdigest()
 
     def start(self) -> Sha256After:
         """Begin hashing (on a thread), once."""
