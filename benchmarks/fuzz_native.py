@@ -73,11 +73,39 @@ def _native(data: bytes, size: int) -> parse.ParsedRank | None:
         return None
 
 
+def _columns(res: dict) -> dict:
+    out = {k: v for k, v in res.items() if k != "kinds"}
+    out["kinds"] = [{k: v if isinstance(v, int) else bytes(v) for k, v in d.items()} for d in res["kinds"]]
+    return out
+
+
+def _split(data: bytes, at: int) -> None:
+    """The document scanned whole, and as data[:at] and data[at:] joined (when the first part ends between
+    two events): the same result, or the join refused."""
+    from traceinspect.load import raw as rawmod
+
+    whole = _columns(rawmod.scan(iter([data]), Path("fuzz.json")))
+    first, rest = rawmod._scanner(), rawmod._scanner(inside_events=True, offset=at)
+    first.feed(data[:at])
+    if not first.at_event_boundary():
+        return
+    rest.feed(data[at:], final=True)  # the whole document scanned: so does its rest
+    try:
+        first.join(rest)
+    except ValueError:  # a second traceEvents key in the rest: the loader scans it whole
+        return
+    if _columns(first.result()) != whole:
+        raise AssertionError(f"the scan split at byte {at} differs from the whole scan")
+
+
 def test_one_input(raw: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(raw)
     size = fdp.ConsumeIntInRange(1, 1 << 16)
+    cut = fdp.ConsumeIntInRange(0, 1 << 16)
     data = fdp.ConsumeBytes(fdp.remaining_bytes())
     got = _native(data, size)  # anything but a result or TraceInputError propagates: a finding
+    if got is not None:
+        _split(data, cut % (len(data) + 1))
     want = _python(data)
     if want is _SKIP:
         return

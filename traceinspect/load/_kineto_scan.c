@@ -227,6 +227,8 @@ typedef struct {
     int state;
     int started;       /* at least one byte seen (a byte-order mark is skipped only at the start) */
     int events_seen;   /* a traceEvents key was read */
+    int event_keys;    /* how many (a repeated key starts the tables again) */
+    int inside;        /* begun inside traceEvents, before an entry (the rest of a document split in two) */
     uint64_t n_events;
     uint64_t drop_name, drop_not_object, drop_gpu; /* events dropped, by reason */
     uint32_t gpu_kinds; /* kinds whose drops count as GPU events */
@@ -1507,6 +1509,7 @@ static Py_ssize_t scan(Ctx *c) {
                 }
                 if (s->events_seen) reset_tables(s); /* a repeated key: the last one counts */
                 s->events_seen = 1;
+                s->event_keys++;
                 p = q + 1;
                 s->state = S_EV_FIRST;
                 break;
@@ -1594,8 +1597,20 @@ static PyObject *ScanError; /* (kind, message): kind 'json' or 'type' */
 
 static int Scanner_init(Scanner *self, PyObject *args, PyObject *kw) {
     PyObject *route, *kinds, *gpu = NULL, *name_filter = NULL;
-    static char *kwlist[] = {"kinds", "route", "gpu_kinds", "name_filter", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OO", kwlist, &kinds, &route, &gpu, &name_filter)) return -1;
+    int inside = 0;
+    unsigned long long offset = 0;
+    static char *kwlist[] = {"kinds", "route", "gpu_kinds", "name_filter", "inside_events", "offset", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OOpK", kwlist, &kinds, &route, &gpu, &name_filter, &inside,
+                                     &offset))
+        return -1;
+    if (inside) { /* as if '{"traceEvents": [' and entries up to this one had been read */
+        self->started = 1;
+        self->state = S_EV_VALUE;
+        self->events_seen = 1;
+        self->event_keys = 1;
+        self->inside = 1;
+        self->offset = offset;
+    }
     if (name_filter == Py_None) name_filter = NULL;
     if (name_filter && !PyCallable_Check(name_filter)) {
         PyErr_SetString(PyExc_TypeError, "name_filter must be callable");
@@ -1937,7 +1952,118 @@ static PyObject *col_types(PyObject *Py_UNUSED(m), PyObject *Py_UNUSED(a)) {
     return d;
 }
 
+static PyTypeObject ScannerType;
+
+/* at_event_boundary() -> bool: the text fed so far ended between two entries of traceEvents, after the
+ * ',' (and the space after it), with nothing kept of a unit cut short: a scanner begun with
+ * inside_events on the rest of the document can be joined to this one */
+static int at_boundary(Scanner *s) {
+    return !s->busy && !s->err_kind && !s->finished && s->state == S_EV_VALUE && s->carry.n == 0 && s->started;
+}
+
+static PyObject *Scanner_at_event_boundary(Scanner *self, PyObject *Py_UNUSED(ignored)) {
+    return PyBool_FromLong(at_boundary(self));
+}
+
+/* the entry of t equal to entry k of u, added when new; the indices of u's entries in t go to map */
+static int intern_map(Intern *t, Intern *u, int32_t **map) {
+    *map = malloc((u->count ? u->count : 1) * sizeof(int32_t));
+    if (!*map) return -1;
+    const size_t *offs = (const size_t *)u->offs.p;
+    const uint32_t *lens = (const uint32_t *)u->lens.p;
+    for (size_t k = 0; k < u->count; k++) {
+        int64_t v = intern_get(t, u->arena.p ? u->arena.p + offs[k] : "", lens[k]);
+        if (v < 0) return -1;
+        (*map)[k] = (int32_t)v;
+    }
+    return 0;
+}
+
+/* dst += src with each int32 index i of src as map[i] (negative: kept, an absent value) */
+static int put_mapped(Buf *dst, const Buf *src, const int32_t *map, size_t nmap) {
+    size_t n = src->n / sizeof(int32_t);
+    if (buf_reserve(dst, n * sizeof(int32_t)) < 0) return -1;
+    int32_t *out = (int32_t *)(dst->p + dst->n);
+    for (size_t j = 0; j < n; j++) {
+        int32_t v;
+        memcpy(&v, src->p + j * sizeof v, sizeof v);
+        if (v >= 0) {
+            if ((size_t)v >= nmap) return -2;
+            v = map[v];
+        }
+        memcpy(out + j, &v, sizeof v);
+    }
+    dst->n += n * sizeof(int32_t);
+    return 0;
+}
+
+/* join(other): the events of other, a scanner begun with inside_events where this one's text ended
+ * (at_event_boundary) and fed the rest of the document to its end, appended to this one's tables as if
+ * this one had read that text itself: the strings and raw texts other met first are added in its order,
+ * its columns re-indexed, its counts and top-level keys added. This scanner is then finished; other is
+ * left as it was. */
+static PyObject *Scanner_join(Scanner *self, PyObject *arg) {
+    if (!PyObject_TypeCheck(arg, &ScannerType) || arg == (PyObject *)self) {
+        PyErr_SetString(PyExc_TypeError, "join: another Scanner");
+        return NULL;
+    }
+    Scanner *o = (Scanner *)arg;
+    int same = o->nkinds == self->nkinds;
+    for (int k = 0; same && k < self->nkinds; k++) same = self->kinds[k].mask == o->kinds[k].mask;
+    if (!at_boundary(self) || !o->inside || o->busy || o->err_kind || !o->finished || o->state != S_END ||
+        o->event_keys != 1 || !same) {
+        PyErr_SetString(PyExc_ValueError, "join: this scanner is not between two events, or the other did not "
+                                          "scan the rest of the same kind of document to its end");
+        return NULL;
+    }
+    int32_t *smap = NULL, *rmap = NULL;
+    int rc = intern_map(&self->strs, &o->strs, &smap);
+    if (rc == 0) rc = intern_map(&self->raws, &o->raws, &rmap);
+    for (int k = 0; rc == 0 && k < self->nkinds; k++) {
+        Kind *a = &self->kinds[k], *b = &o->kinds[k];
+        for (int col = 0; rc == 0 && col < NCOLS; col++) {
+            if (!(a->mask & (1u << col))) continue;
+            char t = COL_TYPE[col];
+            if (t == 's') rc = put_mapped(&a->cols[col], &b->cols[col], smap, o->strs.count);
+            else if (t == 'r') rc = put_mapped(&a->cols[col], &b->cols[col], rmap, o->raws.count);
+            else rc = buf_put(&a->cols[col], b->cols[col].p, b->cols[col].n);
+        }
+        size_t nt = b->tid_rows.n / sizeof(int64_t);
+        if (rc == 0 && buf_reserve(&a->tid_rows, nt * sizeof(int64_t)) < 0) rc = -1;
+        for (size_t j = 0; rc == 0 && j < nt; j++) {
+            int64_t r;
+            memcpy(&r, b->tid_rows.p + j * sizeof r, sizeof r);
+            r += (int64_t)a->rows;
+            memcpy(a->tid_rows.p + a->tid_rows.n, &r, sizeof r);
+            a->tid_rows.n += sizeof r;
+        }
+        if (rc == 0) rc = put_mapped(&a->tid_strs, &b->tid_strs, smap, o->strs.count);
+        if (rc == 0) a->rows += b->rows;
+    }
+    free(smap);
+    free(rmap);
+    if (rc == 0 && PyDict_Update(self->meta, o->meta) < 0) rc = -3;
+    if (rc != 0) {
+        self->err_kind = 3; /* half joined: this scanner is of no further use */
+        if (rc == -2) PyErr_SetString(PyExc_SystemError, "join: an index out of its table");
+        else if (rc == -1) PyErr_NoMemory();
+        return NULL;
+    }
+    self->n_events += o->n_events;
+    self->drop_name += o->drop_name;
+    self->drop_not_object += o->drop_not_object;
+    self->drop_gpu += o->drop_gpu;
+    self->offset = o->offset;
+    self->state = S_END;
+    self->finished = 1;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Scanner_methods[] = {
+    {"at_event_boundary", (PyCFunction)Scanner_at_event_boundary, METH_NOARGS,
+     "whether the text fed so far ended between two entries of traceEvents, nothing kept"},
+    {"join", (PyCFunction)Scanner_join, METH_O,
+     "join(other): append the events of a scanner begun inside_events where this one ended"},
     {"feed", (PyCFunction)(void (*)(void))Scanner_feed, METH_VARARGS | METH_KEYWORDS,
      "feed(data, final=False) -> number of bytes consumed (whole units only)"},
     {"result", (PyCFunction)Scanner_result, METH_NOARGS, "the columns, once the document is complete"},

@@ -39,6 +39,7 @@ from traceinspect.load.raw import (
     native_available,
     parse_processes,
     read_scan,
+    split_point,
 )
 from traceinspect.parallel import fork_call, reap_beside, receive
 
@@ -240,7 +241,7 @@ def read(path: Path, root: Path | None, stop: threading.Event | None = None, thr
             return h.hexdigest(), path.stat().st_size, res
         if defer:
             later = Sha256After(path)
-            if begun is not None:
+            if begun is not None and split_point(path) is None:  # (a split scan keeps both cores busy)
                 begun(later)
             try:
                 res = read_scan(path, None, stop)

@@ -10,6 +10,7 @@ import hashlib
 import importlib
 import os
 import queue
+import re
 import threading
 import zlib
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ COLUMN_TYPES: tuple[type, ...] = (_native.Column,) if _native is not None else (
 BLOCK = 1 << 20  # compressed bytes read at a time
 PIECE = 8 << 20  # decompressed bytes decoded at a time
 THREAD_MIN = 4 << 20  # files at least this large are inflated on a second thread
+SPLIT_MIN = 64 << 20  # plain JSON files at least this large are scanned in two halves, on two threads
 
 # ---------------------------------------------------------------------------------------------
 # which events are kept (the tolerance rules are in traceinspect.load.parse)
@@ -344,28 +346,142 @@ def _until(blocks: Iterator[bytes], stop: threading.Event) -> Iterator[bytes]:
         yield b
 
 
+def _scanner(**kw: Any) -> Any:
+    assert _native is not None
+    return _native.Scanner([_NATIVE_COLUMNS[k] for k in _KINDS], _route, [_KINDS.index(k) for k in GPU_KINDS],
+                           _py_marker, **kw)
+
+
+def _scan_error(e: Exception, path: Path) -> TraceInputError:
+    kind, msg = e.args
+    return TraceInputError(f"not valid JSON: {msg}" if kind == "json" else f"not a Kineto trace: {msg}", path)
+
+
 def scan(blocks: Iterator[bytes], path: Path) -> dict[str, Any]:
     """Feed a document's blocks to the native scanner; its result (column buffers, strings, counts and
     the top-level keys' raw text). Malformed text raises TraceInputError."""
     assert _native is not None
-    s = _native.Scanner([_NATIVE_COLUMNS[k] for k in _KINDS], _route,
-                        [_KINDS.index(k) for k in GPU_KINDS], _py_marker)
+    s = _scanner()
     try:
         for block in blocks:
             s.feed(block)
         s.feed(b"", final=True)
     except _native.ScanError as e:
-        kind, msg = e.args
-        raise TraceInputError(f"not valid JSON: {msg}" if kind == "json" else f"not a Kineto trace: {msg}",
-                              path) from None
+        raise _scan_error(e, path) from None
     return s.result()
+
+
+# an entry of an array of objects ending, and the next one beginning on a new line: a raw newline is
+# never inside a JSON string, so the braces and the comma here are the document's own
+_ENTRY_BREAK = re.compile(rb"\},[ \t\r]*\n[ \t\r\n]*\{")
+
+
+def split_point(path: Path) -> int | None:
+    """Where the scan of a plain JSON rank file of SPLIT_MIN bytes or more is split in two, on a machine
+    of two CPUs or more: the offset of the first entry of an array of objects to begin on a line of its
+    own after the middle of the file (Kineto writes one event per line group), found within 1 MB; None
+    for a smaller or gzipped file, or one with no such place. Whether the place is between two entries of
+    traceEvents is known only once the first half is scanned (:func:`_scan_split`)."""
+    if _native is None or (os.cpu_count() or 1) < 2:
+        return None
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < SPLIT_MIN or f.read(2) == b"\x1f\x8b":
+                return None
+            mid = size // 2
+            m = _ENTRY_BREAK.search(os.pread(f.fileno(), 1 << 20, mid))
+    except OSError:
+        return None  # the read proper reports it
+    return None if m is None else mid + m.end() - 1
+
+
+def _pread_blocks(fd: int, start: int, stop: int | None, path: Path) -> Iterator[bytes]:
+    """The bytes of the open file ``fd`` from ``start`` to ``stop`` (None: its end), PIECE at a time."""
+    at = start
+    while stop is None or at < stop:
+        n = PIECE if stop is None else min(PIECE, stop - at)
+        try:
+            data = os.pread(fd, n, at)
+        except OSError as e:
+            raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
+        if not data:
+            return
+        yield data
+        at += len(data)
+
+
+def _scan_split(path: Path, at: int, stop: threading.Event | None) -> dict[str, Any]:
+    """:func:`scan` of a plain JSON file as two halves on two threads: this one scans the text before
+    ``at``, a second one the rest, as the rest of traceEvents. When the first half ends between two
+    events (and the second scanned to the end of the document, without a second traceEvents key), the
+    second's tables are joined to the first's: the result is the one scanning the whole file gives. Else
+    (the place was not between two events, or the second half failed) this thread scans the rest itself,
+    so a malformed document fails with the message the whole scan gives."""
+    assert _native is not None
+    f = _open(path)
+    with f:
+        fd = f.fileno()
+        first, rest = _scanner(), _scanner(inside_events=True, offset=at)
+        halt = threading.Event()
+        done: list[bool] = []
+
+        def second(s: Any) -> None:
+            try:
+                for block in _pread_blocks(fd, at, None, path):
+                    if halt.is_set():
+                        return
+                    s.feed(block)
+                s.feed(b"", final=True)
+                done.append(True)
+            except (_native.ScanError, TraceInputError, MemoryError):  # the first thread's scan finds it
+                pass
+            except Exception:  # noqa: BLE001 - (route or filter errors: the same)
+                pass
+
+        t = threading.Thread(target=second, args=(rest,), name="traceinspect-scan-rest", daemon=True)
+        t.start()
+        try:
+            for block in _pread_blocks(fd, 0, at, path):
+                if stop is not None and stop.is_set():
+                    raise Stopped
+                first.feed(block)
+        except BaseException as e:
+            halt.set()
+            t.join()
+            if isinstance(e, _native.ScanError):
+                raise _scan_error(e, path) from None
+            raise
+        t.join()
+        if done and first.at_event_boundary():
+            try:
+                first.join(rest)  # refused, nothing changed: the rest had a traceEvents key of its own
+            except ValueError:
+                pass
+            else:
+                return first.result()
+        del rest
+        try:
+            for block in _pread_blocks(fd, at, None, path):
+                if stop is not None and stop.is_set():
+                    raise Stopped
+                first.feed(block)
+            first.feed(b"", final=True)
+        except _native.ScanError as e:
+            raise _scan_error(e, path) from None
+        return first.result()
 
 
 def read_scan(path: Path, tap: Callable[[bytes], None] | None = None,
               stop: threading.Event | None = None, threads: bool = True) -> dict[str, Any]:
     """Read one rank file and :func:`scan` it (``tap``: see :func:`_blocks`); a large file is inflated on
-    a second thread unless ``threads`` is false. Once ``stop`` is set, the read ends at the next block
+    a second thread unless ``threads`` is false, and a large plain one (no ``tap``) scanned in two halves
+    on two threads (:func:`split_point`). Once ``stop`` is set, the read ends at the next block
     with :class:`Stopped`."""
+    if tap is None and threads:
+        at = split_point(path)
+        if at is not None:
+            return _scan_split(path, at, stop)
     try:
         size = path.stat().st_size
     except OSError:
