@@ -162,8 +162,11 @@ def _beside_gemm(a: Analysis) -> tuple[Collectives, HostActivity, pd.DataFrame]:
 
 def measure(a: Analysis) -> Measured:
     """Stage 5, measure: the collectives analysis, the host activity and the step samples on a second core
-    while this one measures GEMMs."""
-    side = Beside(_beside_gemm, a, jobs=a.options.jobs)
+    while this one measures GEMMs; for one rank whose file is still being hashed (the cache off), here:
+    the fork costs about what one rank's take, and the hash has the second core."""
+    ranks = a.trace.ranks
+    busy = len(ranks) == 1 and ranks[0].hashing
+    side = Beside(_beside_gemm, a, jobs=1 if busy else a.options.jobs)
     eff = measure_efficiency(a)
     eff.shapes()  # the judge's GEMM shape rows, made while the other core works
     c, host, samples = side.result()
