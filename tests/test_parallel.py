@@ -101,3 +101,29 @@ def test_analysis_inside_a_daemon_process() -> None:
     n = q.get(timeout=300)
     p.join(timeout=60)
     assert n >= 1
+
+
+def test_one_rank_still_hashing_measures_beside_here(tmp_path) -> None:
+    """With the cache off the second core hashes a lone rank's file during the analysis: the side
+    measures then run in this process; a hashed file, or several ranks, keep the analysis's jobs."""
+    from types import SimpleNamespace
+
+    from traceinspect.load.raw import Sha256After
+    from traceinspect.model.trace import RankInfo
+    from traceinspect.pipeline import side_jobs
+
+    f = tmp_path / "r-TP-0.trace.json"
+    f.write_bytes(b"{}")
+    pending = Sha256After(f)
+    hashing = RankInfo(rank=0, label="TP0", path=f, rank_source="filename", digest=pending)
+    done = RankInfo(rank=0, label="TP0", path=f, rank_source="filename", digest="0" * 64)
+    assert hashing.hashing and not done.hashing
+
+    def analysis(*ranks: RankInfo) -> SimpleNamespace:
+        return SimpleNamespace(trace=SimpleNamespace(ranks=list(ranks)), options=SimpleNamespace(jobs=None))
+
+    assert side_jobs(analysis(hashing)) == 1
+    assert side_jobs(analysis(done)) is None
+    assert side_jobs(analysis(hashing, done)) is None
+    pending.start().hexdigest()
+    assert not hashing.hashing  # the hash is through

@@ -47,7 +47,7 @@ from traceinspect.steps import (
 
 __all__ = ["Analysis", "Classified", "Judged", "Measured", "Options", "Selected", "Stepped", "analyze",
            "analysed_steps", "classify", "classified", "collectives", "judge", "link", "load", "measure", "record",
-           "select", "steps"]
+           "select", "side_jobs", "steps"]
 
 
 # ----------------------------------------------------------------------------- stage results
@@ -160,13 +160,18 @@ def _beside_gemm(a: Analysis) -> tuple[Collectives, HostActivity, pd.DataFrame]:
     return analyze_collectives(a), host_activity(a), a.step_samples()
 
 
+def side_jobs(a: Analysis) -> int | None:
+    """``jobs`` for the measures beside the GEMM measure: 1 (in this process) for one rank whose file is
+    still being hashed, else the analysis's own."""
+    ranks = a.trace.ranks
+    return 1 if len(ranks) == 1 and ranks[0].hashing else a.options.jobs
+
+
 def measure(a: Analysis) -> Measured:
     """Stage 5, measure: the collectives analysis, the host activity and the step samples on a second core
     while this one measures GEMMs; for one rank whose file is still being hashed (the cache off), here:
     the fork costs about what one rank's take, and the hash has the second core."""
-    ranks = a.trace.ranks
-    busy = len(ranks) == 1 and ranks[0].hashing
-    side = Beside(_beside_gemm, a, jobs=1 if busy else a.options.jobs)
+    side = Beside(_beside_gemm, a, jobs=side_jobs(a))
     eff = measure_efficiency(a)
     eff.shapes()  # the judge's GEMM shape rows, made while the other core works
     c, host, samples = side.result()
