@@ -390,7 +390,7 @@ def split_point(path: Path) -> int | None:
     own after the middle of the file (Kineto writes one event per line group), found within 1 MB; None
     for a smaller or gzipped file, or one with no such place. Whether the place is between two entries of
     traceEvents is known only once the first half is scanned (:func:`_scan_split`)."""
-    if _native is None or (os.cpu_count() or 1) < 2:
+    if _native is None or (os.cpu_count() or 1) < 2 or not hasattr(os, "pread"):
         return None
     try:
         with path.open("rb") as f:
