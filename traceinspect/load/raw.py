@@ -438,7 +438,7 @@ def _scan_split(path: Path, at: int, stop: threading.Event | None) -> dict[str, 
         def second(s: Any) -> None:
             try:
                 for block in _pread_blocks(fd, at, None, path):
-                    if halt.is_set():
+                    if halt.is_set() or (stop is not None and stop.is_set()):
                         return
                     s.feed(block)
                 s.feed(b"", final=True)
