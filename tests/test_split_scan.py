@@ -180,6 +180,12 @@ def test_join_refuses_misuse() -> None:
         inner.join(rest)
     first.join(rest)
     assert first.result()["n_events"] == 2
+    with pytest.raises(RuntimeError):
+        rest.result()  # its tables went to the first
+    again = raw._scanner()
+    again.feed(b'{"traceEvents": [{"ph": "X"}, ')
+    with pytest.raises(ValueError):
+        again.join(rest)  # joined once
 
 
 def test_a_stopped_read_ends_both_threads(tmp_path: Path) -> None:

@@ -229,6 +229,7 @@ typedef struct {
     int events_seen;   /* a traceEvents key was read */
     int event_keys;    /* how many (a repeated key starts the tables again) */
     int inside;        /* begun inside traceEvents, before an entry (the rest of a document split in two) */
+    int joined;        /* its tables went to another scanner (join): no result of its own */
     uint64_t n_events;
     uint64_t drop_name, drop_not_object, drop_gpu; /* events dropped, by reason */
     uint32_t gpu_kinds; /* kinds whose drops count as GPU events */
@@ -1888,8 +1889,9 @@ static PyObject *table_list(Intern *t, int as_str) {
 /* result() -> dict: n_events, strings, raws, meta, kinds: [{column: Column, ...,
  * 'rows': n, 'tid_rows': Column, 'tid_strs': Column}] (the columns leave the scanner) */
 static PyObject *Scanner_result(Scanner *self, PyObject *Py_UNUSED(ignored)) {
-    if (self->state != S_END || self->err_kind || !self->finished) {
-        PyErr_SetString(PyExc_RuntimeError, "the document was not scanned to its end");
+    if (self->state != S_END || self->err_kind || !self->finished || self->joined) {
+        PyErr_SetString(PyExc_RuntimeError, self->joined ? "its tables were joined to another scanner"
+                                                         : "the document was not scanned to its end");
         return NULL;
     }
     PyObject *out = PyDict_New(), *kinds = NULL, *o = NULL;
@@ -2000,8 +2002,8 @@ static int put_mapped(Buf *dst, const Buf *src, const int32_t *map, size_t nmap)
 /* join(other): the events of other, a scanner begun with inside_events where this one's text ended
  * (at_event_boundary) and fed the rest of the document to its end, appended to this one's tables as if
  * this one had read that text itself: the strings and raw texts other met first are added in its order,
- * its columns re-indexed, its counts and top-level keys added. This scanner is then finished; other is
- * left as it was. */
+ * its columns re-indexed (and freed), its counts and top-level keys added. This scanner is then
+ * finished; other gives no result of its own. */
 static PyObject *Scanner_join(Scanner *self, PyObject *arg) {
     if (!PyObject_TypeCheck(arg, &ScannerType) || arg == (PyObject *)self) {
         PyErr_SetString(PyExc_TypeError, "join: another Scanner");
@@ -2010,7 +2012,7 @@ static PyObject *Scanner_join(Scanner *self, PyObject *arg) {
     Scanner *o = (Scanner *)arg;
     int same = o->nkinds == self->nkinds;
     for (int k = 0; same && k < self->nkinds; k++) same = self->kinds[k].mask == o->kinds[k].mask;
-    if (!at_boundary(self) || !o->inside || o->busy || o->err_kind || !o->finished || o->state != S_END ||
+    if (!at_boundary(self) || !o->inside || o->joined || o->busy || o->err_kind || !o->finished || o->state != S_END ||
         o->event_keys != 1 || !same) {
         PyErr_SetString(PyExc_ValueError, "join: this scanner is not between two events, or the other did not "
                                           "scan the rest of the same kind of document to its end");
@@ -2027,6 +2029,7 @@ static PyObject *Scanner_join(Scanner *self, PyObject *arg) {
             if (t == 's') rc = put_mapped(&a->cols[col], &b->cols[col], smap, o->strs.count);
             else if (t == 'r') rc = put_mapped(&a->cols[col], &b->cols[col], rmap, o->raws.count);
             else rc = buf_put(&a->cols[col], b->cols[col].p, b->cols[col].n);
+            buf_free(&b->cols[col]); /* (freed as it goes: the peak is not both whole sets of columns) */
         }
         size_t nt = b->tid_rows.n / sizeof(int64_t);
         if (rc == 0 && buf_reserve(&a->tid_rows, nt * sizeof(int64_t)) < 0) rc = -1;
@@ -2042,6 +2045,7 @@ static PyObject *Scanner_join(Scanner *self, PyObject *arg) {
     }
     free(smap);
     free(rmap);
+    o->joined = 1;
     if (rc == 0 && PyDict_Update(self->meta, o->meta) < 0) rc = -3;
     if (rc != 0) {
         self->err_kind = 3; /* half joined: this scanner is of no further use */
