@@ -240,9 +240,11 @@ class _NotATrace(Exception):
 
 
 def _any(raw: msgspec.Raw) -> Any:
+    """A raw value decoded; None for one holding a number out of range. Invalid UTF-8 in it (a Raw is
+    not checked for it) raises msgspec's DecodeError, as decoding the whole document does."""
     try:
         return msgspec.json.decode(raw) if raw else None
-    except (msgspec.ValidationError, msgspec.DecodeError):  # a number out of range
+    except msgspec.ValidationError:  # a number out of range
         return None
 
 
