@@ -119,13 +119,11 @@ def test_one_rank_still_hashing_measures_beside_here(tmp_path) -> None:
     done = RankInfo(rank=0, label="TP0", path=f, rank_source="filename", digest="0" * 64)
     assert hashing.hashing and not done.hashing
 
-    def analysis(*ranks: RankInfo, kernels: int = 50_000) -> SimpleNamespace:
-        return SimpleNamespace(trace=SimpleNamespace(ranks=list(ranks)), options=SimpleNamespace(jobs=None),
-                               kernels=range(kernels))
+    def analysis(*ranks: RankInfo) -> SimpleNamespace:
+        return SimpleNamespace(trace=SimpleNamespace(ranks=list(ranks)), options=SimpleNamespace(jobs=None))
 
     assert side_jobs(analysis(hashing)) == 1
     assert side_jobs(analysis(done)) is None
-    assert side_jobs(analysis(done, kernels=100)) == 1  # a small trace: not worth a process
     assert side_jobs(analysis(hashing, done)) is None
     pending.start().hexdigest()
     assert not hashing.hashing  # the hash is through

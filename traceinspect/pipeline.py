@@ -160,25 +160,17 @@ def _beside_gemm(a: Analysis) -> tuple[Collectives, HostActivity, pd.DataFrame]:
     return analyze_collectives(a), host_activity(a), a.step_samples()
 
 
-# one rank with fewer analysed kernels than this has its side measures run in this process: on two cores,
-# forking cost more than they take for a 5 MB trace (1,200 kernels: 0.05-0.1 s slower forked), and
-# gained a little for a 114 MB one (41,000 kernels)
-SIDE_FORK_MIN_KERNELS = 10_000
-
-
 def side_jobs(a: Analysis) -> int | None:
     """``jobs`` for the measures beside the GEMM measure: 1 (in this process) for one rank whose file is
-    still being hashed or that has few kernels, else the analysis's own."""
+    still being hashed, else the analysis's own."""
     ranks = a.trace.ranks
-    if len(ranks) == 1 and (ranks[0].hashing or len(a.kernels) < SIDE_FORK_MIN_KERNELS):
-        return 1
-    return a.options.jobs
+    return 1 if len(ranks) == 1 and ranks[0].hashing else a.options.jobs
 
 
 def measure(a: Analysis) -> Measured:
     """Stage 5, measure: the collectives analysis, the host activity and the step samples on a second core
-    while this one measures GEMMs; for one small rank, or one whose file is still being hashed (the cache
-    off), here: the fork costs about what one rank's take, and the hash has the second core."""
+    while this one measures GEMMs; for one rank whose file is still being hashed (the cache off), here:
+    the fork costs about what one rank's take, and the hash has the second core."""
     side = Beside(_beside_gemm, a, jobs=side_jobs(a))
     eff = measure_efficiency(a)
     eff.shapes()  # the judge's GEMM shape rows, made while the other core works
