@@ -226,8 +226,7 @@ typedef struct {
     Buf scratch;       /* decoded strings */
     int state;
     int started;       /* at least one byte seen (a byte-order mark is skipped only at the start) */
-    int events_seen;   /* a traceEvents key was read */
-    int event_keys;    /* how many (a repeated key starts the tables again) */
+    int event_keys;    /* traceEvents keys read (a repeated key starts the tables again) */
     int inside;        /* begun inside traceEvents, before an entry (the rest of a document split in two) */
     int joined;        /* its tables went to another scanner (join): no result of its own */
     uint64_t n_events;
@@ -1508,8 +1507,7 @@ static Py_ssize_t scan(Ctx *c) {
                     fail(c, ETYPE, q, "no traceEvents array");
                     return -1;
                 }
-                if (s->events_seen) reset_tables(s); /* a repeated key: the last one counts */
-                s->events_seen = 1;
+                if (s->event_keys) reset_tables(s); /* a repeated key: the last one counts */
                 s->event_keys++;
                 p = q + 1;
                 s->state = S_EV_FIRST;
@@ -1607,7 +1605,6 @@ static int Scanner_init(Scanner *self, PyObject *args, PyObject *kw) {
     if (inside) { /* as if '{"traceEvents": [' and entries up to this one had been read */
         self->started = 1;
         self->state = S_EV_VALUE;
-        self->events_seen = 1;
         self->event_keys = 1;
         self->inside = 1;
         self->offset = offset;
@@ -1903,7 +1900,7 @@ static PyObject *Scanner_result(Scanner *self, PyObject *Py_UNUSED(ignored)) {
         Py_CLEAR(o);                                                  \
     } while (0)
     SET(out, "n_events", PyLong_FromUnsignedLongLong(self->n_events));
-    SET(out, "events_seen", PyBool_FromLong(self->events_seen));
+    SET(out, "events_seen", PyBool_FromLong(self->event_keys > 0));
     o = Py_BuildValue("{sKsK}", "name", (unsigned long long)self->drop_name, "not_object",
                       (unsigned long long)self->drop_not_object);
     if (!o || PyDict_SetItemString(out, "drops", o) < 0) goto error;
