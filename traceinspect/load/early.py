@@ -241,10 +241,11 @@ def read(path: Path, root: Path | None, stop: threading.Event | None = None, thr
             return h.hexdigest(), path.stat().st_size, res
         if defer:
             later = Sha256After(path)
-            if begun is not None and split_point(path) is None:  # (a split scan keeps both cores busy)
+            at = split_point(path)
+            if begun is not None and at is None:  # (a split scan keeps both cores busy)
                 begun(later)
             try:
-                res = read_scan(path, None, stop)
+                res = read_scan(path, None, stop, split=at)
             except BaseException:
                 later.close()
                 raise

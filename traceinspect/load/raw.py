@@ -428,67 +428,65 @@ def _scan_split(path: Path, at: int, stop: threading.Event | None) -> dict[str, 
     (the place was not between two events, or the second half failed) this thread scans the rest itself,
     so a malformed document fails with the message the whole scan gives."""
     assert _native is not None
-    f = _open(path)
-    with f:
+    halt = threading.Event()
+    stops = (halt,) if stop is None else (halt, stop)
+    with _open(path) as f:
         fd = f.fileno()
+
+        def feed(s: Any, start: int, end: int | None) -> None:
+            """Feed s the file's bytes from start to end (None: to the end of the document)."""
+            for block in _pread_blocks(fd, start, end, path):
+                if any(e.is_set() for e in stops):
+                    raise Stopped
+                s.feed(block)
+            if end is None:
+                s.feed(b"", final=True)
+
         first, rest = _scanner(), _scanner(inside_events=True, offset=at)
-        halt = threading.Event()
         done: list[bool] = []
 
         def second(s: Any) -> None:
             try:
-                for block in _pread_blocks(fd, at, None, path):
-                    if halt.is_set() or (stop is not None and stop.is_set()):
-                        return
-                    s.feed(block)
-                s.feed(b"", final=True)
+                feed(s, at, None)
                 done.append(True)
-            except (_native.ScanError, TraceInputError, MemoryError):  # the first thread's scan finds it
-                pass
-            except Exception:  # noqa: BLE001 - (route or filter errors: the same)
+            except Exception:  # noqa: BLE001 - a stop, or an error the first thread's scan finds as well
                 pass
 
         t = threading.Thread(target=second, args=(rest,), name="traceinspect-scan-rest", daemon=True)
         t.start()
         try:
-            for block in _pread_blocks(fd, 0, at, path):
-                if stop is not None and stop.is_set():
-                    raise Stopped
-                first.feed(block)
-        except BaseException as e:
-            halt.set()
-            t.join()
-            if isinstance(e, _native.ScanError):
-                raise _scan_error(e, path) from None
-            raise
-        t.join()
-        if done and first.at_event_boundary():
             try:
-                first.join(rest)  # refused, nothing changed: the rest had a traceEvents key of its own
-            except ValueError:
-                pass
-            else:
-                return first.result()
-        del rest
-        try:
-            for block in _pread_blocks(fd, at, None, path):
-                if stop is not None and stop.is_set():
-                    raise Stopped
-                first.feed(block)
-            first.feed(b"", final=True)
+                feed(first, 0, at)
+            except BaseException:
+                halt.set()  # the second half is of no use now
+                raise
+            finally:
+                t.join()
+            if done and first.at_event_boundary():
+                try:
+                    first.join(rest)  # refused, nothing changed: the rest had a traceEvents key of its own
+                except ValueError:
+                    pass
+                else:
+                    return first.result()
+            del rest
+            feed(first, at, None)
         except _native.ScanError as e:
             raise _scan_error(e, path) from None
         return first.result()
 
 
+FIND = -1  # read_scan's split: the split point is found there
+
+
 def read_scan(path: Path, tap: Callable[[bytes], None] | None = None,
-              stop: threading.Event | None = None, threads: bool = True) -> dict[str, Any]:
+              stop: threading.Event | None = None, threads: bool = True, split: int | None = FIND) -> dict[str, Any]:
     """Read one rank file and :func:`scan` it (``tap``: see :func:`_blocks`); a large file is inflated on
     a second thread unless ``threads`` is false, and a large plain one (no ``tap``) scanned in two halves
-    on two threads (:func:`split_point`). Once ``stop`` is set, the read ends at the next block
-    with :class:`Stopped`."""
+    on two threads at ``split`` (:func:`split_point`'s answer, found here unless given). Once ``stop`` is
+    set, the read ends at the next block with :class:`Stopped`."""
     if tap is None and threads:
-        at = split_point(path)
+        at = split_point(path) if split == FIND else split
         if at is not None:
             return _scan_split(path, at, stop)
     try:
