@@ -181,7 +181,7 @@ def test_load_trace_set_reads_the_cache(tmp_path: Path, monkeypatch: pytest.Monk
     first = load_trace_set(d, jobs=1)
     assert len(list((tmp_path / "c").rglob("meta.json"))) == 2
 
-    def no_parse(*_: Any) -> None:
+    def no_parse(*_: Any, **__: Any) -> None:
         raise AssertionError("parsed although cached")
 
     from traceinspect.load import early
