@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from traceinspect.measure.host import host_activity
@@ -67,3 +70,43 @@ def test_metrics_without_a_measured_host_activity() -> None:
     with_host = MetricContext(a).run
     a.host = None
     assert MetricContext(a).run == with_host
+
+
+def _stretches_by_hand(rt: pd.DataFrame, ops: pd.DataFrame, sel: pd.DataFrame, min_us: float) -> set[tuple]:
+    """The stall stretches of every (rank, thread) by a plain walk over its intervals in start order."""
+    out = set()
+    both = pd.concat([rt[["rank", "tid", "ts", "dur"]], ops[["rank", "tid", "ts", "dur"]]], ignore_index=True)
+    for (r, tid), g in both.groupby(["rank", "tid"]):
+        if not (rt["tid"].eq(tid) & rt["rank"].eq(r)).any():
+            continue  # only threads that issue runtime calls
+        windows = []
+        for label, s in sel[sel["rank"] == r].iterrows():
+            lo, hi = max(s["cpu_start"], s["gpu_start"]), min(s["cpu_end"], s["gpu_end"])
+            if np.isfinite(lo) and np.isfinite(hi) and hi > lo:
+                windows.append((lo, hi, label))
+        covered = None
+        for start, dur in sorted(zip(g["ts"].tolist(), g["dur"].tolist(), strict=True)):
+            if covered is not None and start - covered >= min_us:
+                for lo, hi, label in windows:
+                    if lo <= covered < hi and min(start, hi) - covered >= min_us:
+                        out.add((int(r), int(tid), label, round(covered, 3), round(min(start, hi), 3)))
+            covered = start + dur if covered is None else max(covered, start + dur)
+    return out
+
+
+@pytest.mark.parametrize("path", [HOSTDELAY, REAL], ids=["fixture", "real"])
+@pytest.mark.parametrize("min_us", [5.0, 200.0])
+def test_stall_stretches_are_the_gaps_of_each_thread(path: Path, min_us: float) -> None:
+    """The stretches are those a walk over each thread's intervals finds, whatever the order of the rows."""
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    a = analyze([str(path)], use_cache=False)
+    rt, ops = a.trace.runtime, a.trace.cpu_ops
+    want = _stretches_by_hand(rt, ops, a.selected, min_us)
+    assert want or min_us > 5.0  # something to compare (the real trace has no stretch of 200 us)
+    for order in (None, 0, 1):
+        t = a.trace if order is None else SimpleNamespace(
+            runtime=rt.sample(frac=1.0, random_state=order), cpu_ops=ops.sample(frac=1.0, random_state=order + 7))
+        got = stall_stretches(SimpleNamespace(trace=t, selected=a.selected), min_us)  # type: ignore[arg-type]
+        assert {(int(r.rank), int(r.tid), r.step, round(r.start, 3), round(r.end, 3))
+                for r in got.itertuples()} == want

@@ -410,7 +410,7 @@ def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarra
         "pct_peak": np.nan, "pct_bw": np.nan,
         "shape_source": _obj(np.where(known, col["source"][pos], "unknown")), "reason": _obj(rs),
         "moe": np.asarray(moe, dtype=bool), "peak_tflops": np.nan,
-    })
+    }, copy=False)  # fresh arrays: the consolidation into 2-D blocks that a copy makes costs more than all else here
     return _in_order(out)
 
 
@@ -429,7 +429,7 @@ def _copy_events(k: pd.DataFrame) -> pd.DataFrame:
         "pct_bw": np.nan, "shape_source": _obj(["shapes"] * n), "reason": _obj([""] * n),
         "moe": np.zeros(n, dtype=bool),
         "peak_tflops": np.nan,
-    }))
+    }, copy=False))
 
 
 def _rates(calls: pd.DataFrame, spec: GpuSpec | None) -> None:

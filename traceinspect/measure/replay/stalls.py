@@ -27,9 +27,7 @@ def stall_stretches(a: Analysis, min_us: float) -> pd.DataFrame:
     if sel is None or not len(sel) or rt is None or not len(rt):
         return pd.DataFrame(columns=COLUMNS)
     # the few columns needed, as arrays once: masking whole tables per rank copies every column
-    cols = [(t["rank"].to_numpy(), t["tid"].to_numpy(), t["ts"].to_numpy(dtype=np.float64),
-             t["dur"].to_numpy(dtype=np.float64))
-            for t in ([rt, ops] if ops is not None and len(ops) else [rt])]
+    cols = [_columns(t) for t in ([rt, ops] if ops is not None and len(ops) else [rt])]
     for r, g in sel.groupby("rank"):
         # only a stall while the step's GPU work is under way can lengthen it
         lo = np.fmax(g["cpu_start"].to_numpy(dtype=np.float64), g["gpu_start"].to_numpy(dtype=np.float64))
@@ -39,16 +37,9 @@ def stall_stretches(a: Analysis, min_us: float) -> pd.DataFrame:
             continue
         o = np.argsort(lo[ok])
         lo, hi, labels = lo[ok][o], hi[ok][o], g.index.to_numpy()[ok][o]
-        mine = []
-        for rank, tids, start, dur in cols:
-            m = rank == r
-            mine.append((tids[m], start[m], dur[m]))
+        mine = [_where(rank == r, tids, start, end) for rank, tids, start, end in cols]
         for tid in np.unique(mine[0][0]):
-            on = [tids == tid for tids, _, _ in mine]
-            s = np.concatenate([start[m] for (_, start, _), m in zip(mine, on, strict=True)])
-            e = np.concatenate([start[m] + dur[m] for (_, start, dur), m in zip(mine, on, strict=True)])
-            order = np.argsort(s, kind="stable")
-            s, e = s[order], np.maximum.accumulate(e[order])
+            s, e = _covered([_where(tids == tid, start, end) for tids, start, end in mine])
             gs, ge = e[:-1], s[1:]  # uncovered between the covered run so far and the next interval
             keep = ge - gs >= min_us
             gs, ge = gs[keep], ge[keep]
@@ -61,6 +52,28 @@ def stall_stretches(a: Analysis, min_us: float) -> pd.DataFrame:
             out.append(pd.DataFrame({"rank": r, "tid": tid, "step": labels[w[keep]], "start": gs[keep],
                                      "end": ge[keep]}))
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=COLUMNS)
+
+
+def _columns(t: pd.DataFrame) -> tuple[np.ndarray, ...]:
+    """``rank, tid, start, end`` of a table of intervals, as arrays."""
+    start = t["ts"].to_numpy(dtype=np.float64)
+    return t["rank"].to_numpy(), t["tid"].to_numpy(), start, start + t["dur"].to_numpy(dtype=np.float64)
+
+
+def _where(m: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``arrays`` where ``m`` holds (the arrays themselves, not copies, where it holds everywhere)."""
+    return arrays if m.all() else tuple(x[m] for x in arrays)
+
+
+def _covered(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The intervals of ``parts`` (each ``start, end``) in start order, as ``start`` and the running maximum
+    of ``end`` (the end of the covered run so far)."""
+    s, e = parts[0] if len(parts) == 1 else (np.concatenate([p[0] for p in parts]),
+                                             np.concatenate([p[1] for p in parts]))
+    if len(parts) > 1 or not (s[1:] >= s[:-1]).all():
+        order = np.argsort(s, kind="stable")  # (of tables in start order: a merge of their runs)
+        s, e = s[order], e[order]
+    return s, np.maximum.accumulate(e)
 
 
 def overlap_us(stretches: pd.DataFrame, rank: np.ndarray, tid: np.ndarray, lo: np.ndarray,
