@@ -39,10 +39,7 @@ def stall_stretches(a: Analysis, min_us: float) -> pd.DataFrame:
         lo, hi, labels = lo[ok][o], hi[ok][o], g.index.to_numpy()[ok][o]
         mine = [_where(rank == r, tids, start, end) for rank, tids, start, end in cols]
         for tid in np.unique(mine[0][0]):
-            s, e = _covered([_where(tids == tid, start, end) for tids, start, end in mine])
-            gs, ge = e[:-1], s[1:]  # uncovered between the covered run so far and the next interval
-            keep = ge - gs >= min_us
-            gs, ge = gs[keep], ge[keep]
+            gs, ge = _uncovered([_where(tids == tid, start, end) for tids, start, end in mine], min_us)
             w = np.searchsorted(lo, gs, side="right") - 1  # the step window the stretch starts in
             inside = (w >= 0) & (gs < hi[np.maximum(w, 0)])
             if not inside.any():
@@ -63,6 +60,34 @@ def _columns(t: pd.DataFrame) -> tuple[np.ndarray, ...]:
 def _where(m: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     """``arrays`` where ``m`` holds (the arrays themselves, not copies, where it holds everywhere)."""
     return arrays if m.all() else tuple(x[m] for x in arrays)
+
+
+def _uncovered(parts: list[tuple[np.ndarray, np.ndarray]], min_us: float) -> tuple[np.ndarray, np.ndarray]:
+    """The stretches of at least ``min_us`` between the first start and the last end of the intervals of
+    ``parts`` (each ``start, end``) that none of them covers, in start order."""
+    parts = [p for p in parts if len(p[0])]
+    if min_us <= 0 or len(parts) != 2:
+        s, e = _covered(parts)
+        gs, ge = e[:-1], s[1:]  # uncovered between the covered run so far and the next interval
+        keep = ge - gs >= min_us
+        return gs[keep], ge[keep]
+    # what the intervals of all parts leave uncovered is what each leaves uncovered (before its first start
+    # and after its last end included), and such a stretch of min_us lies in one of min_us of each: the
+    # long gaps of each part, intersected, without merging the parts' (large) tables
+    gaps = []
+    for p in parts:
+        s, e = _covered([p])
+        keep = np.nonzero(s[1:] - e[:-1] >= min_us)[0]
+        gaps.append((np.r_[-np.inf, e[:-1][keep], e[-1]], np.r_[s[0], s[1:][keep], np.inf]))
+    (a0, a1), (b0, b1) = gaps
+    first = np.searchsorted(b1, a0, side="right")  # per stretch of a: the stretches of b that overlap it
+    last = np.searchsorted(b0, a1, side="left")
+    n = np.maximum(last - first, 0)
+    i = np.repeat(np.arange(len(a0)), n)
+    j = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n) + np.repeat(first, n)
+    gs, ge = np.maximum(a0[i], b0[j]), np.minimum(a1[i], b1[j])
+    keep = (ge - gs >= min_us) & np.isfinite(gs) & np.isfinite(ge)
+    return gs[keep], ge[keep]
 
 
 def _covered(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
