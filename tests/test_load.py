@@ -160,3 +160,62 @@ def test_op_names_number_the_stacked_op_name_column(native: str, cpu_pair: list[
     codes, texts = ts.op_names()
     assert texts[codes].tolist() == ts.cpu_ops["name"].tolist() and len(set(texts.tolist())) == len(texts)
     assert ts.op_names()[0] is codes  # made once
+
+
+def _enclosing_by_hand(key: list[int], ts: list[float], dur: list[float], qkey: list[int],
+                       qts: list[float], strict_self: bool) -> list[int]:
+    """Per query: the nearest op before it in (thread, ts, -dur, row) order whose end is not before its ts."""
+    order = sorted(range(len(ts)), key=lambda i: (key[i], ts[i], -dur[i], i))
+    out = []
+    for q, (k, t) in enumerate(zip(qkey, qts, strict=True)):
+        best = -1
+        for i in order:
+            if key[i] != k:
+                continue
+            before = (ts[i], -dur[i], i) < (ts[q], -dur[q], q) if strict_self else ts[i] <= t
+            if before and ts[i] + dur[i] >= t:
+                best = i  # the last such op in the order: the innermost
+        out.append(best)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_op_tree_finds_the_innermost_enclosing_op_in_any_row_order(threads: int) -> None:
+    """Each op's parent and each event's enclosing op are those a walk over the ops finds, for one thread's
+    ops in time order (the loader's order, linked without a sort) and for the same rows shuffled."""
+    import numpy as np
+    import pandas as pd
+
+    from traceinspect.link import _OpTree
+
+    rng = np.random.default_rng(threads)
+    rows = []
+    for tid in range(threads):
+        t = 0.0
+        for _ in range(60):  # nested calls, equal starts and zero durations among them
+            t += float(rng.integers(0, 3))
+            depth_end = t + float(rng.integers(0, 12))
+            rows.append((tid, t, depth_end - t))
+            for _ in range(int(rng.integers(0, 3))):
+                s = t + float(rng.integers(0, 2))
+                rows.append((tid, s, max(0.0, min(depth_end, s + float(rng.integers(0, 6))) - s)))
+    # (no two equal ops: which of two equal ones encloses the other follows the row order)
+    ops = pd.DataFrame(rows, columns=["tid", "ts", "dur"]).drop_duplicates()
+    ops = ops.sort_values("ts", kind="stable", ignore_index=True)
+    ops["rank"] = 0
+    ops["end"] = ops["ts"] + ops["dur"]
+    key = ops["tid"].tolist()
+    qts = (rng.random(200) * ops["end"].max()).round(1).tolist()
+    qkey = rng.integers(0, threads, 200).tolist()
+    want_parent = _enclosing_by_hand(key, ops["ts"].tolist(), ops["dur"].tolist(), key, ops["ts"].tolist(), True)
+    want_enclosing = _enclosing_by_hand(key, ops["ts"].tolist(), ops["dur"].tolist(), qkey, qts, False)
+    assert sum(p >= 0 for p in want_parent) > 20  # nesting to find
+    by_thread = np.lexsort((ops["ts"].to_numpy(), ops["tid"].to_numpy()))  # rows in (thread, ts) order: no sort
+    for perm in (np.arange(len(ops)), by_thread, rng.permutation(len(ops))):
+        shuffled = ops.iloc[perm].reset_index(drop=True)
+        tree = _OpTree(shuffled)
+        back = np.argsort(perm)  # row of the original table -> row of the shuffled one
+        got = tree.parents()[back]
+        assert [perm[g] if g >= 0 else -1 for g in got.tolist()] == want_parent
+        enc = tree.enclosing(np.asarray(qkey, dtype=np.int64), np.asarray(qts))
+        assert [perm[g] if g >= 0 else -1 for g in enc.tolist()] == want_enclosing

@@ -28,22 +28,34 @@ _MAX_THREAD_LOOP = 512  # threads searched one by one; more: one merge sort of o
 
 
 def _thread_key(df: pd.DataFrame) -> np.ndarray:
-    return (df["rank"].to_numpy().astype(np.int64) << 32) ^ df["tid"].to_numpy().astype(np.int64)
+    key = df["rank"].to_numpy().astype(np.int64) << 32
+    key ^= df["tid"].to_numpy().astype(np.int64, copy=False)
+    return key
 
 
-def _sort_ops(key: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
+def _sort_ops(key: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray | None:
     """Row order by (thread key, ts, -dur), ties kept in row order: two stable sorts, which are nearly
-    linear on the time-ordered rows of a trace, then longest-first within the rare equal starts."""
-    order = np.argsort(ts, kind="stable")
-    order = order[np.argsort(key[order], kind="stable")]
-    s, k = ts[order], key[order]
+    linear on the time-ordered rows of a trace, then longest-first within the rare equal starts. None:
+    the rows are in that order (one thread's ops in time order, as the loader leaves them)."""
+    order = None
+    if len(ts) > 1 and not ((key[1:] >= key[:-1]).all() and _in_order(key, ts)):
+        order = np.argsort(ts, kind="stable")
+        order = order[np.argsort(key[order], kind="stable")]
+    s, k = (ts, key) if order is None else (ts[order], key[order])
     tie = (s[1:] == s[:-1]) & (k[1:] == k[:-1])
     if tie.any():
+        order = np.arange(len(ts)) if order is None else order
         run = np.cumsum(np.concatenate([[True], ~tie])) - 1
         idx = np.nonzero(np.concatenate([tie, [False]]) | np.concatenate([[False], tie]))[0]
         sub = np.lexsort((-dur[order[idx]], run[idx]))
         order[idx] = order[idx][sub]
     return order
+
+
+def _in_order(key: np.ndarray, ts: np.ndarray) -> bool:
+    """Whether rows whose ``key`` does not decrease are in ``ts`` order within each key."""
+    later = ts[1:] >= ts[:-1]
+    return bool(later.all() or (later | (key[1:] != key[:-1])).all())
 
 
 def _nest_parents(key: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarray:
@@ -90,23 +102,25 @@ class _OpTree:
     def __init__(self, ops: pd.DataFrame) -> None:
         key = _thread_key(ops)
         ts = ops["ts"].to_numpy()
-        self.order = _sort_ops(key, ts, ops["dur"].to_numpy())
-        self.key = key[self.order]
-        self.ts = ts[self.order]
-        self.end = ops["end"].to_numpy()[self.order]
+        self.order = _sort_ops(key, ts, ops["dur"].to_numpy())  # None: the rows' own order
+        end = ops["end"].to_numpy()
+        self.key, self.ts, self.end = (key, ts, end) if self.order is None else \
+            (key[self.order], ts[self.order], end[self.order])
         self.parent_sorted = _nest_parents(self.key, self.ts, self.end)
 
     def parents(self) -> np.ndarray:
         """Row of the innermost enclosing op on the same thread, or -1, in the table's row order."""
-        out = np.full(len(self.order), -1, dtype=np.int64)
         p = self.parent_sorted
+        if self.order is None:
+            return np.where(p >= 0, p, -1)
+        out = np.full(len(self.order), -1, dtype=np.int64)
         out[self.order] = np.where(p >= 0, self.order[np.maximum(p, 0)], -1)
         return out
 
     def _last_started(self, key: np.ndarray, ts: np.ndarray) -> np.ndarray:
         """For events (thread key, ts): the last sorted position of an op of that thread starting at or
         before ``ts``, or -1."""
-        m, n = len(ts), len(self.order)
+        m, n = len(ts), len(self.key)
         start = np.concatenate([[0], np.nonzero(self.key[1:] != self.key[:-1])[0] + 1])  # a run per thread
         uk = self.key[start]
         if len(uk) <= _MAX_THREAD_LOOP:
@@ -139,7 +153,7 @@ class _OpTree:
 
     def enclosing(self, key: np.ndarray, ts: np.ndarray) -> np.ndarray:
         """For events (thread key, ts): the row of the innermost op containing ``ts``, or -1."""
-        m, n = len(ts), len(self.order)
+        m, n = len(ts), len(self.key)
         out = np.full(m, -1, dtype=np.int64)
         if not m or not n:
             return out
@@ -151,8 +165,7 @@ class _OpTree:
             active, c = active[miss], c[miss]
             cand[active] = self.parent_sorted[c]
             active = active[cand[active] >= 0]
-        out = np.where(cand >= 0, self.order[np.maximum(cand, 0)], -1)
-        return out
+        return np.where(cand >= 0, cand if self.order is None else self.order[np.maximum(cand, 0)], -1)
 
 
 def _op_parents(cpu_ops: pd.DataFrame) -> np.ndarray:
