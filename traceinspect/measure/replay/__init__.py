@@ -60,6 +60,7 @@ class Prediction:
     label: str = ""
     _paths: Any = None  # () -> (path as replayed, path with the edits), computed on first use
     _path_cache: tuple[dict[str, float], dict[str, float]] | None = None
+    _tp: dict[str, float] = field(default_factory=dict, repr=False, compare=False)  # per_step is not changed
 
     def _path_pair(self) -> tuple[dict[str, float], dict[str, float]]:
         if self._path_cache is None:
@@ -80,13 +81,16 @@ class Prediction:
 
     def tp(self, col: str) -> float:
         """Median over step positions of the slowest rank's value."""
-        if not len(self.per_step):
-            return float("nan")
-        pos = self.per_step["pos"].to_numpy()
-        v = self.per_step[col].to_numpy(dtype=np.float64)
-        o = np.argsort(pos, kind="stable")
-        bounds = np.flatnonzero(np.r_[True, pos[o][1:] != pos[o][:-1]])
-        return float(np.median(np.maximum.reduceat(v[o], bounds)))
+        got = self._tp.get(col)
+        if got is None:
+            if not len(self.per_step):
+                return float("nan")
+            pos = self.per_step["pos"].to_numpy()
+            v = self.per_step[col].to_numpy(dtype=np.float64)
+            o = np.argsort(pos, kind="stable")
+            bounds = np.flatnonzero(np.r_[True, pos[o][1:] != pos[o][:-1]])
+            got = self._tp[col] = float(np.median(np.maximum.reduceat(v[o], bounds)))
+        return got
 
     @property
     def measured_step_us(self) -> float:
