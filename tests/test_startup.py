@@ -64,3 +64,36 @@ def test_the_command_writes_what_the_library_gives(trace: Any, tmp_path: Path) -
         _cli("-m", "traceinspect", "analyze", "-q", "--json", str(out), str(path), env=cache)
         assert _doc(out) == want, run
     assert list((tmp_path / "cache").rglob("meta.json"))
+
+
+def _imported(*args: str) -> set[str]:
+    r = _cli("-X", "importtime", "-m", "traceinspect", *args)
+    return {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("width", ["60", "80", "200"])
+def test_the_command_list_is_what_the_commands_say(width: str) -> None:
+    """``traceinspect --help`` lists each command with the short help click makes of its own help text, from
+    the summaries kept beside the command names, at any terminal width."""
+    from traceinspect import cli
+
+    lazy = _cli("-m", "traceinspect", "--help", env={"COLUMNS": width}).stdout
+    # the same group with every command imported, listed by click itself
+    code = ("import click; from traceinspect import cli; g = click.Group(name='traceinspect', help=cli.cli.help, "
+            "params=cli.cli.params, context_settings=cli.cli.context_settings, commands={n: "
+            "cli.cli.get_command(click.Context(cli.cli), n) for n in cli.COMMANDS}); "
+            "g.main(['--help'], prog_name='traceinspect')")
+    assert lazy == _cli("-c", code, env={"COLUMNS": width}).stdout and "Commands:" in lazy
+    assert set(cli.SUMMARIES) == set(cli.COMMANDS)
+
+
+def test_help_and_stored_document_comparisons_start_without_pandas(tmp_path: Path) -> None:
+    """The command list imports no command; ``gate`` and ``diff`` of two stored analysis documents import
+    neither pandas nor the analysis."""
+    mods = _imported("--help")
+    assert "pandas" not in mods and not {m for m in mods if m.startswith("traceinspect.commands.")}
+    a = analyze([str(fixture_dir("tp1-l6-gather-eager"))], use_cache=False).to_json()
+    base, cand = write_document(tmp_path / "base.json", a), write_document(tmp_path / "cand.json", a)
+    for cmd in ("gate", "diff"):
+        mods = _imported(cmd, str(base), str(cand))
+        assert "pandas" not in mods and "traceinspect.analysis" not in mods, cmd

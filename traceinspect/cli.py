@@ -15,6 +15,7 @@ import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
 import click  # noqa: E402
+from click.utils import make_default_short_help  # noqa: E402
 
 from traceinspect.errors import TraceInspectError  # noqa: E402
 from traceinspect.version import __version__  # noqa: E402
@@ -33,6 +34,27 @@ COMMANDS: dict[str, str] = {
     "whatif": "traceinspect.commands.whatif:whatif_cmd",
 }
 
+# name -> the first sentence of its help: the command list of ``traceinspect --help`` without importing every
+# command (tests/test_startup.py checks them against the commands' own help)
+SUMMARIES: dict[str, str] = {
+    "analyze": "Analyse the decode steps of a trace set (a directory, rank files, or globs).",
+    "cache": "The parsed-table cache ($TRACEINSPECT_CACHE; limit $TRACEINSPECT_CACHE_MAX, default 2GB).",
+    "capture": "Profile STEPS forward steps of every rank of a running SGLang server.",
+    "classify": "Print each kernel name with its class, evidence, time and calls.",
+    "diff": "Show what changed from BASE to CAND: step time, GPU time per class per step, per-shape GEMM "
+            "efficiency, findings added/removed/changed.",
+    "doctor": "Explain what is usable in a trace set before analysing it: ranks, steps, recorded shapes, "
+              "CUDA-graph replay and capture traces, server_info, clock offsets, classification coverage.",
+    "gate": "Fail (exit 1) when CAND regressed against BASE beyond thresholds, floor and step-to-step noise, or "
+            "has new findings at or above --fail-on.",
+    "report": "Write the HTML report of a trace set (a directory, rank files, or globs) or of a stored analysis "
+              "JSON (``analyze --json``; the same page as from its traces): the top finding, run metadata, "
+              "findings with evidence and fixes, time by class per rank, a step timeline, GEMM efficiency, "
+              "collectives, top kernels, classification coverage and the command that made it.",
+    "rules": "List, show, test and explain the diagnostic rules (rules/*.yaml).",
+    "whatif": "Predict the step time after a fix by replaying the trace with edits (none: replay as measured).",
+}
+
 
 class LazyGroup(click.Group):
     """A click group that imports a subcommand's module on first use."""
@@ -44,6 +66,25 @@ class LazyGroup(click.Group):
     def _resolvable(name: str) -> bool:
         module = COMMANDS[name].split(":")[0]
         return importlib.util.find_spec(module) is not None
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list as click writes it, from :data:`SUMMARIES` (a command without one is imported)."""
+        names = self.list_commands(ctx)
+        if not names:
+            return
+        limit = formatter.width - 6 - max(len(n) for n in names)
+        rows = []
+        for name in names:
+            text = SUMMARIES.get(name)
+            if text is None:
+                cmd = self.get_command(ctx, name)
+                if cmd is None or cmd.hidden:
+                    continue
+                rows.append((name, cmd.get_short_help_str(limit)))
+            else:
+                rows.append((name, make_default_short_help(text, limit)))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         target = COMMANDS.get(name)

@@ -4,6 +4,7 @@ as a trace set or as the JSON of ``traceinspect analyze --json``."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -20,9 +21,9 @@ THRESHOLD_HELP = (
 )
 
 
-def input_document(path: str, options: Any) -> dict[str, Any]:
+def input_document(path: str, options: Callable[[], Any]) -> dict[str, Any]:
     """The analysis document of one input: a stored analysis JSON is read as it is; a trace set (directory,
-    rank file or glob) is analysed with ``options``. Unusable input raises TraceInputError."""
+    rank file or glob) is analysed with ``options()``. Unusable input raises TraceInputError."""
     from pathlib import Path
 
     from traceinspect.errors import TraceInputError
@@ -35,7 +36,7 @@ def input_document(path: str, options: Any) -> dict[str, Any]:
         raise TraceInputError("no such file or directory", p)
     from traceinspect.pipeline import analyze
 
-    return labelled(validate_document(analyze([str(path)], options).to_json(), str(path)), str(path))
+    return labelled(validate_document(analyze([str(path)], options()).to_json(), str(path)), str(path))
 
 
 def start_base(base: str, kw: dict[str, Any]) -> None:
@@ -49,7 +50,15 @@ def start_base(base: str, kw: dict[str, Any]) -> None:
 
 
 def _load_pair(base: str, cand: str, kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    options = build_options(**kw)
+    made: list[Any] = []
+
+    def options() -> Any:
+        """The analysis options, made when a trace set is to be analysed (two stored documents are compared
+        without importing the analysis)."""
+        if not made:
+            made.append(build_options(**kw))
+        return made[0]
+
     return input_document(base, options), input_document(cand, options)
 
 
