@@ -52,9 +52,9 @@ def stall_stretches(a: Analysis, min_us: float) -> pd.DataFrame:
 
 
 def _columns(t: pd.DataFrame) -> tuple[np.ndarray, ...]:
-    """``rank, tid, start, end`` of a table of intervals, as arrays."""
-    start = t["ts"].to_numpy(dtype=np.float64)
-    return t["rank"].to_numpy(), t["tid"].to_numpy(), start, start + t["dur"].to_numpy(dtype=np.float64)
+    """``rank, tid, start, end`` of a table of intervals, as arrays (``end`` is the loader's ts + dur)."""
+    return (t["rank"].to_numpy(), t["tid"].to_numpy(), t["ts"].to_numpy(dtype=np.float64),
+            t["end"].to_numpy(dtype=np.float64))
 
 
 def _where(m: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
