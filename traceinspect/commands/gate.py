@@ -3,6 +3,7 @@ as a trace set or as the JSON of ``traceinspect analyze --json``."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -50,15 +51,9 @@ def start_base(base: str, kw: dict[str, Any]) -> None:
 
 
 def _load_pair(base: str, cand: str, kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    made: list[Any] = []
-
-    def options() -> Any:
-        """The analysis options, made when a trace set is to be analysed (two stored documents are compared
-        without importing the analysis)."""
-        if not made:
-            made.append(build_options(**kw))
-        return made[0]
-
+    # the analysis options, made when a trace set is to be analysed: two stored documents are compared
+    # without importing the analysis
+    options = functools.cache(lambda: build_options(**kw))
     return input_document(base, options), input_document(cand, options)
 
 
