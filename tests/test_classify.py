@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import re
 from pathlib import Path
@@ -584,7 +585,8 @@ def test_name_patterns_match_as_their_regex(table: ClassTable) -> None:
     for p in pats:
         rx = re.compile(p.pattern, p.flags)
         for n in names:
-            assert p.matches(n) == (rx.search(n) is not None), (p.pattern[:80], n[:80])
+            want = rx.search(n) is not None
+            assert p.matches(n) == want and p.matches(n, n.lower()) == want, (p.pattern[:80], n[:80])
 
 
 @pytest.mark.parametrize(("pattern", "text", "want"), [
@@ -599,3 +601,50 @@ def test_name_pattern_alternatives(pattern: str, text: str, want: bool) -> None:
     p = NamePattern(pattern, re.IGNORECASE)
     assert p.matches(text) is want
     assert (re.search(pattern, text, re.IGNORECASE) is not None) is want
+
+
+# regexes whose needed texts are easy to get wrong: common prefixes the parser factors out of alternatives,
+# repeats that may match nothing, groups with flags of their own, lookarounds, escapes, backreferences,
+# an empty alternative, verbose and case-sensitive patterns
+TRICKY = [r"(internode|intranode)\w*::\w*(dispatch|combine)", r"a{2}b|(ab)+c", r"(ab)*cd|x{0}yz", r"(ab)?cd",
+          r"(?:foo)bar|baz\d", r"(?<![a-z])sgemm|conv(?!ert)", r"x(?i:AB)c|q\d", r"(?-i:AB)c|q\d", r"\bfoo\b|x\.y",
+          r"(a)b\1|zz\d", r"(a)x|\1y", "\u00e9t\\d|ab\\d", r"[ab]cd|e+f", ".|zz", "a\\d|", r"(?x) a b \s c | d e",
+          r"^bmm_\w+|_sm\d+$", r"(rope|norm)_\w*quant", r"kern(el)?s?_", r"k\w*K|s\w*S", "\u017fgemm\\d|zz\\d",
+          r"(?i)ABC\d", r"(abc|)d\d|q\d", r"(foo|ba)r\d|zz", r"x(y|z)*w", r"(?:aa|bb)(?:cc|dd)|^(Mem|mem)cpy\b"]
+
+
+@pytest.mark.parametrize("flags", [0, re.IGNORECASE])
+@pytest.mark.parametrize("pattern", TRICKY)
+def test_name_patterns_search_only_names_with_a_needed_text(pattern: str, flags: int) -> None:
+    """A name pattern agrees with ``re.search`` on generated names, with and without case folding, for
+    regexes whose needed texts (the prefilter before the regex) are easy to get wrong."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from traceinspect.classify.table import NamePattern
+
+    p = NamePattern(pattern, flags)
+    rx = re.compile(pattern, flags)
+    plain = re.sub(r"\(\?[a-zA-Z-]*:?|\\[a-zA-Z]", " ", pattern)  # without inline flags and escapes
+    words = sorted(set(re.findall(r"[A-Za-z_:]+", plain)))  # the pattern's own texts
+    words = [w for t in words for w in (t, t.upper(), t.lower(), t[: len(t) // 2], t[len(t) // 2:])]
+    pieces = [*dict.fromkeys(words), *"abksxyz_. 1", "\u00e9t", "\u212a", "\u017f"]
+
+    def agree(text: str) -> None:
+        want = rx.search(text) is not None
+        assert p.matches(text) == want, (pattern, text)
+        assert p.matches(text, text.lower()) == want, (pattern, text)
+
+    for n in (1, 2, 3):
+        for parts in itertools.product(pieces[:24], repeat=n):
+            agree("".join(parts))
+    settings(max_examples=200, deadline=None, derandomize=True)(
+        given(st.lists(st.sampled_from(pieces), max_size=8).map("".join))(agree))()
+
+
+def test_most_shipped_name_patterns_have_a_prefilter(table: ClassTable) -> None:
+    """The shipped name patterns with regex alternatives mostly come with needed texts (else every
+    distinct kernel name goes through their regex)."""
+    pats = {p for r in table.rules for p in (*r.name, *r.not_name) if p._rest is not None}
+    assert len(pats) > 20
+    assert sum(p._needs is not None for p in pats) >= 0.8 * len(pats)

@@ -76,14 +76,77 @@ def _alternatives(text: str) -> list[str] | None:
     return out
 
 
+@lru_cache(maxsize=1)
+def _sre() -> tuple[Any, Any]:
+    """The regex module's own parser and its op codes."""
+    try:
+        from re import _constants, _parser  # type: ignore[attr-defined]
+    except ImportError:  # Python 3.10
+        import sre_constants as _constants
+        import sre_parse as _parser
+    return _parser, _constants
+
+
+def _better(a: tuple[str, ...] | None, b: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """Of two sets of texts one of which every match contains, the one a name is less likely to hold:
+    the longer shortest text, then the fewer texts."""
+    if a is None or b is None:
+        return a or b
+    return b if (min(map(len, b)), -len(b)) > (min(map(len, a)), -len(a)) else a
+
+
+def _needed(items: Any) -> tuple[str, ...] | None:
+    """Texts of ASCII literal characters one of which every match of the parsed sequence ``items``
+    contains: a run of literals, or one run from each branch of an alternation, descending into groups
+    and repeats that must match at least once (the set least likely to be in a name); None if none."""
+    c = _sre()[1]
+    best: tuple[str, ...] | None = None
+    run: list[str] = []
+    for op, av in [*items, (None, None)]:
+        if op is c.LITERAL and av < 128:
+            run.append(chr(av))
+            continue
+        if run:
+            best, run = _better(best, ("".join(run),)), []
+        if op is c.SUBPATTERN and not av[1] and not av[2]:  # a group without flags of its own
+            best = _better(best, _needed(av[3]))
+        elif op in (c.MAX_REPEAT, c.MIN_REPEAT) and av[0] >= 1:
+            best = _better(best, _needed(av[2]))
+        elif op is c.BRANCH:
+            each = [_needed(b) for b in av[1]]
+            if all(each):
+                best = _better(best, tuple(dict.fromkeys(t for e in each if e for t in e)))
+    return best
+
+
+def _needed_texts(alternatives: list[str], flags: int) -> tuple[tuple[str, bool], ...] | None:
+    """Texts one of which every match of the alternatives contains, each with whether it is compared
+    case-folded (its alternative's flags with their inline ones); None when some alternative needs no
+    particular text or cannot be parsed alone. An ASCII name that holds none of them cannot match; the
+    texts are ASCII, so folding an ASCII name is ``str.lower``."""
+    out: dict[tuple[str, bool], None] = {}
+    for alt in alternatives:
+        try:
+            tree = _sre()[0].parse(alt, flags)
+            texts = _needed(tree.data)
+        except Exception:  # noqa: BLE001 - a backreference to another alternative's group, another parser layout
+            return None
+        if not texts:
+            return None
+        fold = bool(tree.state.flags & re.IGNORECASE)
+        out.update(((t.lower() if fold else t, fold), None) for t in texts)
+    return tuple(out)
+
+
 class NamePattern:
     """A kernel-name pattern of the class table, asked only whether it matches anywhere. Its top-level
     alternatives that are plain ASCII text are found by substring search, which on long kernel names
     is many times faster than the regex engine trying every alternative at every position; the other
-    alternatives form one regex (compiled at load, so a bad one is reported there). A name that is not
-    ASCII goes through the whole pattern, compiled on first use, so case-folding stays the regex's."""
+    alternatives form one regex (compiled at load, so a bad one is reported there), searched only in a
+    name that holds a text each of them needs (:func:`_needed_texts`). A name that is not ASCII goes
+    through the whole pattern, compiled on first use, so case-folding stays the regex's."""
 
-    __slots__ = ("_full", "_fold", "_literals", "_rest", "flags", "pattern")
+    __slots__ = ("_full", "_fold", "_literals", "_needs", "_rest", "flags", "pattern")
 
     def __init__(self, pattern: str, flags: int) -> None:
         self.pattern, self.flags = pattern, flags
@@ -94,19 +157,34 @@ class NamePattern:
         rest = [a for a in alts or () if a not in plain] if alts is not None else [pattern]
         self._literals = tuple(dict.fromkeys(a.lower() if self._fold else a for a in plain))
         self._rest = re.compile("|".join(rest), flags) if rest else None
+        self._needs = _needed_texts(rest, flags) if rest else None
 
-    def matches(self, text: str) -> bool:
-        """Whether the pattern matches anywhere in ``text`` (``re.search(...) is not None``)."""
+    def matches(self, text: str, lower: str | None = None) -> bool:
+        """Whether the pattern matches anywhere in ``text`` (``re.search(...) is not None``); ``lower``,
+        when given, is ``text.lower()`` (made once by a caller that asks many patterns about one name)."""
         if not text.isascii():
             if self._full is None:
                 self._full = re.compile(self.pattern, self.flags)
             return self._full.search(text) is not None
         if self._literals:
-            folded = text.lower() if self._fold else text
+            if self._fold:
+                folded = lower = text.lower() if lower is None else lower
+            else:
+                folded = text
             for lit in self._literals:
                 if lit in folded:
                     return True
-        return self._rest is not None and self._rest.search(text) is not None
+        if self._rest is None:
+            return False
+        if self._needs is not None:  # no match without one of these texts: most names have none of them
+            if lower is None:
+                lower = text.lower()
+            for lit, fold in self._needs:
+                if lit in (lower if fold else text):
+                    break
+            else:
+                return False
+        return self._rest.search(text) is not None
 
     def __repr__(self) -> str:
         return f"NamePattern({self.pattern!r})"
@@ -222,10 +300,12 @@ class ClassTable:
         if hits is None:
             hits = {} if len(self._name_hits) >= _NAME_HITS_MAX else self._name_hits.setdefault(name, {})
 
+        lower = name.lower()
+
         def hit(p: NamePattern) -> bool:
             v = hits.get(p)
             if v is None:
-                v = hits[p] = p.matches(name)
+                v = hits[p] = p.matches(name, lower)
             return v
 
         label = Label("other", "", UNMATCHED)
