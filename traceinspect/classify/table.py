@@ -119,23 +119,20 @@ def _needed(items: Any) -> tuple[str, ...] | None:
     return best
 
 
-def _needed_texts(alternatives: list[str], flags: int) -> tuple[tuple[str, bool], ...] | None:
-    """Texts one of which every match of the alternatives contains, each with whether it is compared
-    case-folded (its alternative's flags with their inline ones); None when some alternative needs no
-    particular text or cannot be parsed alone. An ASCII name that holds none of them cannot match; the
-    texts are ASCII, so folding an ASCII name is ``str.lower``."""
-    out: dict[tuple[str, bool], None] = {}
-    for alt in alternatives:
-        try:
-            tree = _sre()[0].parse(alt, flags)
-            texts = _needed(tree.data)
-        except Exception:  # noqa: BLE001 - a backreference to another alternative's group, another parser layout
-            return None
-        if not texts:
-            return None
-        fold = bool(tree.state.flags & re.IGNORECASE)
-        out.update(((t.lower() if fold else t, fold), None) for t in texts)
-    return tuple(out)
+def _needed_texts(regex: str, flags: int) -> tuple[tuple[str, bool], ...] | None:
+    """Texts one of which every match of ``regex`` contains, each with whether it is compared case-folded
+    (the regex's flags with its global inline ones), from the regex module's own parse; None when a match
+    needs no particular text. An ASCII name that holds none of them cannot match; the texts are ASCII,
+    so folding an ASCII name is ``str.lower``."""
+    try:
+        tree = _sre()[0].parse(regex, flags)
+        texts = _needed(tree.data)
+    except Exception:  # noqa: BLE001 - another parser layout, a pattern nested too deep: no prefilter
+        return None
+    if not texts:
+        return None
+    fold = bool(tree.state.flags & re.IGNORECASE)
+    return tuple(dict.fromkeys((t.lower() if fold else t, fold) for t in texts))
 
 
 class NamePattern:
@@ -157,7 +154,7 @@ class NamePattern:
         rest = [a for a in alts or () if a not in plain] if alts is not None else [pattern]
         self._literals = tuple(dict.fromkeys(a.lower() if self._fold else a for a in plain))
         self._rest = re.compile("|".join(rest), flags) if rest else None
-        self._needs = _needed_texts(rest, flags) if rest else None
+        self._needs = _needed_texts("|".join(rest), flags) if rest else None
 
     def matches(self, text: str, lower: str | None = None) -> bool:
         """Whether the pattern matches anywhere in ``text`` (``re.search(...) is not None``); ``lower``,
