@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from traceinspect.tables import factorize_text, string_column, unique_text
+from traceinspect.tables import factorize_text, in_key_order, string_column, unique_text
 
 NAMES = ["void at::native::vectorized_elementwise_kernel<4, ...>", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL",
          "nvjet_sm90_tst_64x24_64x16_4x2_h_bz_NNT", "", "triton_per_fused_copy__mul_sum_0"]
@@ -144,3 +144,17 @@ def test_class_matrix_equals_pivot_table(categorical: bool) -> None:
     assert present == steps.isin(wide.index).tolist()
     np.testing.assert_array_equal(values[np.array(present)], wide.reindex(steps[np.array(present)]).to_numpy())
     assert not values[~np.array(present)].any()
+
+
+def test_in_key_order_is_a_lexsort_that_changes_nothing() -> None:
+    """``in_key_order`` holds exactly when sorting the rows by (key, ts) would leave them where they are."""
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 2, 3, 10, 200):
+        for _ in range(40):
+            key = np.sort(rng.integers(0, 3, n)) if rng.random() < 0.7 else rng.integers(0, 3, n)
+            ts = rng.integers(0, 4, n).astype(np.float64)
+            if rng.random() < 0.5:  # mostly ordered within each key
+                ts = ts[np.lexsort((ts, key))] if (key[1:] >= key[:-1]).all() else ts
+            rows = np.lexsort((ts, key))
+            want = bool((key[rows] == key).all() and (ts[rows] == ts).all())
+            assert in_key_order(key, ts) is want, (key, ts)

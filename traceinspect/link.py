@@ -20,7 +20,7 @@ from traceinspect.load.columns import take_name_codes
 from traceinspect.load.native import native_available, native_module
 from traceinspect.load.parse import ParsedRank
 from traceinspect.model import TraceSet
-from traceinspect.tables import dense_codes, factorize_text, string_column
+from traceinspect.tables import dense_codes, factorize_text, in_key_order, string_column
 
 GRAPH_LAUNCH = {"cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch", "hipGraphLaunch"}
 _MAX_PATH = 64  # names kept in an op_path (innermost ones)
@@ -38,7 +38,7 @@ def _sort_ops(key: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray | 
     linear on the time-ordered rows of a trace, then longest-first within the rare equal starts. None:
     the rows are in that order (one thread's ops in time order, as the loader leaves them)."""
     order = None
-    if len(ts) > 1 and not ((key[1:] >= key[:-1]).all() and _in_order(key, ts)):
+    if not in_key_order(key, ts):
         order = np.argsort(ts, kind="stable")
         order = order[np.argsort(key[order], kind="stable")]
     s, k = (ts, key) if order is None else (ts[order], key[order])
@@ -50,12 +50,6 @@ def _sort_ops(key: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray | 
         sub = np.lexsort((-dur[order[idx]], run[idx]))
         order[idx] = order[idx][sub]
     return order
-
-
-def _in_order(key: np.ndarray, ts: np.ndarray) -> bool:
-    """Whether rows whose ``key`` does not decrease are in ``ts`` order within each key."""
-    later = ts[1:] >= ts[:-1]
-    return bool(later.all() or (later | (key[1:] != key[:-1])).all())
 
 
 def _nest_parents(key: np.ndarray, ts: np.ndarray, end: np.ndarray) -> np.ndarray:

@@ -151,6 +151,17 @@ def name_mask(names: pd.Series, include: Any, exclude: Any) -> np.ndarray:
     return per_distinct(names, good)
 
 
+def in_key_order(key: np.ndarray, ts: np.ndarray) -> bool:
+    """Whether the rows are ordered by (``key``, ``ts``): the key never decreases, and the time does not
+    within one key (as the loader leaves a rank's rows, or one thread's ops)."""
+    if len(key) < 2:
+        return True
+    if not (key[1:] >= key[:-1]).all():
+        return False
+    later = ts[1:] >= ts[:-1]
+    return bool(later.all() or (later | (key[1:] != key[:-1])).all())
+
+
 def groups(*codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row's group (one per distinct combination of the integer code columns, each >= 0, numbered in
     order of first appearance) and the first row of every group: a per-row memo evaluated once per

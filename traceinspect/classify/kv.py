@@ -20,6 +20,7 @@ from traceinspect.model.shapes import OpInputs, decode_json, op_tensors
 from traceinspect.tables import (
     factorize_text,
     groups,
+    in_key_order,
     per_combination,
     per_distinct,
     set_object_column,
@@ -114,23 +115,17 @@ def _recurrence(k: pd.DataFrame, rows: np.ndarray, ctx: _KvContext) -> dict[tupl
     return out
 
 
-def _in_rank_time_order(rank: np.ndarray, ts: np.ndarray) -> bool:
-    """Whether the rows are ordered by (rank, start time), as the loader leaves them."""
-    return len(rank) < 2 or bool(np.all(rank[1:] >= rank[:-1])
-                                 and np.all((ts[1:] >= ts[:-1]) | (rank[1:] != rank[:-1])))
-
-
 def _rank_time_order(rank: np.ndarray, ts: np.ndarray) -> np.ndarray:
     """Row order by (rank, start time), equal keys in row order: ``np.lexsort((ts, rank))``, skipped
     when the rows are already in that order."""
-    return np.arange(len(rank)) if _in_rank_time_order(rank, ts) else np.lexsort((ts, rank))
+    return np.arange(len(rank)) if in_key_order(rank, ts) else np.lexsort((ts, rank))
 
 
 def _adjacent(k: pd.DataFrame, rows: np.ndarray, pair: np.ndarray, step: np.ndarray) -> set[int]:
     """The ``pair`` codes of ``rows`` (of ``k``) with two occurrences in one step and no other kernel of
     the rank between them on its GPU timeline (ordered by start time)."""
     rank, ts = k["rank"].to_numpy(), k["ts"].to_numpy()
-    if _in_rank_time_order(rank, ts):
+    if in_key_order(rank, ts):
         p = rows
     else:
         pos = np.empty(len(k), dtype=np.int64)
