@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -61,6 +63,66 @@ def test_analysis_same_with_and_without_the_second_process() -> None:
         doc.pop("generated_at", None)
     assert a["collectives"] == b["collectives"] and a["critical_path"] == b["critical_path"]
     assert a["findings"] == b["findings"]
+
+
+def _wait_for(flag: str) -> Callable[[tuple[int, int]], tuple[int, str]]:
+    def then(first: tuple[int, int]) -> tuple[int, str]:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(flag):
+            if time.monotonic() > deadline:
+                return os.getpid(), "timed out: the first part was not taken before the second was made"
+            time.sleep(0.01)
+        return os.getpid(), f"after {first[1]}"
+    return then
+
+
+@needs_fork
+def test_the_first_part_comes_while_the_child_makes_the_second(tmp_path) -> None:
+    flag = str(tmp_path / "first-taken")
+    b = Beside(_pid_and_square, 5, then=_wait_for(flag))
+    pid, sq = b.result()  # the child is still in ``then``, waiting for the flag
+    assert sq == 25 and pid != os.getpid()
+    open(flag, "w").close()
+    then_pid, text = b.then_result()
+    assert text == "after 25" and then_pid == pid
+
+
+def _then_fails_in_child(parent: int) -> Callable[[tuple[int, int]], str]:
+    def then(first: tuple[int, int]) -> str:
+        if os.getpid() != parent:
+            raise RuntimeError("only in the child")
+        return f"ran here after {first[1]}"
+    return then
+
+
+@needs_fork
+def test_a_failure_of_the_second_part_is_retried_here() -> None:
+    b = Beside(_pid_and_square, 4, then=_then_fails_in_child(os.getpid()))
+    assert b.result()[1] == 16
+    assert b.then_result() == "ran here after 16"
+
+
+def test_both_parts_run_here_with_jobs_one() -> None:
+    b = Beside(_pid_and_square, 3, jobs=1, then=lambda first: (os.getpid(), first[1] + 1))
+    assert b.result() == (os.getpid(), 9) and b.then_result() == (os.getpid(), 10)
+
+
+@needs_fork
+def test_a_second_part_not_taken_ends_with_its_child(tmp_path) -> None:
+    """Closing without taking the second part closes the pipe: the child, blocked writing a part
+    larger than a pipe holds, ends (and is reaped) instead of waiting for ever."""
+    b = Beside(_pid_and_square, 2, then=lambda first: b"x" * (4 << 20))
+    pid = b.result()[0]
+    b.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.02)
+    else:
+        pytest.fail("the child did not end")
 
 
 def _beside_in_daemon(q) -> None:  # noqa: ANN001 - a multiprocessing queue

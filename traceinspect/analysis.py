@@ -73,6 +73,8 @@ class Analysis:
     rule_set: Any = None  # the rules the findings were judged with (their texts go into the report)
     run_kind: RunKind | None = None  # decode, prefill, mixed or training, decided once (steps.run_kind)
     replay: Any = None  # the what-if replayer (traceinspect.measure.replay), built on first use
+    # its model and measured replay, being built beside the analysis (measure stage): a call that waits for them
+    replay_base: Any = field(default=None, repr=False, compare=False)
     all_fixed: Any = None  # the step with every finding fixed, from one replay (traceinspect.judge.fixes)
     _samples: Any = field(default=None, init=False, repr=False, compare=False)  # (key, step_samples())
 

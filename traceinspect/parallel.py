@@ -2,7 +2,8 @@
 
 After loading, the analysis runs in one process; the stages that do not depend on each other (GEMM
 efficiency and the collectives analysis) can use a second core. The child inherits the analysis
-through ``fork`` (nothing is copied up front) and sends back only its result. Where ``fork`` is
+through ``fork`` (nothing is copied up front) and sends back only its result, and, when asked, goes on to
+a second stage that needs it (the what-if replay model, while this process applies the rules). Where ``fork`` is
 unavailable, in a daemon process, or with one CPU or ``--jobs 1``, the stage simply runs in this process; a child that fails
 in any way is also retried here, so errors read exactly as in a serial run.
 """
@@ -18,30 +19,89 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
-class Beside(Generic[T]):
-    """``fn(*args)`` running in a forked child (or deferred, where that is not possible)."""
+class Beside(Generic[T, U]):
+    """``fn(*args)`` running in a forked child (or deferred, where that is not possible), and, when given,
+    ``then(fn(*args))`` after it in the same child: :meth:`result` has the first as soon as the child
+    sends it, while the child goes on with the second (:meth:`then_result`)."""
 
-    def __init__(self, fn: Callable[..., T], *args: Any, jobs: int | None = None) -> None:
-        self.fn, self.args = fn, args
+    def __init__(self, fn: Callable[..., T], *args: Any, jobs: int | None = None,
+                 then: Callable[[T], U] | None = None) -> None:
+        self.fn, self.args, self.then = fn, args, then
         self._pid: int | None = None
-        self._fd = -1
+        self._pipe: Any = None
+        self._first: tuple[str, Any] | None = None
         if not _can_fork(jobs):
             return
         with contextlib.suppress(OSError):  # no process to spare: it runs here later
-            self._pid, self._fd = fork_call(lambda: fn(*args))
+            self._pid, fd = fork_with_pipe(lambda out: _send_parts(out, fn, args, then))
+            self._pipe = os.fdopen(fd, "rb")
+
+    def _next(self) -> tuple[str, Any]:
+        """The child's next part, ``("error", None)`` when it failed or died first."""
+        if self._pipe is None:
+            return "error", None
+        try:
+            return pickle.load(self._pipe)
+        except Exception:  # noqa: BLE001 - a process that died sent nothing readable
+            self.close()
+            return "error", None
 
     def result(self) -> T:
-        """The result: the child's, or computed here."""
-        if self._pid is not None:
-            pid, fd = self._pid, self._fd
-            self._pid, self._fd = None, -1
-            status, value = receive(fd)
+        """The result of ``fn``: the child's, or computed here."""
+        if self._first is None:
+            self._first = self._next()
+            if self.then is None:
+                self.close()
+            if self._first[0] != "ok":
+                self._first = ("ok", self.fn(*self.args))
+        return self._first[1]
+
+    def then_result(self) -> U:
+        """The result of ``then`` (given): the child's, or computed here from :meth:`result`."""
+        assert self.then is not None
+        first = self.result()
+        status, value = self._next()
+        self.close()
+        return value if status == "ok" else self.then(first)
+
+    def close(self) -> None:
+        """Stop reading the child (which ends at its next write) and reap it."""
+        pipe, pid = self._pipe, self._pid
+        self._pipe, self._pid = None, None
+        if pipe is not None:
+            pipe.close()
+        if pid is not None:
             reap_beside(pid)
-            if status == "ok":
-                return value
-        return self.fn(*self.args)
+
+
+def _send_parts(out: int, fn: Callable[..., Any], args: tuple[Any, ...], then: Callable[[Any], Any] | None) -> None:
+    """A :class:`Beside` child: ``("ok", fn(*args))`` (or ``("error", None)``) through ``out``, then, when
+    ``then`` is given and ``fn`` succeeded, the same for ``then`` of that result."""
+    try:
+        res: tuple[str, Any] = ("ok", fn(*args))
+    except BaseException:  # noqa: BLE001 - the parent does the work itself and meets the real error
+        res = ("error", None)
+    _write(out, res)
+    if then is None or res[0] != "ok":
+        return
+    try:
+        more: tuple[str, Any] = ("ok", then(res[1]))
+    except BaseException:  # noqa: BLE001 - as above
+        more = ("error", None)
+    _write(out, more)
+
+
+def _write(out: int, res: tuple[str, Any]) -> None:
+    try:
+        data = pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - an unpicklable result: the parent does the work itself
+        data = pickle.dumps(("error", None))
+    view = memoryview(data)
+    while view:
+        view = view[os.write(out, view):]
 
 
 def fork_with_pipe(child: Callable[[int], None]) -> tuple[int, int]:
@@ -77,13 +137,7 @@ def fork_call(fn: Callable[[], Any]) -> tuple[int, int]:
             res = ("ok", fn())
         except BaseException:  # noqa: BLE001 - the parent does the work itself and meets the real error
             res = ("error", None)
-        try:
-            data = pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # noqa: BLE001 - an unpicklable result: the parent does the work itself
-            data = pickle.dumps(("error", None))
-        view = memoryview(data)
-        while view:
-            view = view[os.write(out, view):]
+        _write(out, res)
 
     return fork_with_pipe(child)
 

@@ -14,6 +14,7 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from traceinspect.measure.clock import clock_warnings
 from traceinspect.measure.collectives import Collectives, analyze_collectives
 from traceinspect.measure.gemm import Efficiency, measure_efficiency
 from traceinspect.measure.host import HostActivity, host_activity
+from traceinspect.measure.replay import ReplayBase, replay_base
 from traceinspect.measure.specs import default_gpu_specs
 from traceinspect.measure.time import class_step_time, class_totals
 from traceinspect.model import TraceSet
@@ -90,6 +92,7 @@ class Measured:
     collectives: Collectives
     host: HostActivity
     warnings: list[str] = field(default_factory=list)
+    side: Beside[Any, Any] | None = field(default=None, repr=False)  # the second core, still on the replay model
 
 
 @dataclass
@@ -167,16 +170,23 @@ def side_jobs(a: Analysis) -> int | None:
     return 1 if len(ranks) == 1 and ranks[0].hashing else a.options.jobs
 
 
+def _replay_beside(a: Analysis, beside: tuple[Collectives, HostActivity, pd.DataFrame]) -> ReplayBase:
+    a.collectives = beside[0]  # the model reads the clock offsets (set in the child's copy; here, the same)
+    return replay_base(a)
+
+
 def measure(a: Analysis) -> Measured:
     """Stage 5, measure: the collectives analysis, the host activity and the step samples on a second core
     while this one measures GEMMs; for one rank whose file is still being hashed (the cache off), here:
-    the fork costs about what one rank's take, and the hash has the second core."""
-    side = Beside(_beside_gemm, a, jobs=side_jobs(a))
+    the fork costs about what one rank's take, and the hash has the second core. The second core then
+    builds the what-if replay model (``a.replay_base``) while this one goes on to the rules."""
+    side = Beside(_beside_gemm, a, jobs=side_jobs(a), then=partial(_replay_beside, a))
     eff = measure_efficiency(a)
     eff.shapes()  # the judge's GEMM shape rows, made while the other core works
     c, host, samples = side.result()
     a.keep_step_samples(samples)
-    return Measured(eff, c, host, clock_warnings(c, a.trace.ranks))
+    a.replay_base = side.then_result
+    return Measured(eff, c, host, clock_warnings(c, a.trace.ranks), side=side)
 
 
 def judge(a: Analysis, rule_set: RuleSet) -> Judged:
@@ -249,6 +259,11 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: RuleSet) -> Analysis:
     measured = measure(a)
     a.efficiency, a.collectives, a.host = measured.efficiency, measured.collectives, measured.host
     ts.warnings += measured.warnings
-    judged = judge(a, rule_set)
+    try:
+        judged = judge(a, rule_set)
+    finally:
+        a.replay_base = None
+        if measured.side is not None:
+            measured.side.close()
     a.rule_set, a.findings, a.all_fixed, a.gaps = judged.rule_set, judged.findings, judged.all_fixed, judged.gaps
     return a

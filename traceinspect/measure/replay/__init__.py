@@ -33,7 +33,7 @@ from traceinspect.tables import factorize_text
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
-__all__ = ["Edit", "EditError", "Prediction", "Replayer", "parse_edit", "replayer"]
+__all__ = ["Edit", "EditError", "Prediction", "ReplayBase", "Replayer", "parse_edit", "replay_base", "replayer"]
 
 
 def _i64(x: np.ndarray) -> np.ndarray:
@@ -148,15 +148,49 @@ class Prediction:
         }
 
 
+@dataclass
+class ReplayBase:
+    """What a :class:`Replayer` starts from: the replay model of an analysis and its replay as measured
+    (made once; made beside the analysis by the measure stage, see :func:`replay_base`)."""
+
+    model: Model
+    params: Params
+    run: Run
+    steps: pd.DataFrame  # per replayed step (see _step_table)
+
+
+def replay_base(a: Analysis, max_steps: int | None = None) -> ReplayBase:
+    """The replay model of ``a`` (its analysed steps, the collectives' clock offsets) and its measured replay."""
+    model = build_model(a, max_steps=max_steps)
+    params = measured_params(model)
+    run = simulate(model, params)
+    return ReplayBase(model, params, run, _step_table(model, run))
+
+
+def _step_table(m: Model, run: Run) -> pd.DataFrame:
+    """rank, pos, span_us and busy_us of each replayed step of ``run``."""
+    if not m.n_ops:
+        return pd.DataFrame(columns=["rank", "pos", "span_us", "busy_us"])
+    key = m.g_rank * 1_000_000 + m.g_pos
+    bounds = np.flatnonzero(np.r_[True, key[1:] != key[:-1], True])
+    first = bounds[:-1]
+    span = np.maximum.reduceat(run.g_end, first) - np.minimum.reduceat(run.g_start, first)
+    busy = [union_us(run.g_start[a:b], run.g_end[a:b]) for a, b in zip(first.tolist(), bounds[1:].tolist(),
+                                                                       strict=True)]
+    return pd.DataFrame({"rank": m.g_rank[first].astype(np.int64), "pos": m.g_pos[first].astype(np.int64),
+                         "span_us": span.astype(np.float64), "busy_us": np.array(busy, dtype=np.float64)})
+
+
 class Replayer:
     """The replay model of one analysis, its replay as measured, and replays with edits."""
 
-    def __init__(self, a: Analysis, max_steps: int | None = None) -> None:
+    def __init__(self, a: Analysis, max_steps: int | None = None, base: ReplayBase | None = None) -> None:
         self.a = a
-        self.model: Model = build_model(a, max_steps=max_steps)
-        self.base_params: Params = measured_params(self.model)
-        self.base: Run = simulate(self.model, self.base_params)
-        self._base_steps = self._step_table(self.base)
+        base = base or replay_base(a, max_steps)
+        self.model: Model = base.model
+        self.base_params: Params = base.params
+        self.base: Run = base.run
+        self._base_steps = base.steps
         self._base_path: dict[str, float] | None = None
         self._walk: tuple[list[Any], ...] | None = None  # the model's links as lists, for path walks
         self._keys: tuple[Any, ...] | None = None  # the model's keys and step groups, for the native walk
@@ -175,17 +209,7 @@ class Replayer:
 
     # ------------------------------------------------------------------ per step
     def _step_table(self, run: Run) -> pd.DataFrame:
-        m = self.model
-        rows = []
-        if not m.n_ops:
-            return pd.DataFrame(columns=["rank", "pos", "span_us", "busy_us"])
-        key = m.g_rank * 1_000_000 + m.g_pos
-        bounds = np.flatnonzero(np.r_[True, key[1:] != key[:-1], True])
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            s, e = run.g_start[a:b], run.g_end[a:b]
-            rows.append({"rank": int(m.g_rank[a]), "pos": int(m.g_pos[a]),
-                         "span_us": float(np.max(e) - np.min(s)), "busy_us": union_us(s, e)})
-        return pd.DataFrame(rows)
+        return _step_table(self.model, run)
 
     def _measured_vs_replayed(self) -> pd.DataFrame:
         """rank, pos, measured and replayed span and busy time, in the order of the step tables."""
@@ -310,6 +334,7 @@ def replayer(a: Analysis) -> Replayer:
     """The analysis's replayer, built on first use."""
     rp = getattr(a, "replay", None)
     if rp is None:
-        rp = Replayer(a)
+        pending, a.replay_base = getattr(a, "replay_base", None), None
+        rp = Replayer(a, base=pending() if pending is not None else None)
         a.replay = rp
     return rp
