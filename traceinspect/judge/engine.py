@@ -194,11 +194,12 @@ class _Subjects:
             if sel.where is not None and len(rows):
                 keep = np.zeros(len(rows), dtype=bool)
                 known = rows["known"].to_numpy(dtype=bool)
+                cols = ctx.gemm_columns(rows)
                 for i in range(len(rows)):
                     if not known[i]:
                         continue
                     env = dict(ctx.run)
-                    env.update(ctx.gemm_row_values(rows, i))
+                    env.update(ctx.gemm_row_values(cols, i))
                     env.update(rule.params)
                     keep[i] = bool(sel.where.evaluate(env))
                 rows = rows[keep]

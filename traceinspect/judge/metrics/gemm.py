@@ -14,6 +14,10 @@ from traceinspect.units import finite
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
+# the columns of the efficiency stage's shape rows (Efficiency.shapes) that the metrics read
+_COLUMNS = ("us", "m", "n", "k", "batch", "dtype", "op_name", "is_moe", "calls", "flops", "peak_known_us", "peak_us",
+            "ranks", "cls")
+
 declare("gemm", "m", "rows", "GEMM M (rows of the activation; for grouped expert GEMMs the rows per expert): "
    "time-weighted median over the subject's calls.")
 declare("gemm", "m_min", "rows", "Smallest M among the subject's calls.")
@@ -52,75 +56,82 @@ class GemmMetrics:
         eff = self.a.efficiency
         return eff.shapes() if eff is not None else None
 
-    def gemm_row_values(self, rows: pd.DataFrame, i: int) -> dict[str, Any]:
-        """Metrics of shape row ``i`` of ``rows`` (what ``select.gemm.where`` sees)."""
-        return self._gemm_group(rows.iloc[[i]]).values
+    def gemm_columns(self, rows: pd.DataFrame) -> dict[str, np.ndarray]:
+        """The columns of shape rows that the gemm metrics read, as arrays (taken once per selection)."""
+        return {c: rows[c].to_numpy() for c in _COLUMNS}
+
+    def gemm_row_values(self, cols: dict[str, np.ndarray], i: int) -> dict[str, Any]:
+        """Metrics of shape row ``i`` of :meth:`gemm_columns` (what ``select.gemm.where`` sees)."""
+        return self._gemm_group(cols, np.array([i])).values
 
     def gemm_subjects(self, rows: pd.DataFrame, group_by: str | None, unknown: pd.DataFrame | None = None
                       ) -> list[Subject]:
-        known = rows[rows["known"].astype(bool)]
-        if not len(known):
+        known_rows = np.flatnonzero(rows["known"].to_numpy().astype(bool))
+        if not len(known_rows):
             return []
+        cols = self.gemm_columns(rows)
+        col = "cls" if group_by == "cls" else "is_moe"
         if group_by == "shape":
-            groups = [known.iloc[[i]] for i in range(len(known))]
-        elif group_by in ("cls", "moe"):
-            col = "cls" if group_by == "cls" else "is_moe"
-            groups = [g for _, g in known.groupby(col, sort=False)]
+            groups = [known_rows[i:i + 1] for i in range(len(known_rows))]
+        elif group_by in ("cls", "moe"):  # as groupby(col, sort=False): in order of first appearance, no missing key
+            codes, _ = pd.factorize(cols[col][known_rows], sort=False)
+            groups = [known_rows[codes == c] for c in range(int(codes.max()) + 1)] if (codes >= 0).any() else []
         else:
-            groups = [known]
+            groups = [known_rows]
         out = []
         for g in groups:
-            unk = None
+            unk_us = 0.0
             if unknown is not None and len(unknown):
                 unk = unknown
                 if group_by in ("cls", "moe"):
-                    col = "cls" if group_by == "cls" else "is_moe"
-                    unk = unknown[unknown[col] == g[col].iloc[0]]
-            out.append(self._gemm_group(g, unk))
+                    unk = unknown[unknown[col] == cols[col][g[0]]]
+                unk_us = float(unk["us"].sum()) if len(unk) else 0.0
+            out.append(self._gemm_group(cols, g, unk_us))
         out.sort(key=lambda s: -(s.values["us_per_step"] or 0.0))
         return out
 
-    def _gemm_group(self, g: pd.DataFrame, unknown: pd.DataFrame | None = None) -> Subject:
+    def _gemm_group(self, cols: dict[str, np.ndarray], rows: np.ndarray, unk_us: float = 0.0) -> Subject:
+        """The subject of shape rows ``rows`` (positions in ``cols``); ``unk_us``: the time of the
+        selection's calls with unknown shapes (sums skip missing values, as a frame's do)."""
         n = self.n_step_rows
         v: dict[str, Any] = {}
         missing: dict[str, str] = {}
-        us = g["us"].astype(float).to_numpy()
-        m = g["m"].astype(float).to_numpy()
-        top = g.iloc[int(np.argmax(us))]
+        us = cols["us"][rows].astype(float)
+        m = cols["m"][rows].astype(float)
+        top = int(rows[int(np.argmax(us))])
         v["m"] = _weighted_median(m, us)
         v["m_min"] = finite(np.nanmin(m))
         v["m_max"] = finite(np.nanmax(m))
-        v["n"] = finite(top["n"])
-        v["k"] = finite(top["k"])
-        v["batch"] = finite(top["batch"])
-        v["dtype"] = str(top["dtype"]) or None
-        v["op_name"] = str(top["op_name"])
-        v["shapes"] = len(g)
-        moe = g["is_moe"].astype(bool).to_numpy()
+        v["n"] = finite(cols["n"][top])
+        v["k"] = finite(cols["k"][top])
+        v["batch"] = finite(cols["batch"][top])
+        v["dtype"] = str(cols["dtype"][top]) or None
+        v["op_name"] = str(cols["op_name"][top])
+        v["shapes"] = len(rows)
+        moe = cols["is_moe"][rows].astype(bool)
         v["is_moe"] = bool(moe.all())
         v["per_expert_m"] = _weighted_median(m[moe], us[moe]) if moe.any() else None
         if not moe.any():
             missing["per_expert_m"] = "no expert GEMMs in the subject"
-        v["calls_per_step"] = float(g["calls"].sum()) / n
+        v["calls_per_step"] = float(np.nansum(cols["calls"][rows])) / n
         v["us_per_step"] = float(us.sum()) / n
         v["share"] = float(us.sum()) / self.total_us if self.total_us else None
         comp = self.run.get("compute_us_per_step")
         v["compute_share"] = v["us_per_step"] / comp if comp else None
-        flops = float(np.nansum(g["flops"].astype(float)))
+        flops = float(np.nansum(cols["flops"][rows].astype(float)))
         v["tflops"] = flops / float(us.sum()) / 1e6 if us.sum() > 0 and flops > 0 else None
-        pk_us = float(g["peak_known_us"].sum())
-        peak = float(g["peak_us"].sum()) / pk_us if pk_us > 0 else None
+        pk_us = float(np.nansum(cols["peak_known_us"][rows]))
+        peak = float(np.nansum(cols["peak_us"][rows])) / pk_us if pk_us > 0 else None
         v["peak_tflops"] = peak
         v["pct_peak"] = 100.0 * v["tflops"] / peak if v["tflops"] is not None and peak else None
         if v["pct_peak"] is None:
             missing["pct_peak"] = ("GEMM FLOPs unknown" if v["tflops"] is None else
                                    "no dense peak for this GPU and dtype in rules/tables/gpus.yaml ("
                                    + (getattr(self.a.efficiency, "spec_reason", "") or "GPU unknown") + ")")
-        unk_us = float(unknown["us"].sum()) if unknown is not None and len(unknown) else 0.0
         v["unknown_share"] = unk_us / (unk_us + float(us.sum())) if (unk_us + us.sum()) > 0 else None
-        ranks = sorted({r for t in g["ranks"] for r in t})
+        ranks = sorted({r for t in cols["ranks"][rows].tolist() for r in t})
         kind = "expert GEMMs" if v["is_moe"] else ("GEMMs" if moe.any() else "dense GEMMs")
-        label = f"{kind} M={_fmt_num(v['m'])}" if len(g) > 1 else \
+        label = f"{kind} M={_fmt_num(v['m'])}" if len(rows) > 1 else \
             f"{kind} M={_fmt_num(v['m'])} N={_fmt_num(v['n'])} K={_fmt_num(v['k'])} {v['dtype'] or ''}".strip()
-        return Subject("gemm", label, v, ranks, missing, tuple(sorted({str(c) for c in g["cls"].unique()})))
+        return Subject("gemm", label, v, ranks, missing, tuple(sorted({str(c) for c in cols["cls"][rows].tolist()})))
 
