@@ -15,6 +15,7 @@ import os
 import pickle
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -38,6 +39,8 @@ class Beside(Generic[T, U]):
         with contextlib.suppress(OSError):  # no process to spare: it runs here later
             self._pid, fd = fork_with_pipe(lambda out: _send_parts(out, fn, args, then))
             self._pipe = os.fdopen(fd, "rb")
+            # a Beside dropped before its parts were taken still ends and reaps its child
+            self._finalizer = weakref.finalize(self, _abandon, self._pipe, self._pid)
 
     def _next(self) -> tuple[str, Any]:
         """The child's next part, ``("error", None)`` when it failed or died first."""
@@ -71,10 +74,17 @@ class Beside(Generic[T, U]):
         """Stop reading the child (which ends at its next write) and reap it."""
         pipe, pid = self._pipe, self._pid
         self._pipe, self._pid = None, None
-        if pipe is not None:
-            pipe.close()
-        if pid is not None:
-            reap_beside(pid)
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        _abandon(pipe, pid)
+
+
+def _abandon(pipe: Any, pid: int | None) -> None:
+    if pipe is not None:
+        pipe.close()
+    if pid is not None:
+        reap_beside(pid)
 
 
 def _send_parts(out: int, fn: Callable[..., Any], args: tuple[Any, ...], then: Callable[[Any], Any] | None) -> None:
