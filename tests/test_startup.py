@@ -97,3 +97,13 @@ def test_help_and_stored_document_comparisons_start_without_pandas(tmp_path: Pat
     for cmd in ("gate", "diff"):
         mods = _imported(cmd, str(base), str(cand))
         assert "pandas" not in mods and "traceinspect.analysis" not in mods, cmd
+
+
+def test_rule_listings_start_without_pandas() -> None:
+    """``rules list`` and ``rules show`` load every rule and the metric registry its expressions are checked
+    against, but none of the code that computes the metrics from the tables: no pandas."""
+    for cmd in (("rules", "list"), ("rules", "show", "kv-full-pool-cast"), ("rules", "metrics"),
+                ("rules", "check", str(ROOT / "rules"))):
+        mods = _imported(*cmd)
+        assert "pandas" not in mods and "traceinspect.tables" not in mods, cmd
+        assert "traceinspect.judge.metrics.run" in mods, cmd  # the registry is complete

@@ -21,7 +21,6 @@ from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, evaluate_explain
 from traceinspect.judge.rule import Rule, RuleSet
 from traceinspect.model.findings import finding_order, quantity
-from traceinspect.tables import text_values
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -169,6 +168,8 @@ class _Subjects:
             k = ctx.k
             if not len(k):
                 return [], "no kernels in the analysed steps"
+            from traceinspect.tables import name_mask, text_values
+
             mask = np.ones(len(k), dtype=bool)
             if sel.classes:
                 mask &= np.isin(text_values(k["cls"]), list(sel.classes))
@@ -177,9 +178,9 @@ class _Subjects:
             if sel.graph is not None:
                 mask &= (k["graph_replay"].to_numpy() == sel.graph)
             if sel.name is not None or sel.not_name is not None:
-                mask &= M.name_mask(k["name"], sel.name, sel.not_name)
+                mask &= name_mask(k["name"], sel.name, sel.not_name)
             if sel.op is not None or sel.not_op is not None:
-                mask &= M.name_mask(k["op_path"] if "op_path" in k.columns else k["op_name"], sel.op, sel.not_op)
+                mask &= name_mask(k["op_path"] if "op_path" in k.columns else k["op_name"], sel.op, sel.not_op)
             subs = ctx.kernel_subjects(mask, sel.group_by)
             return subs, (None if subs else "no kernel matched the selector")
         if sel.scope == "gemm":

@@ -40,6 +40,7 @@ from traceinspect.judge.rule import (
     Selector,
 )
 from traceinspect.judge.yamlsrc import LDict, LList, line_of, read_yaml
+from traceinspect.model.edits import KINDS, SELECT_KEYS
 from traceinspect.model.findings import SEVERITIES, SEVERITY_RANK  # noqa: F401 - importable from here too
 from traceinspect.resources import rules_dir
 from traceinspect.saferegex import RegexError, compile_safe
@@ -393,8 +394,6 @@ def parse_rule(ctx: _Ctx, rule: Any, index: int, line: int) -> Rule:
 
 def _fixes(ctx: _Ctx, rule: LDict, rid: str, scope: str, names: dict[str, Any]) -> list[Fix]:
     """``fixes:``: a list of ``{variant, label, edits: [{edit, select, value, rank, from}]}``."""
-    from traceinspect.measure.replay.edits import KINDS, SELECT_KEYS
-
     raw = rule.get("fixes")
     if raw is None:
         return []

@@ -4,11 +4,12 @@ cause, device-to-host copies, tiny kernels."""
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
-from traceinspect.tables import text_isin
+if TYPE_CHECKING:
+    import pandas as pd
 
 TINY_KERNEL_US = 5.0
 GAP_MIN_US = 2.0
@@ -41,6 +42,8 @@ def host_syncs(runtime: pd.DataFrame, kernels: pd.DataFrame, selected: pd.DataFr
     rt = runtime
     if not len(rt) or not len(selected):
         return 0, 0.0, 0.0
+    from traceinspect.tables import text_isin
+
     rt = rt[text_isin(rt["name"].to_numpy(dtype=object), SYNC_CALLS)]
     calls, call_us, bubble = 0, 0.0, 0.0
     # each rank's GPU activities from the columns (not a copy of the rank's rows of every column)

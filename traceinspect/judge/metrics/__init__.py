@@ -31,7 +31,6 @@ from traceinspect.judge.metrics.registry import (
     own_metrics,
     registry,
 )
-from traceinspect.tables import name_mask
 
-__all__ = ["SCOPES", "Metric", "MetricContext", "Subject", "class_ids", "known", "name_mask", "own_metrics",
+__all__ = ["SCOPES", "Metric", "MetricContext", "Subject", "class_ids", "known", "own_metrics",
            "registry"]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from traceinspect.judge.metrics.registry import Subject, class_ids, declare
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 declare("class", "class_name", "text", "Kernel class id of the subject (see rules/tables/kernel_classes.yaml).")
 declare("class", "class_us_per_step", "us", "GPU time of the class per rank per step.")

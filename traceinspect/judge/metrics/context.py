@@ -10,7 +10,6 @@ from traceinspect.judge.metrics.kernels import KernelMetrics
 from traceinspect.judge.metrics.rank import RankMetrics
 from traceinspect.judge.metrics.registry import _ensure_class_metrics
 from traceinspect.judge.metrics.run import RunMetrics
-from traceinspect.measure.families import FamilyShapes
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -27,5 +26,7 @@ class MetricContext(RunMetrics, KernelMetrics, GemmMetrics, RankMetrics, ClassMe
         self.n_step_rows = max(len(analysis.selected), 1)  # (rank, step) pairs analysed
         self.total_us = float(k["dur"].sum()) if len(k) else 0.0
         self.run_missing: dict[str, str] = {}
+        from traceinspect.measure.families import FamilyShapes
+
         self.shapes = FamilyShapes(analysis.efficiency, analysis.trace.cpu_ops, getattr(analysis, "graph_ops", None))
         self.run = self._run_metrics()

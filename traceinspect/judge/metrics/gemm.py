@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from traceinspect.judge.metrics.registry import Subject, _fmt_num, _weighted_median, declare
 from traceinspect.units import finite
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from traceinspect.analysis import Analysis
 
 # the columns of the efficiency stage's shape rows (Efficiency.shapes) that the metrics read
@@ -74,6 +75,8 @@ class GemmMetrics:
         if group_by == "shape":
             groups = [known_rows[i:i + 1] for i in range(len(known_rows))]
         elif group_by in ("cls", "moe"):  # as groupby(col, sort=False): in order of first appearance, no missing key
+            import pandas as pd
+
             codes, _ = pd.factorize(cols[col][known_rows], sort=False)
             groups = [known_rows[codes == c] for c in range(int(codes.max()) + 1)] if (codes >= 0).any() else []
         else:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from traceinspect.judge.metrics.registry import Subject, declare
-from traceinspect.measure.families import FamilyShapes
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from traceinspect.measure.families import FamilyShapes
 
 declare("kernels", "name", "text", "Kernel name of the subject (the most expensive one when a family has several).")
 declare("kernels", "names", "count", "Distinct kernel names in the subject.")

@@ -6,13 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-
 from traceinspect.judge.metrics.registry import Subject, _first, declare
-from traceinspect.measure.ranks import rank_steps
 from traceinspect.units import finite
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from traceinspect.analysis import Analysis
 
 declare("rank", "rank", "id", "Rank number.")
@@ -62,6 +61,8 @@ class RankMetrics:
             return self._ranks_cache
         a = self.a
         multi = a.n_ranks > 1
+        from traceinspect.measure.ranks import rank_steps
+
         stats = rank_steps(a.selected, self.k, [i.rank for i in a.trace.ranks], a.steps_per_rank())
         coll = self._collective_rows()
         out = []
@@ -106,6 +107,8 @@ class RankMetrics:
         if per_rank is None:
             return {}
         rows: list[dict[str, Any]]
+        import pandas as pd
+
         if isinstance(per_rank, pd.DataFrame):
             rows = per_rank.to_dict("records")
         elif isinstance(per_rank, dict):

@@ -7,10 +7,8 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from traceinspect.judge.metrics.registry import Subject, class_ids, declare
-from traceinspect.measure.host import HostActivity, host_of
 from traceinspect.measure.idle import (
     GAP_MIN_US,
     TINY_KERNEL_US,
@@ -21,7 +19,10 @@ from traceinspect.measure.specs import resolve_gpu
 from traceinspect.units import finite
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from traceinspect.analysis import Analysis
+    from traceinspect.measure.host import HostActivity
 
 declare("run", "steps", "count", "Analysed steps per rank (the smallest count over ranks; first and last steps excluded).")
 declare("run", "ranks", "count", "Ranks (trace files) in the trace set.")
@@ -146,6 +147,8 @@ class RunMetrics:
         v["tiny_kernels_per_step"] = float(tiny) / n
         v["tiny_kernel_share"] = (v["tiny_kernels_per_step"] / (n_kern / n)) if n_kern else None
         v["median_kernel_us"] = finite(np.median(k["dur"])) if len(k) else None
+        from traceinspect.measure.host import host_of
+
         host = host_of(a)
         gaps_n, gaps_us = host.gaps
         v["gaps_per_step"] = gaps_n / n

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from traceinspect.errors import ConfigError
+from traceinspect.model.edits import KINDS, SELECT_KEYS
 from traceinspect.saferegex import RegexError, compile_safe
 from traceinspect.tables import name_mask, text_values
 
@@ -40,9 +41,6 @@ if TYPE_CHECKING:
     from traceinspect.measure.replay.model import Model
     from traceinspect.measure.replay.sim import Params
 
-KINDS = ("scale", "remove", "transfer", "host-gaps", "host-stalls", "launch-cost", "host-speed", "host-from", "async",
-         "kv-rows", "trim", "gemm-m", "graph-gaps")
-SELECT_KEYS = ("class", "name", "not_name", "op", "not_op", "kind", "rank")
 
 
 class EditError(ConfigError):
