@@ -64,6 +64,43 @@ def test_analysis_same_with_and_without_the_second_process() -> None:
         doc.pop("generated_at", None)
     assert a["collectives"] == b["collectives"] and a["critical_path"] == b["critical_path"]
     assert a["findings"] == b["findings"]
+    assert a == b  # the replay model and the tables' sections made in the child included
+
+
+@needs_fork
+def test_the_tables_sections_made_beside_are_used_only_for_their_tables() -> None:
+    from traceinspect.document.build import build_document, trace_sections
+    from traceinspect.pipeline import analyze
+
+    fix = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tp1-l6-gather-eager")
+    a = analyze([fix], use_cache=False)
+    assert a.trace_sections is not None  # made in the child, kept for the document
+    key, kept = a.trace_sections
+    assert kept == trace_sections(a)
+    marked = {**kept, "coverage": {"marker": True}}
+    a.trace_sections = (key, marked)
+    assert build_document(a, report=False)["coverage"] == {"marker": True}
+    a.selected = a.selected.copy()  # other tables: the sections are made anew
+    assert build_document(a, report=False)["coverage"] == kept["coverage"]
+
+
+def _plus(n: int) -> Callable[[tuple[int, int]], tuple[int, int]]:
+    def then(first: tuple[int, int]) -> tuple[int, int]:
+        if n == 0:
+            raise RuntimeError("the first follow-up fails")
+        return os.getpid(), first[1] + n
+    return then
+
+
+@needs_fork
+def test_several_parts_are_read_in_order_and_taken_in_any() -> None:
+    b = Beside(_pid_and_square, 6, then=[_plus(0), _plus(1), _plus(2)])
+    child, sq = b.result()
+    assert sq == 36
+    assert b.then_result(2) == (child, 38)  # parts 0 and 1 are read on the way
+    assert b.then_result(1) == (child, 37)
+    with pytest.raises(RuntimeError, match="first follow-up"):  # failed there: run here, and failing here too
+        b.then_result(0)
 
 
 def _wait_for(flag: str) -> Callable[[tuple[int, int]], tuple[int, str]]:
@@ -80,7 +117,7 @@ def _wait_for(flag: str) -> Callable[[tuple[int, int]], tuple[int, str]]:
 @needs_fork
 def test_the_first_part_comes_while_the_child_makes_the_second(tmp_path) -> None:
     flag = str(tmp_path / "first-taken")
-    b = Beside(_pid_and_square, 5, then=_wait_for(flag))
+    b = Beside(_pid_and_square, 5, then=[_wait_for(flag)])
     pid, sq = b.result()  # the child is still in ``then``, waiting for the flag
     assert sq == 25 and pid != os.getpid()
     open(flag, "w").close()
@@ -98,13 +135,13 @@ def _then_fails_in_child(parent: int) -> Callable[[tuple[int, int]], str]:
 
 @needs_fork
 def test_a_failure_of_the_second_part_is_retried_here() -> None:
-    b = Beside(_pid_and_square, 4, then=_then_fails_in_child(os.getpid()))
+    b = Beside(_pid_and_square, 4, then=[_then_fails_in_child(os.getpid())])
     assert b.result()[1] == 16
     assert b.then_result() == "ran here after 16"
 
 
 def test_both_parts_run_here_with_jobs_one() -> None:
-    b = Beside(_pid_and_square, 3, jobs=1, then=lambda first: (os.getpid(), first[1] + 1))
+    b = Beside(_pid_and_square, 3, jobs=1, then=[lambda first: (os.getpid(), first[1] + 1)])
     assert b.result() == (os.getpid(), 9) and b.then_result() == (os.getpid(), 10)
 
 
@@ -113,7 +150,7 @@ def test_both_parts_run_here_with_jobs_one() -> None:
 def test_a_second_part_not_taken_ends_with_its_child(close: bool) -> None:
     """Closing without taking the second part closes the pipe: the child, blocked writing a part
     larger than a pipe holds, ends (and is reaped) instead of waiting for ever."""
-    b = Beside(_pid_and_square, 2, then=lambda first: b"x" * (4 << 20))
+    b = Beside(_pid_and_square, 2, then=[lambda first: b"x" * (4 << 20)])
     pid = b.result()[0]
     if close:
         b.close()

@@ -75,6 +75,8 @@ class Analysis:
     replay: Any = None  # the what-if replayer (traceinspect.measure.replay), built on first use
     # its model and measured replay, being built beside the analysis (measure stage): a call that waits for them
     replay_base: Any = field(default=None, repr=False, compare=False)
+    # the document's sections made from the tables alone, made beside the rules: (tables key, sections)
+    trace_sections: Any = field(default=None, repr=False, compare=False)
     all_fixed: Any = None  # the step with every finding fixed, from one replay (traceinspect.judge.fixes)
     _samples: Any = field(default=None, init=False, repr=False, compare=False)  # (key, step_samples())
 

@@ -16,28 +16,31 @@ import pickle
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
-U = TypeVar("U")
 
 
-class Beside(Generic[T, U]):
+class Beside(Generic[T]):
     """``fn(*args)`` running in a forked child (or deferred, where that is not possible), and, when given,
-    ``then(fn(*args))`` after it in the same child: :meth:`result` has the first as soon as the child
-    sends it, while the child goes on with the second (:meth:`then_result`)."""
+    each of ``then`` after it, in order, in the same child, each called with ``fn``'s result: :meth:`result`
+    has the first as soon as the child sends it, while the child goes on with the others
+    (:meth:`then_result`)."""
 
     def __init__(self, fn: Callable[..., T], *args: Any, jobs: int | None = None,
-                 then: Callable[[T], U] | None = None) -> None:
-        self.fn, self.args, self.then = fn, args, then
+                 then: Sequence[Callable[[T], Any]] = ()) -> None:
+        self.fn, self.args, self.then = fn, args, tuple(then)
         self._pid: int | None = None
         self._pipe: Any = None
         self._first: tuple[str, Any] | None = None
+        self._parts: list[tuple[str, Any]] = []  # the parts of ``then`` read so far
+        self.forked = False  # whether a child runs it (else it runs here when asked)
         if not _can_fork(jobs):
             return
         with contextlib.suppress(OSError):  # no process to spare: it runs here later
-            self._pid, fd = fork_with_pipe(lambda out: _send_parts(out, fn, args, then))
+            self._pid, fd = fork_with_pipe(lambda out: _send_parts(out, fn, args, self.then))
+            self.forked = True
             self._pipe = os.fdopen(fd, "rb")
             # a Beside dropped before its parts were taken still ends and reaps its child
             self._finalizer = weakref.finalize(self, _abandon, self._pipe, self._pid)
@@ -56,19 +59,22 @@ class Beside(Generic[T, U]):
         """The result of ``fn``: the child's, or computed here."""
         if self._first is None:
             self._first = self._next()
-            if self.then is None:
+            if not self.then:
                 self.close()
             if self._first[0] != "ok":
                 self._first = ("ok", self.fn(*self.args))
         return self._first[1]
 
-    def then_result(self) -> U:
-        """The result of ``then`` (given): the child's, or computed here from :meth:`result`."""
-        assert self.then is not None
+    def then_result(self, i: int = 0) -> Any:
+        """The result of ``then[i]``: the child's, or computed here from :meth:`result`. The child is
+        closed once its last part is read."""
         first = self.result()
-        status, value = self._next()
-        self.close()
-        return value if status == "ok" else self.then(first)
+        while len(self._parts) <= i:
+            self._parts.append(self._next())
+        if len(self._parts) == len(self.then):
+            self.close()
+        status, value = self._parts[i]
+        return value if status == "ok" else self.then[i](first)
 
     def close(self) -> None:
         """Stop reading the child (which ends at its next write) and reap it."""
@@ -87,21 +93,22 @@ def _abandon(pipe: Any, pid: int | None) -> None:
         reap_beside(pid)
 
 
-def _send_parts(out: int, fn: Callable[..., Any], args: tuple[Any, ...], then: Callable[[Any], Any] | None) -> None:
+def _send_parts(out: int, fn: Callable[..., Any], args: tuple[Any, ...], then: Sequence[Callable[[Any], Any]]) -> None:
     """A :class:`Beside` child: ``("ok", fn(*args))`` (or ``("error", None)``) through ``out``, then, when
-    ``then`` is given and ``fn`` succeeded, the same for ``then`` of that result."""
+    ``fn`` succeeded, the same for each of ``then`` on that result."""
     try:
         res: tuple[str, Any] = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - the parent does the work itself and meets the real error
         res = ("error", None)
     _write(out, res)
-    if then is None or res[0] != "ok":
+    if res[0] != "ok":
         return
-    try:
-        more: tuple[str, Any] = ("ok", then(res[1]))
-    except BaseException:  # noqa: BLE001 - as above
-        more = ("error", None)
-    _write(out, more)
+    for part in then:
+        try:
+            more: tuple[str, Any] = ("ok", part(res[1]))
+        except BaseException:  # noqa: BLE001 - as above
+            more = ("error", None)
+        _write(out, more)
 
 
 def _write(out: int, res: tuple[str, Any]) -> None:

@@ -23,6 +23,7 @@ import pandas as pd
 from traceinspect import link as link_stage
 from traceinspect.analysis import Analysis, Options
 from traceinspect.classify import ClassTable, GraphOps, classify_kernels, default_table, recover_graph_ops
+from traceinspect.document.build import keep_trace_sections, trace_sections
 from traceinspect.errors import TraceInputError
 from traceinspect.judge import Finding, RuleSet, explain, load_rule_set
 from traceinspect.judge.engine import findings_of
@@ -92,7 +93,7 @@ class Measured:
     collectives: Collectives
     host: HostActivity
     warnings: list[str] = field(default_factory=list)
-    side: Beside[Any, Any] | None = field(default=None, repr=False)  # the second core, still on the replay model
+    side: Beside[Any] | None = field(default=None, repr=False)  # the second core, still on the replay model
 
 
 @dataclass
@@ -175,17 +176,23 @@ def _replay_beside(a: Analysis, beside: tuple[Collectives, HostActivity, pd.Data
     return replay_base(a)
 
 
+def _sections_beside(a: Analysis, beside: tuple[Collectives, HostActivity, pd.DataFrame]) -> dict[str, Any]:
+    a.keep_step_samples(beside[2])
+    return trace_sections(a)
+
+
 def measure(a: Analysis) -> Measured:
     """Stage 5, measure: the collectives analysis, the host activity and the step samples on a second core
     while this one measures GEMMs; for one rank whose file is still being hashed (the cache off), here:
     the fork costs about what one rank's take, and the hash has the second core. The second core then
-    builds the what-if replay model (``a.replay_base``) while this one goes on to the rules."""
-    side = Beside(_beside_gemm, a, jobs=side_jobs(a), then=partial(_replay_beside, a))
+    builds the what-if replay model (``a.replay_base``) and the document's sections made from the tables
+    alone while this one goes on to the rules."""
+    side = Beside(_beside_gemm, a, jobs=side_jobs(a), then=(partial(_replay_beside, a), partial(_sections_beside, a)))
     eff = measure_efficiency(a)
     eff.shapes()  # the judge's GEMM shape rows, made while the other core works
     c, host, samples = side.result()
     a.keep_step_samples(samples)
-    a.replay_base = side.then_result
+    a.replay_base = partial(side.then_result, 0)
     return Measured(eff, c, host, clock_warnings(c, a.trace.ranks), side=side)
 
 
@@ -261,6 +268,8 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: RuleSet) -> Analysis:
     ts.warnings += measured.warnings
     try:
         judged = judge(a, rule_set)
+        if measured.side is not None and measured.side.forked:
+            keep_trace_sections(a, measured.side.then_result(1))
     finally:
         a.replay_base = None
         if measured.side is not None:

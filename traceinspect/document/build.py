@@ -145,9 +145,17 @@ def _timeline_step(a: Analysis) -> dict[str, Any]:
     return {"step_index": pos, "ranks": out}
 
 
-def build_document(a: Analysis, report: bool = True) -> dict[str, Any]:
-    """Build the ``traceinspect.analysis/1`` document (``report=False``: without the ``report`` section,
-    for a caller that only prints the terminal summary, which does not read it)."""
+def _tables_key(a: Analysis) -> tuple[int, ...]:
+    """The tables :func:`trace_sections` reads, by identity and length: sections made from other tables
+    are not used."""
+    tables = (a.trace.kernels, a.kernels, a.steps, a.selected, a.class_steps, a.class_totals)
+    return tuple(x for t in tables for x in (id(t), len(t)))
+
+
+def trace_sections(a: Analysis) -> dict[str, Any]:
+    """The sections of the document made from the trace tables and the step selection alone (ranks,
+    steps, classes, top kernels, timeline, coverage): what no measure and no rule changes, so that they
+    can be made on a second core while the rules run (:func:`keep_trace_sections`)."""
     ts = a.trace
     samples = a.step_samples()
     n_steps = a.steps_per_rank()
@@ -185,18 +193,7 @@ def build_document(a: Analysis, report: bool = True) -> dict[str, Any]:
         for c in CLASSES if c in per_cls.index
     }
     step_sources = sorted(a.steps["source"].unique().tolist())
-    doc: dict[str, Any] = {
-        "schema": SCHEMA,
-        "tool": {"name": "traceinspect", "version": __version__},
-        "source": {
-            "paths": ts.sources,
-            "files": [{"path": str(r.path), "rank": r.rank, "label": r.label, "sha256": r.sha256,
-                       "size_bytes": r.size_bytes, "rank_source": r.rank_source} for r in ts.ranks],
-            "server_info": str(ts.server_info_path) if ts.server_info_path else None,
-            "capture_traces": {str(k): str(v) for k, v in sorted(ts.capture_traces.items())},
-            "command": a.options.command,
-        },
-        "run": _run_meta(a),
+    return {
         "ranks": ranks,
         "steps": {
             "phase": a.phase,
@@ -210,15 +207,47 @@ def build_document(a: Analysis, report: bool = True) -> dict[str, Any]:
             "samples": _step_samples(samples),
             "rank_samples": _rank_samples(a),
         },
-        "server_config": server_config(a.server_info),
         "classes": classes,
         "top_kernels": [{"name": r.name, "cls": r.cls, "calls": int(r.calls), "us": json_num(r.us),
                          "mean_us": json_num(r.mean_us), "share": json_num(r.share, 6)}
                         for r in top_kernels(a.kernels).itertuples()],
-        "findings": [f.to_json() for f in a.findings],
-        **a.gaps.to_json(),
         "timeline": _timeline_step(a),
         "coverage": _coverage(a),
+    }
+
+
+def keep_trace_sections(a: Analysis, sections: dict[str, Any]) -> None:
+    """Keep :func:`trace_sections` made elsewhere (from the same tables) for the document to come."""
+    a.trace_sections = (_tables_key(a), sections)
+
+
+def build_document(a: Analysis, report: bool = True) -> dict[str, Any]:
+    """Build the ``traceinspect.analysis/1`` document (``report=False``: without the ``report`` section,
+    for a caller that only prints the terminal summary, which does not read it)."""
+    ts = a.trace
+    kept = a.trace_sections
+    sec = kept[1] if kept is not None and kept[0] == _tables_key(a) else trace_sections(a)
+    doc: dict[str, Any] = {
+        "schema": SCHEMA,
+        "tool": {"name": "traceinspect", "version": __version__},
+        "source": {
+            "paths": ts.sources,
+            "files": [{"path": str(r.path), "rank": r.rank, "label": r.label, "sha256": r.sha256,
+                       "size_bytes": r.size_bytes, "rank_source": r.rank_source} for r in ts.ranks],
+            "server_info": str(ts.server_info_path) if ts.server_info_path else None,
+            "capture_traces": {str(k): str(v) for k, v in sorted(ts.capture_traces.items())},
+            "command": a.options.command,
+        },
+        "run": _run_meta(a),
+        "ranks": sec["ranks"],
+        "steps": sec["steps"],
+        "server_config": server_config(a.server_info),
+        "classes": sec["classes"],
+        "top_kernels": sec["top_kernels"],
+        "findings": [f.to_json() for f in a.findings],
+        **a.gaps.to_json(),
+        "timeline": sec["timeline"],
+        "coverage": sec["coverage"],
         "warnings": list(ts.warnings),
     }
     if a.efficiency is not None:
