@@ -9,6 +9,7 @@ warnings in stage order.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import shlex
 import sys
@@ -34,7 +35,8 @@ from traceinspect.measure.clock import clock_warnings
 from traceinspect.measure.collectives import Collectives, analyze_collectives
 from traceinspect.measure.gemm import Efficiency, measure_efficiency
 from traceinspect.measure.host import HostActivity, host_activity
-from traceinspect.measure.replay import ReplayBase, replay_base
+from traceinspect.measure.replay import ReplayBase, replay_base, replayed_steps
+from traceinspect.measure.replay.edits import kv_rows
 from traceinspect.measure.specs import default_gpu_specs
 from traceinspect.measure.time import class_step_time, class_totals
 from traceinspect.model import TraceSet
@@ -173,7 +175,10 @@ def side_jobs(a: Analysis) -> int | None:
 
 def _replay_beside(a: Analysis, beside: tuple[Collectives, HostActivity, pd.DataFrame]) -> ReplayBase:
     a.collectives = beside[0]  # the model reads the clock offsets (set in the child's copy; here, the same)
-    return replay_base(a)
+    base = replay_base(a)
+    with contextlib.suppress(Exception):  # found ahead, for the KV-row edits; else where an edit needs them
+        base.facts["kv_rows"] = kv_rows(a, {"steps": replayed_steps(a, base.model)})
+    return base
 
 
 def _sections_beside(a: Analysis, beside: tuple[Collectives, HostActivity, pd.DataFrame]) -> dict[str, Any]:

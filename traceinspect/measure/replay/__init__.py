@@ -157,6 +157,7 @@ class ReplayBase:
     params: Params
     run: Run
     steps: pd.DataFrame  # per replayed step (see _step_table)
+    facts: dict[str, Any] = field(default_factory=dict)  # facts edits need, found ahead (see Replayer.cache)
 
 
 def replay_base(a: Analysis, max_steps: int | None = None) -> ReplayBase:
@@ -165,6 +166,11 @@ def replay_base(a: Analysis, max_steps: int | None = None) -> ReplayBase:
     params = measured_params(model)
     run = simulate(model, params)
     return ReplayBase(model, params, run, _step_table(model, run))
+
+
+def replayed_steps(a: Analysis, model: Model) -> pd.DataFrame:
+    """The rows of the steps table that ``model`` replays."""
+    return a.steps.loc[model.step_rows["step"].to_numpy()]
 
 
 def _step_table(m: Model, run: Run) -> pd.DataFrame:
@@ -196,7 +202,7 @@ class Replayer:
         self._keys: tuple[Any, ...] | None = None  # the model's keys and step groups, for the native walk
         self._memo: dict[tuple[str, ...], Prediction] = {}
         # facts edits need, found once (e.g. the active KV rows), and the replayed steps' rows
-        self.cache: dict[str, Any] = {"steps": a.steps.loc[self.model.step_rows["step"].to_numpy()]}
+        self.cache: dict[str, Any] = {"steps": replayed_steps(a, self.model), **base.facts}
         self.replays = 1
 
     def base_path(self) -> dict[str, float]:
