@@ -2,10 +2,11 @@
 
 After loading, the analysis runs in one process; the stages that do not depend on each other (GEMM
 efficiency and the collectives analysis) can use a second core. The child inherits the analysis
-through ``fork`` (nothing is copied up front) and sends back only its result, and, when asked, goes on to
-a second stage that needs it (the what-if replay model, while this process applies the rules). Where ``fork`` is
-unavailable, in a daemon process, or with one CPU or ``--jobs 1``, the stage simply runs in this process; a child that fails
-in any way is also retried here, so errors read exactly as in a serial run.
+through ``fork`` (nothing is copied up front) and sends back only its result, and, when asked, goes on
+to further work that needs it, sent part by part (the what-if replay model and the document's table
+sections, while this process applies the rules). Where ``fork`` is unavailable, in a daemon process, or
+with one CPU or ``--jobs 1``, the work simply runs in this process when asked for; a part that fails in the
+child in any way is also retried here, so errors read exactly as in a serial run.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class Measured:
     collectives: Collectives
     host: HostActivity
     warnings: list[str] = field(default_factory=list)
-    side: Beside[Any] | None = field(default=None, repr=False)  # the second core, still on the replay model
+    side: Beside[Any] | None = field(default=None, repr=False)  # the second core, on the replay model and table sections
 
 
 @dataclass
