@@ -182,8 +182,7 @@ def _replay_beside(a: Analysis, beside: tuple[Collectives, HostActivity, pd.Data
 
 
 def _sections_beside(a: Analysis, beside: tuple[Collectives, HostActivity, pd.DataFrame]) -> dict[str, Any]:
-    a.keep_step_samples(beside[2])
-    return trace_sections(a)
+    return trace_sections(a)  # (the step samples: those the child made for ``beside``, or kept here)
 
 
 def measure(a: Analysis) -> Measured:

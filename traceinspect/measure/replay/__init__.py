@@ -214,9 +214,6 @@ class Replayer:
         return describe(self.model)
 
     # ------------------------------------------------------------------ per step
-    def _step_table(self, run: Run) -> pd.DataFrame:
-        return _step_table(self.model, run)
-
     def _measured_vs_replayed(self) -> pd.DataFrame:
         """rank, pos, measured and replayed span and busy time, in the order of the step tables."""
         if "mvr" not in self.cache:
@@ -238,7 +235,7 @@ class Replayer:
         applied = apply_edits(self.a, m, edits, self.base_params, self.cache)
         run = self.base if not edits else simulate(m, applied.params)
         self.replays += 1
-        st = self._base_steps if not edits else self._step_table(run)
+        st = self._base_steps if not edits else _step_table(m, run)
         df = self._measured_vs_replayed()
         if len(df):
             df = df.assign(predicted_us=st["span_us"].to_numpy(), predicted_busy_us=st["busy_us"].to_numpy())

@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from traceinspect.measure.replay.sim import Params
 
 
-
 class EditError(ConfigError):
     """An edit that cannot be parsed."""
 
