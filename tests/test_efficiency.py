@@ -427,3 +427,108 @@ def test_memory_table_equals_grouping_by_family_and_class(seed: int) -> None:
     assert got["dtypes"].tolist() == want["dtypes"].tolist() and got["calls"].tolist() == want["calls"].tolist()
     for c in ("bytes", "us", "gbps", "pct_bw"):
         np.testing.assert_array_equal(got[c].to_numpy(dtype=float), want[c].to_numpy(dtype=float))
+
+
+def _groupby_keys(frame, prepare, keys):
+    """What ``key_groups`` gives, the way pandas groups: the prepared rows grouped by their keys."""
+    grouped = prepare(frame).groupby(keys, sort=False, dropna=False)
+    return grouped.size().reset_index()[keys], grouped.ngroup().to_numpy()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_key_groups_number_rows_as_pandas_groups_them(seed: int) -> None:
+    """Grouping on distinct rows, then on the prepared keys in a dictionary, numbers every row and lists the
+    groups' keys as grouping all rows by the prepared keys does: for values equal across types (1, 1.0,
+    True), zeros of both signs, missing values (where the groups come from pandas), and shuffled rows."""
+    import numpy as np
+    import pandas as pd
+
+    from traceinspect.measure.gemm import _GEMM_KEYS, _gemm_keys
+    from traceinspect.measure.gemm_shapes import _SHAPE_KEYS, _shape_keys, key_groups
+
+    rng = np.random.default_rng(seed)
+    n = 400
+    pick = lambda *opts: np.array([opts[i] for i in rng.integers(0, len(opts), n)], dtype=object)  # noqa: E731
+    frame = pd.DataFrame({
+        "cls": pd.Series(pick("gemm_bf16", "moe_gemm", "gemm_fp8"), dtype=object),
+        "op_name": pd.Series(pick("aten::mm", "aten::bmm", None if seed % 2 else "aten::mm"), dtype=object),
+        "dtype": pd.Series(pick("bf16", "fp8", None), dtype=object),
+        "m": pd.Series(pick(16, 16.0, True, 1, None if seed % 3 == 0 else 64, 0.0, -0.0), dtype=object),
+        "n": pd.Series(pick(4096, 4096.0, 7168), dtype=object),
+        "k": pd.Series(pick(7168, 512, None if seed % 2 else 512), dtype=object),
+        "batch": pd.Series(pick(1, 2, None), dtype=object),
+        "groups": pd.Series(pick(1, 8, 0, None), dtype=object),
+        "moe": rng.integers(0, 2, n).astype(bool),
+        "shape_source": pd.Series(pick("shapes", "graph_capture", "unknown"), dtype=object),
+        "reason": pd.Series(pick("", None, "no CPU op"), dtype=object),
+    })
+    for prepare, keys, cols in ((_gemm_keys, _GEMM_KEYS, _GEMM_KEYS),
+                                (_shape_keys, _SHAPE_KEYS, [c for c in frame.columns if c not in ("shape_source", "reason")])):
+        got, number = key_groups(frame, cols, prepare, keys)
+        want, want_number = _groupby_keys(frame, prepare, keys)
+        np.testing.assert_array_equal(number, want_number)
+        assert len(got) == len(want) and list(got.columns) == keys
+        for c in keys:
+            g, w = got[c].tolist(), want[c].tolist()
+            assert [x if x == x else None for x in g] == [x if x == x else None for x in w], c
+
+
+def test_prepared_keys_are_the_frame_formulas() -> None:
+    """The GEMM table's and the shape rows' keys, made from column arrays, are those the frame operations
+    they replace give (values and types)."""
+    import numpy as np
+    import pandas as pd
+
+    from traceinspect.measure.gemm import _GEMM_KEYS, _gemm_keys
+    from traceinspect.measure.gemm_shapes import _SHAPE_KEYS, _shape_keys
+
+    g = pd.DataFrame({
+        "cls": pd.Series(["gemm_bf16", "moe_gemm", "gemm_fp8", "gemm_bf16"], dtype=object),
+        "op_name": pd.Series(["aten::mm", None, np.nan, "aten::bmm"], dtype=object),
+        "dtype": pd.Series(["bf16", None, "fp8", np.nan], dtype=object),
+        "m": pd.Series([16, None, 2.5, 7], dtype=object), "n": pd.Series([4096, 4096, None, 1], dtype=object),
+        "k": pd.Series([7168, 512, 1, 2], dtype=object), "batch": pd.Series([1, None, 2, 1], dtype=object),
+        "groups": pd.Series([1, 8, None, 0], dtype=object), "moe": [False, True, False, True],
+        "shape_source": pd.Series(["shapes", "unknown", "unknown", "graph_capture"], dtype=object),
+        "reason": pd.Series(["", None, "no CPU op", ""], dtype=object),
+    }, index=[5, 3, 9, 1])
+
+    want = g[_GEMM_KEYS].copy()
+    for c in ("m", "n", "k", "batch", "groups"):
+        want[c] = pd.to_numeric(want[c], errors="coerce").fillna(-1).astype(np.int64)
+    want["dtype"], want["reason"] = want["dtype"].fillna(""), want["reason"].fillna("")
+    known = want["shape_source"] != "unknown"
+    want.loc[~known, "op_name"] = want.loc[~known, "op_name"].fillna("")
+    pd.testing.assert_frame_equal(_gemm_keys(g), want)
+
+    want = g.copy()
+    groups = pd.to_numeric(want["groups"], errors="coerce").fillna(1).clip(lower=1)
+    want["m"] = pd.to_numeric(want["m"], errors="coerce") / groups
+    for c in ("n", "k"):
+        want[c] = pd.to_numeric(want[c], errors="coerce")
+    want["batch"] = pd.to_numeric(want["batch"], errors="coerce").fillna(1)
+    want["known"] = want["m"].notna() & want["n"].notna() & want["k"].notna()
+    want["is_moe"] = want["moe"].astype(bool)
+    want["dtype"] = want["dtype"].fillna("").astype(object)
+    want["op_name"] = want["op_name"].fillna("").astype(object)
+    for c in ("m", "n", "k"):
+        want[c] = want[c].fillna(-1.0)
+    pd.testing.assert_frame_equal(_shape_keys(g)[_SHAPE_KEYS], want[_SHAPE_KEYS])
+
+
+def test_run_sums_are_series_sums_with_min_count() -> None:
+    """A GEMM group's FLOPs and bytes: each run's sum, NaN when a value is missing, as
+    ``pd.Series(run).sum(min_count=len(run))`` gives (same rounding, same type)."""
+    import numpy as np
+    import pandas as pd
+
+    from traceinspect.measure.gemm import _sums_or_nan
+
+    rng = np.random.default_rng(3)
+    bounds = np.array([0, 1, 5, 6, 200, 201, 1000])
+    for v in (rng.uniform(0, 1e12, 1000), rng.integers(0, 1 << 40, 1000),
+              np.where(rng.uniform(size=1000) < 0.01, np.nan, rng.uniform(0, 1e6, 1000))):
+        got = _sums_or_nan(v, bounds)
+        want = [pd.Series(v[lo:hi]).sum(min_count=hi - lo) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        assert [type(x) for x in got] == [type(x) for x in want] or all(isinstance(x, float) for x in got + want)
+        np.testing.assert_array_equal(np.array(got, dtype=float), np.array(want, dtype=float))

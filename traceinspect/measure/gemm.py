@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from traceinspect.measure.gemm_shapes import gemm_shapes, key_groups
+from traceinspect.measure.gemm_shapes import filled, gemm_shapes, key_frame, key_groups, numbers
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
 from traceinspect.model.classes import GEMM_CLASSES
 from traceinspect.model.shapes import (  # noqa: F401 - importable from here
@@ -484,15 +484,19 @@ _GEMM_KEYS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "groups", "shap
 
 
 def _gemm_keys(g: pd.DataFrame) -> pd.DataFrame:
-    """The key columns of the GEMM table as grouped (unknown shapes: one row per class and reason)."""
-    g = g[_GEMM_KEYS].copy()
+    """The key columns of the GEMM table as grouped (unknown shapes: one row per class and reason), from
+    a few distinct rows' column arrays."""
+    col = {c: g[c].to_numpy() for c in _GEMM_KEYS}
     for c in ("m", "n", "k", "batch", "groups"):
-        g[c] = pd.to_numeric(g[c], errors="coerce").fillna(-1).astype(np.int64)
-    g["dtype"] = g["dtype"].fillna("")
-    g["reason"] = g["reason"].fillna("")
-    known = g["shape_source"] != "unknown"
-    g.loc[~known, "op_name"] = g.loc[~known, "op_name"].fillna("")
-    return g
+        col[c] = filled(numbers(col[c]), -1).astype(np.int64)
+    col["dtype"], col["reason"] = filled(col["dtype"], ""), filled(col["reason"], "")
+    op = col["op_name"]
+    unknown = np.asarray(col["shape_source"] == "unknown", dtype=bool) & np.asarray(pd.isna(op), dtype=bool)
+    if unknown.any():
+        op = op.copy()
+        op[unknown] = ""
+    col["op_name"] = op
+    return key_frame(col, g.index)
 
 
 def _gemm_table(gemm_calls: pd.DataFrame) -> pd.DataFrame:
@@ -508,8 +512,7 @@ def _gemm_table(gemm_calls: pd.DataFrame) -> pd.DataFrame:
     agg["us"] = pd.Series(g["us"].to_numpy()).groupby(grp).sum().to_numpy()
     for c in ("flops", "bytes"):
         v = pd.to_numeric(g[c], errors="coerce").to_numpy()[order]
-        agg[c] = [pd.Series(v[lo:hi]).sum(min_count=hi - lo)
-                  for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        agg[c] = _sums_or_nan(v, bounds)
     agg["peak"] = pd.Series(g["peak_tflops"].to_numpy()).groupby(grp).first().to_numpy()
     agg["mean_us"] = agg["us"] / agg["calls"]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -517,9 +520,21 @@ def _gemm_table(gemm_calls: pd.DataFrame) -> pd.DataFrame:
         agg["gbps"] = np.where(agg["us"] > 0, agg["bytes"] / agg["us"] / 1e3, np.nan)
     agg["pct_peak"] = 100.0 * agg["tflops"] / agg["peak"]
     for c in ("m", "n", "k", "batch", "groups"):
-        agg[c] = agg[c].astype(object).where(agg[c] >= 0, None)
-    agg["dtype"] = agg["dtype"].replace("", None)
+        v = agg[c].to_numpy()
+        agg[c] = _obj(np.where(v >= 0, v.astype(object), None))
+    dts = agg["dtype"].to_numpy(dtype=object)
+    agg["dtype"] = _obj(np.where(dts == "", None, dts))
     return agg.sort_values("us", ascending=False)[GEMM_TABLE_COLUMNS].reset_index(drop=True)
+
+
+def _sums_or_nan(v: np.ndarray, bounds: np.ndarray) -> list[Any]:
+    """The sum of each run ``v[bounds[i]:bounds[i + 1]]``, NaN where the run holds a missing value (what
+    ``pd.Series(run).sum(min_count=len(run))`` gives: the run's ``sum()``, or NaN)."""
+    out: list[Any] = []
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        run = v[lo:hi]
+        out.append(np.nan if run.dtype.kind == "f" and np.isnan(run).any() else run.sum())
+    return out
 
 
 MEMORY_TABLE_COLUMNS = ["family", "cls", "dtypes", "calls", "bytes", "us", "gbps", "pct_bw", "reason"]

@@ -43,33 +43,66 @@ def distinct_rows(frame: pd.DataFrame, cols: list[str]) -> tuple[np.ndarray, np.
 def key_groups(frame: pd.DataFrame, cols: list[str], prepare: Callable[[pd.DataFrame], pd.DataFrame],
                keys: list[str]) -> tuple[pd.DataFrame, np.ndarray]:
     """Group ``frame`` by the ``keys`` that ``prepare`` (a row-by-row function of the ``cols``) derives,
-    preparing one row per distinct ``cols`` instead of every row: the key columns of the groups (as
-    ``groupby(keys, sort=False, dropna=False)`` lists them) and each row's group number."""
+    preparing one row per distinct ``cols`` instead of every row: the key columns of the groups, in order
+    of first appearance (``groupby(keys, sort=False, dropna=False)``), each with the prepared column's
+    type, and each row's group number."""
     raw, first = distinct_rows(frame, cols)
-    grouped = prepare(frame.iloc[first]).groupby(keys, sort=False, dropna=False)
-    out = grouped.size().reset_index()[keys]
-    out.columns = pd.Index(keys)  # labels typed as a frame built from them would have
-    return out, grouped.ngroup().to_numpy()[raw]
+    prepared = prepare(frame.iloc[first])[keys]
+    values = [prepared[c].to_numpy() for c in keys]
+    if any(pd.isna(v).any() for v in values):  # a missing key: the groups and their labels as pandas makes them
+        grouped = prepared.groupby(keys, sort=False, dropna=False)
+        out = grouped.size().reset_index()[keys]
+        out.columns = pd.Index(keys)
+        return out, grouped.ngroup().to_numpy()[raw]
+    # a few prepared rows: their key tuples numbered in a dictionary (values equal as pandas compares
+    # a column's values are equal Python objects with equal hashes)
+    seen: dict[tuple[Any, ...], int] = {}
+    rows = zip(*(v.tolist() for v in values), strict=True)
+    number = np.fromiter((seen.setdefault(t, len(seen)) for t in rows), dtype=np.int64, count=len(prepared))
+    return prepared.iloc[first_rows(number)].reset_index(drop=True), number[raw]
 
 
 _SHAPE_KEYS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "is_moe", "known"]
 
 
+def numbers(values: np.ndarray) -> np.ndarray:
+    """``pd.to_numeric(values, errors="coerce")`` of a column's values (an array in, an array out)."""
+    return np.asarray(pd.to_numeric(values, errors="coerce"))
+
+
+def filled(values: np.ndarray, fill: Any) -> np.ndarray:
+    """``Series.fillna(fill)`` of a column's values: missing values (None, NaN) become ``fill``; a numeric
+    column without missing values keeps its type."""
+    if values.dtype.kind == "f":
+        return np.where(np.isnan(values), fill, values)
+    if values.dtype == object:
+        out = values.copy()
+        out[pd.isna(values)] = fill
+        return out
+    return values
+
+
+def key_frame(cols: dict[str, np.ndarray], index: pd.Index) -> pd.DataFrame:
+    """A frame of prepared key columns, each keeping its array's type (text stays ``object``)."""
+    return pd.DataFrame({c: pd.Series(v, index=index, dtype=v.dtype, copy=False) for c, v in cols.items()},
+                        index=index)
+
+
 def _shape_keys(g: pd.DataFrame) -> pd.DataFrame:
-    """The key columns of :func:`gemm_shapes` as grouped, from the calls' columns row by row."""
-    g = g.copy()
-    groups = pd.to_numeric(g.get("groups"), errors="coerce").fillna(1).clip(lower=1)
-    g["m"] = pd.to_numeric(g["m"], errors="coerce") / groups
-    for c in ("n", "k"):
-        g[c] = pd.to_numeric(g[c], errors="coerce")
-    g["batch"] = pd.to_numeric(g.get("batch"), errors="coerce").fillna(1)
-    g["known"] = g["m"].notna() & g["n"].notna() & g["k"].notna()
-    g["is_moe"] = g["moe"].astype(bool) if "moe" in g.columns else (g["cls"] == "moe_gemm")
-    g["dtype"] = g["dtype"].fillna("").astype(object)
-    g["op_name"] = g["op_name"].fillna("").astype(object)
-    for c in ("m", "n", "k"):
-        g[c] = g[c].fillna(-1.0)
-    return g
+    """The key columns of :func:`gemm_shapes` as grouped, from the calls' columns row by row (a few
+    distinct rows: column arrays, not frame operations)."""
+    col = {c: g[c].to_numpy() for c in ("cls", "op_name", "dtype", "m", "groups", "n", "k", "batch", "moe") if c in g}
+    groups = np.maximum(filled(numbers(col["groups"]), 1), 1)
+    m = numbers(col["m"]) / groups
+    n, k = numbers(col["n"]), numbers(col["k"])
+    out = {
+        "cls": col["cls"], "op_name": filled(col["op_name"], "").astype(object),
+        "dtype": filled(col["dtype"], "").astype(object), "m": filled(m, -1.0), "n": filled(n, -1.0),
+        "k": filled(k, -1.0), "batch": filled(numbers(col["batch"]), 1),
+        "is_moe": col["moe"].astype(bool) if "moe" in col else np.asarray(col["cls"] == "moe_gemm", dtype=bool),
+        "known": ~pd.isna(m) & ~pd.isna(n) & ~pd.isna(k),
+    }
+    return key_frame(out, g.index)
 
 
 def gemm_shapes(calls: Any) -> pd.DataFrame | None:
