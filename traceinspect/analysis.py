@@ -112,11 +112,6 @@ class Analysis:
             self._samples = (key, self._step_samples())
         return self._samples[1]
 
-    def keep_step_samples(self, samples: pd.DataFrame) -> None:
-        """Take ``samples`` as :meth:`step_samples` of the current step and class tables (built elsewhere:
-        in the process the measure stage forks)."""
-        self._samples = (self._samples_key(), samples)
-
     def _samples_key(self) -> tuple[int, int]:
         return id(self.selected), id(self.class_steps)  # the tables the samples are built from
 

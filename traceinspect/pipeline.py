@@ -161,9 +161,9 @@ def collectives(a: Analysis) -> Collectives:
     return analyze_collectives(a)
 
 
-def _beside_gemm(a: Analysis) -> tuple[Collectives, HostActivity, pd.DataFrame]:
-    """The measures that do not read the GEMM efficiency: collectives, host activity, step samples."""
-    return analyze_collectives(a), host_activity(a), a.step_samples()
+def _beside_gemm(a: Analysis) -> tuple[Collectives, HostActivity]:
+    """The measures that do not read the GEMM efficiency: collectives and host activity."""
+    return analyze_collectives(a), host_activity(a)
 
 
 def side_jobs(a: Analysis) -> int | None:
@@ -173,7 +173,7 @@ def side_jobs(a: Analysis) -> int | None:
     return 1 if len(ranks) == 1 and ranks[0].hashing else a.options.jobs
 
 
-def _replay_beside(a: Analysis, beside: tuple[Collectives, HostActivity, pd.DataFrame]) -> ReplayBase:
+def _replay_beside(a: Analysis, beside: tuple[Collectives, HostActivity]) -> ReplayBase:
     a.collectives = beside[0]  # the model reads the clock offsets (set in the child's copy; here, the same)
     base = replay_base(a)
     with contextlib.suppress(Exception):  # found ahead, for the KV-row edits; else where an edit needs them
@@ -181,21 +181,21 @@ def _replay_beside(a: Analysis, beside: tuple[Collectives, HostActivity, pd.Data
     return base
 
 
-def _sections_beside(a: Analysis, beside: tuple[Collectives, HostActivity, pd.DataFrame]) -> dict[str, Any]:
-    return trace_sections(a)  # (the step samples: those the child made for ``beside``, or kept here)
+def _sections_beside(a: Analysis, beside: tuple[Collectives, HostActivity]) -> dict[str, Any]:
+    return trace_sections(a)  # (with the step samples made there, or those made here)
 
 
 def measure(a: Analysis) -> Measured:
-    """Stage 5, measure: the collectives analysis, the host activity and the step samples on a second core
-    while this one measures GEMMs; for one rank whose file is still being hashed (the cache off), here:
+    """Stage 5, measure: the collectives analysis and the host activity on a second core while this one
+    measures GEMMs and makes the step samples; for one rank whose file is still being hashed (the cache off), here:
     the fork costs about what one rank's take, and the hash has the second core. The second core then
     builds the what-if replay model (``a.replay_base``) and the document's sections made from the tables
     alone while this one goes on to the rules."""
     side = Beside(_beside_gemm, a, jobs=side_jobs(a), then=(partial(_replay_beside, a), partial(_sections_beside, a)))
     eff = measure_efficiency(a)
     eff.shapes()  # the judge's GEMM shape rows, made while the other core works
-    c, host, samples = side.result()
-    a.keep_step_samples(samples)
+    a.step_samples()
+    c, host = side.result()
     a.replay_base = partial(side.then_result, 0)
     return Measured(eff, c, host, clock_warnings(c, a.trace.ranks), side=side)
 
