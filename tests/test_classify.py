@@ -648,3 +648,40 @@ def test_most_shipped_name_patterns_have_a_prefilter(table: ClassTable) -> None:
     pats = {p for r in table.rules for p in (*r.name, *r.not_name) if p._rest is not None}
     assert len(pats) > 20
     assert sum(p._needs is not None for p in pats) >= 0.8 * len(pats)
+
+
+BAD_OR_ODD = [r"(?<=ab|c)x|zz", r"(?<!a+)bq|zz", r"foo(?=(?<=a*)b)", r"(a|(?<=x{2,3})b)c", r"(a)(?(1)(?<=a+)|b)c",
+              r"(?:(?<!\w{1,2})q)+r", r"ok(?<=ab)x|zz", r"(ab|zz", r"a{3,2}q", r"[z-a]q", r"(?P<n>a)(?P=m)",
+              r"(?<=a(?<=b+))c", r"q(?=(?:a|(?<!bc?)))d", r"abc|(?<=\d)x"]
+
+
+@pytest.mark.parametrize("pattern", BAD_OR_ODD)
+def test_name_pattern_refuses_what_compiling_refuses(pattern: str) -> None:
+    """A name pattern is checked at load as compiling checks it (the parse, and lookbehinds of one fixed
+    width anywhere in the pattern), though its regex is compiled only when a name first needs it: the
+    same patterns are refused, with the same message."""
+    from traceinspect.classify.table import NamePattern
+
+    try:
+        re.compile(pattern, re.IGNORECASE)
+        want = None
+    except re.error as e:
+        want = str(e)
+    try:
+        NamePattern(pattern, re.IGNORECASE)
+        got = None
+    except re.error as e:
+        got = str(e)
+    assert got == want
+
+
+def test_name_pattern_compiles_its_regex_when_a_name_needs_it() -> None:
+    """The regex part of a pattern with needed texts is compiled by the first name that holds one of
+    them; names without them never compile it (a pattern without needed texts is compiled at load)."""
+    from traceinspect.classify.table import NamePattern
+
+    p = NamePattern(r"sm\d+_xmma|nvjet", 0)
+    assert p._rest is None and p.matches("void elementwise_kernel<float>") is False and p._rest is None
+    assert p.matches("nvjet_tst") is True and p._rest is None  # (a plain alternative: substring search)
+    assert p.matches("sm90_xmma_gemm") is True and p._rest is not None
+    assert NamePattern(r".\d", 0)._rest is not None

@@ -122,11 +122,16 @@ def _needed(items: Any) -> tuple[str, ...] | None:
 def _needed_texts(regex: str, flags: int) -> tuple[tuple[str, bool], ...] | None:
     """Texts one of which every match of ``regex`` contains, each with whether it is compared case-folded
     (the regex's flags with its global inline ones), from the regex module's own parse; None when a match
-    needs no particular text. An ASCII name that holds none of them cannot match; the texts are ASCII,
-    so folding an ASCII name is ``str.lower``."""
+    needs no particular text, or the parse is not one this reads (the caller then compiles the regex at
+    once). An ASCII name that holds none of them cannot match; the texts are ASCII, so folding an ASCII
+    name is ``str.lower``. A regex that compiling refuses raises :class:`re.error` here, as compiling does."""
+    parser, c = _sre()
     try:
-        tree = _sre()[0].parse(regex, flags)
+        tree = parser.parse(regex, flags)
+        _check_lookbehinds(tree.data, c, parser.SubPattern)
         texts = _needed(tree.data)
+    except re.error:
+        raise
     except Exception:  # noqa: BLE001 - another parser layout, a pattern nested too deep: no prefilter
         return None
     if not texts:
@@ -135,15 +140,42 @@ def _needed_texts(regex: str, flags: int) -> tuple[tuple[str, bool], ...] | None
     return tuple(dict.fromkeys((t.lower() if fold else t, fold) for t in texts))
 
 
+_MAXCODE = (1 << 32) - 1  # the widest lookbehind the regex engine takes (its code words are 32 bits)
+
+
+def _check_lookbehinds(items: Any, c: Any, subpattern: type) -> None:
+    """Raise :class:`re.error` for a lookbehind of the parsed ``items`` that is not of one fixed width (or
+    is too wide): what compiling a parsed regex checks beyond the parse."""
+    for op, av in items:
+        if op in (c.ASSERT, c.ASSERT_NOT) and av[0] < 0:
+            lo, hi = av[1].getwidth()
+            if lo > _MAXCODE:
+                raise re.error("looks too much behind")
+            if lo != hi:
+                raise re.error("look-behind requires fixed-width pattern")
+        for sub in _subpatterns(av, subpattern):
+            _check_lookbehinds(sub.data, c, subpattern)
+
+
+def _subpatterns(av: Any, subpattern: type) -> list[Any]:
+    """The parsed sub-patterns among an op's arguments (nested in tuples and lists)."""
+    if isinstance(av, subpattern):
+        return [av]
+    if isinstance(av, (list, tuple)):
+        return [s for x in av for s in _subpatterns(x, subpattern)]
+    return []
+
+
 class NamePattern:
     """A kernel-name pattern of the class table, asked only whether it matches anywhere. Its top-level
     alternatives that are plain ASCII text are found by substring search, which on long kernel names
     is many times faster than the regex engine trying every alternative at every position; the other
-    alternatives form one regex (compiled at load, so a bad one is reported there), searched only in a
-    name that holds a text each of them needs (:func:`_needed_texts`). A name that is not ASCII goes
-    through the whole pattern, compiled on first use, so case-folding stays the regex's."""
+    alternatives form one regex (parsed at load, so a bad one is reported there), searched only in a
+    name that holds a text each of them needs (:func:`_needed_texts`) and compiled when the first such
+    name comes (most names of a trace hold none of the texts of most patterns). A name that is not ASCII
+    goes through the whole pattern, compiled on first use, so case-folding stays the regex's."""
 
-    __slots__ = ("_full", "_fold", "_literals", "_needs", "_rest", "flags", "pattern")
+    __slots__ = ("_full", "_fold", "_literals", "_needs", "_rest", "_rest_text", "flags", "pattern")
 
     def __init__(self, pattern: str, flags: int) -> None:
         self.pattern, self.flags = pattern, flags
@@ -153,8 +185,10 @@ class NamePattern:
         plain = [a for a in alts or () if a and a.isascii() and not _META.intersection(a)]
         rest = [a for a in alts or () if a not in plain] if alts is not None else [pattern]
         self._literals = tuple(dict.fromkeys(a.lower() if self._fold else a for a in plain))
-        self._rest = re.compile("|".join(rest), flags) if rest else None
-        self._needs = _needed_texts("|".join(rest), flags) if rest else None
+        self._rest_text = "|".join(rest) if rest else None
+        self._needs = _needed_texts(self._rest_text, flags) if rest else None
+        # compiled now when every ASCII name goes through it, else when a name first holds a needed text
+        self._rest = re.compile(self._rest_text, flags) if rest and self._needs is None else None
 
     def matches(self, text: str, lower: str | None = None) -> bool:
         """Whether the pattern matches anywhere in ``text`` (``re.search(...) is not None``); ``lower``,
@@ -171,7 +205,7 @@ class NamePattern:
             for lit in self._literals:
                 if lit in folded:
                     return True
-        if self._rest is None:
+        if self._rest_text is None:
             return False
         if self._needs is not None:  # no match without one of these texts: most names have none of them
             if lower is None:
@@ -181,6 +215,8 @@ class NamePattern:
                     break
             else:
                 return False
+        if self._rest is None:
+            self._rest = re.compile(self._rest_text, self.flags)
         return self._rest.search(text) is not None
 
     def __repr__(self) -> str:
