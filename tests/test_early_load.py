@@ -441,3 +441,36 @@ def test_without_the_cache_the_hash_runs_after_the_scan_and_is_the_files(tmp_pat
     gone = tmp_path / "gone.trace.json"
     with pytest.raises(TraceInputError, match="no such file"):
         Sha256After(gone)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 10_000, 65_537, 300_001])
+@pytest.mark.parametrize("start", [0, 1, 4097])
+def test_file_hash_through_mappings_is_the_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int,
+                                                 start: int) -> None:
+    """A file hashed through memory mappings, a window at a time (windows and the starting position not
+    aligned to pages), gives hashlib's digest of its bytes from the position on; files below the size
+    for mappings, and files that cannot be mapped, are read instead, with the same digest."""
+    from traceinspect.load import raw
+
+    monkeypatch.setattr(raw, "MAP_MIN", 1)
+    monkeypatch.setattr(raw, "MAP_WINDOW", 3 * 4096 + 100 if size > 20_000 else 4096)
+    data = os.urandom(size)
+    path = tmp_path / "t.json"
+    path.write_bytes(data)
+    want = hashlib.sha256(data[start:]).hexdigest()
+    mapped: list[int] = []
+    real = raw._hash_mapped
+    monkeypatch.setattr(raw, "_hash_mapped", lambda fd, at, h: mapped.append(at) or real(fd, at, h))
+    with path.open("rb") as f:
+        f.seek(start)
+        assert raw._hash_file(f, 1000) == want
+    assert mapped == [start]
+    with path.open("rb") as f:  # a file the mapping refuses: read as before
+        f.seek(start)
+        monkeypatch.setattr(raw.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError("no mappings")))
+        assert raw._hash_file(f, 1000) == want
+    r, w = os.pipe()  # not a regular file: read
+    os.write(w, data[:4096])
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        assert raw._hash_file(f, 1000) == hashlib.sha256(data[:4096]).hexdigest()
