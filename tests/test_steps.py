@@ -131,3 +131,34 @@ def test_a_training_step_gets_no_decode_advice() -> None:
     assert a.run_kind is not None and a.run_kind.kind == "decode" and a.rule_phase == "decode"
     a.run_kind.kind = "training"
     assert a.rule_phase == "training"
+
+
+def test_group_unions_are_each_groups_union_bit_for_bit() -> None:
+    """The unions of many groups at once equal union_us of each group: overlapping and touching
+    intervals, equal starts, groups that overlap earlier groups in time, empty groups, NaN and negative
+    times."""
+    from traceinspect.steps import group_unions, union_us
+
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        n_groups = int(rng.integers(1, 30))
+        counts = rng.integers(0, 40, n_groups)
+        counts[rng.random(n_groups) < 0.15] = 0
+        bounds = np.r_[0, np.cumsum(counts)]
+        n = int(bounds[-1])
+        # groups mostly later in time than the ones before, some reaching back into them
+        base = np.repeat(np.cumsum(rng.uniform(0, 50, n_groups)), counts)
+        ts = base + np.round(rng.uniform(-5 if trial % 3 else -80, 40, n), 1 if trial % 2 else 3)
+        end = ts + np.round(rng.exponential(4, n), 2)
+        if trial % 5 == 0 and n:
+            ts[rng.integers(0, n, 3)] = np.nan
+            end[rng.integers(0, n, 2)] = np.nan
+        if trial % 7 == 0:
+            ts -= 500.0
+            end -= 500.0
+        got = group_unions(ts, end, bounds)
+        want = [union_us(ts[a:b], end[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        assert len(got) == n_groups
+        for g, w in zip(got.tolist(), want, strict=True):
+            assert (np.isnan(g) and np.isnan(w)) or g == w, (trial, g, w)
+    assert group_unions(np.zeros(0), np.zeros(0), np.array([0, 0, 0])).tolist() == [0.0, 0.0]

@@ -115,6 +115,47 @@ def union_us(ts: np.ndarray, end: np.ndarray) -> float:
     return float(np.sum(seg_end - seg_start))
 
 
+def group_unions(ts: np.ndarray, end: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """:func:`union_us` of each group of intervals at once, group ``k`` being rows ``bounds[k]`` to
+    ``bounds[k + 1]`` of ``ts`` and ``end``: the same values, bit for bit (each group's segment lengths
+    are summed as :func:`union_us` sums them), without a dozen array calls per group."""
+    n_groups = len(bounds) - 1
+    out = np.zeros(max(n_groups, 0))
+    lo, hi = int(bounds[0]), int(bounds[-1])
+    if n_groups <= 0 or hi <= lo:
+        return out
+    counts = np.diff(bounds)
+    group = np.repeat(np.arange(n_groups), counts)
+    ts, end = np.asarray(ts[lo:hi], dtype=float), np.asarray(end[lo:hi], dtype=float)
+    order = np.lexsort((ts, group))  # by start within each group, ties in row order (a stable sort)
+    s, e = ts[order], end[order]
+    first = bounds[:-1] - lo
+    nonempty = counts > 0
+    # the running end over all groups equals each group's own where no earlier group ends after the
+    # group's first interval does; the other groups (overlapping ones, NaN) are run one by one
+    run_end = np.maximum.accumulate(e)
+    heads = first[nonempty]
+    later = heads[heads > 0]
+    leaky = later[~(run_end[later - 1] <= e[later])]
+    for a in leaky.tolist():
+        b = a + int(counts[np.searchsorted(first, a, side="right") - 1])
+        run_end[a:b] = np.maximum.accumulate(e[a:b])
+    new = np.empty(len(s), dtype=bool)
+    new[0] = True
+    new[1:] = s[1:] > run_end[:-1]
+    new[heads] = True
+    seg_first = np.nonzero(new)[0]
+    seg_last = np.append(seg_first[1:] - 1, len(s) - 1)
+    # a segment's end: the largest running end in it (its last, the running end never falling), and at
+    # least 0, as union_us's maximum.at into zeros gives
+    length = np.maximum(0.0, run_end[seg_last]) - s[seg_first]
+    per = np.searchsorted(seg_first, heads)  # each non-empty group's first segment
+    stops = np.append(per[1:], len(seg_first))
+    for k, a, b in zip(np.nonzero(nonempty)[0].tolist(), per.tolist(), stops.tolist(), strict=True):
+        out[k] = float(np.sum(length[a:b]))
+    return out
+
+
 def _rank_rows(df: pd.DataFrame, rank: int) -> pd.DataFrame:
     return df[df["rank"] == rank] if len(df) else df
 
@@ -357,8 +398,18 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
         # kernels grouped by step once (a mask per step would cost steps x kernels)
         by_step = np.argsort(local, kind="stable")
         bounds = np.searchsorted(local[by_step], np.arange(n_steps + 1))
+        g_ts, g_end, g_dur = kts[by_step], kend[by_step], kdur[by_step]
+        counts = np.diff(bounds)
+        some_k = counts > 0
+        g0s, g1s = np.full(n_steps, np.nan), np.full(n_steps, np.nan)
+        if some_k.any():
+            at = bounds[:-1][some_k]
+            top = int(bounds[-1])
+            g0s[some_k] = np.minimum.reduceat(g_ts[:top], at)
+            g1s[some_k] = np.maximum.reduceat(g_end[:top], at)
+        busys = group_unions(g_ts, g_end, bounds)
         for i in range(n_steps):
-            sel = by_step[bounds[i]:bounds[i + 1]]
+            a, b = int(bounds[i]), int(bounds[i + 1])
             name = names[i]
             bs, toks = BS.search(name), TOKS.search(name)
             if phases is not None:
@@ -367,17 +418,15 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
                 phase = "decode"  # SGLang replays CUDA graphs for decode only
             else:
                 phase = "unknown"
-            some = len(sel) > 0
-            g0 = float(kts[sel].min()) if some else np.nan
-            g1 = float(kend[sel].max()) if some else np.nan
-            busy = union_us(kts[sel], kend[sel])
+            some = b > a
+            g0, g1, busy = float(g0s[i]), float(g1s[i]), float(busys[i])
             span = (g1 - g0) if some else 0.0
             rows.append({
                 "rank": rank, "idx": i, "phase": phase,
                 "bs": int(bs.group(1)) if bs else -1, "toks": int(toks.group(1)) if toks else -1,
                 "name": name, "source": source, "cpu_start": cpu[i][0], "cpu_end": cpu[i][1],
-                "gpu_start": g0, "gpu_end": g1, "n_kernels": len(sel),
-                "kernel_us": float(kdur[sel].sum()), "busy_us": busy, "span_us": span,
+                "gpu_start": g0, "gpu_end": g1, "n_kernels": b - a,
+                "kernel_us": float(g_dur[a:b].sum()), "busy_us": busy, "span_us": span,
                 "idle_us": max(span - busy, 0.0), "edge": False, "included": True,
             })
         if n_steps >= 3:

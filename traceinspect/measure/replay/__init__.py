@@ -27,7 +27,7 @@ from traceinspect.measure.replay.sim import (
     measured_params,
     simulate,
 )
-from traceinspect.steps import union_us
+from traceinspect.steps import group_unions
 from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
@@ -181,10 +181,9 @@ def _step_table(m: Model, run: Run) -> pd.DataFrame:
     bounds = np.flatnonzero(np.r_[True, key[1:] != key[:-1], True])
     first = bounds[:-1]
     span = np.maximum.reduceat(run.g_end, first) - np.minimum.reduceat(run.g_start, first)
-    busy = [union_us(run.g_start[a:b], run.g_end[a:b]) for a, b in zip(first.tolist(), bounds[1:].tolist(),
-                                                                       strict=True)]
+    busy = group_unions(run.g_start, run.g_end, bounds)
     return pd.DataFrame({"rank": m.g_rank[first].astype(np.int64), "pos": m.g_pos[first].astype(np.int64),
-                         "span_us": span.astype(np.float64), "busy_us": np.array(busy, dtype=np.float64)})
+                         "span_us": span.astype(np.float64), "busy_us": busy})
 
 
 class Replayer:
