@@ -474,3 +474,117 @@ def test_file_hash_through_mappings_is_the_files(tmp_path: Path, monkeypatch: py
     os.close(w)
     with os.fdopen(r, "rb") as f:
         assert raw._hash_file(f, 1000) == hashlib.sha256(data[:4096]).hexdigest()
+
+
+def _beside_ready(timeout: float = 60.0) -> None:
+    """Wait until the early-read process's beside result can be read (without taking it)."""
+    import time
+
+    later = early._later
+    assert later is not None and later.fd >= 0
+    end = time.monotonic() + timeout
+    while not select.select([later.fd], [], [], 0.05)[0]:
+        assert time.monotonic() < end, "the early-read process sent nothing"
+
+
+def test_the_analysis_takes_its_tables_from_the_early_read_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule set and the shipped class and GPU tables that the CLI's early-read process reads once its
+    file is read are the ones the analysis uses (nothing is read again here), with the same analysis."""
+    from functools import partial
+
+    import traceinspect.classify.table as table
+    import traceinspect.measure.specs as specs
+    import traceinspect.pipeline as pipeline
+    from traceinspect.analysis import Options
+    from traceinspect.commands.analyze import read_tables
+
+    if not early.process_supported() or not _other_threads_done():
+        pytest.skip("no early-read process here")
+    d = fixture_dir("kv-full-cast-eager")
+    want = pipeline.analyze([d], Options(use_cache=False)).to_json()
+    monkeypatch.setattr(table, "_DEFAULT", [])
+    monkeypatch.setattr(specs, "_DEFAULT", [])
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=partial(read_tables, (), (), ()))
+    assert early.beside_expected()
+    _beside_ready()
+
+    def read_here(*_: Any, **__: Any) -> None:
+        raise AssertionError("read in this process")
+
+    for mod, name in ((pipeline, "load_rule_set"), (table, "load_class_table"), (specs, "load_gpu_specs")):
+        monkeypatch.setattr(mod, name, read_here)
+    assert pipeline.analyze([d], Options(use_cache=False)).to_json() == want
+    assert not early.beside_expected() and early.beside_result() is None  # taken once
+
+
+def test_tables_for_other_options_or_a_failed_process_are_read_here(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """A rule set read for other --rules/--only/--disable is not taken; a process that failed leaves the
+    reading to this one, where a bad rule file is the error."""
+    from functools import partial
+
+    import traceinspect.pipeline as pipeline
+    from traceinspect.analysis import Options
+    from traceinspect.commands.analyze import read_tables
+    from traceinspect.errors import RuleError
+
+    if not early.process_supported() or not _other_threads_done():
+        pytest.skip("no early-read process here")
+    d = fixture_dir("kv-full-cast-eager")
+    want = pipeline.analyze([d], Options(use_cache=False, only=("kv-full-pool-cast",))).to_json()
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=partial(read_tables, (), (), ()))
+    _beside_ready()
+    got = pipeline.analyze([d], Options(use_cache=False, only=("kv-full-pool-cast",))).to_json()
+    assert got == want and [f["rule"] for f in got["findings"]] in ([], ["kv-full-pool-cast"])
+
+    def fails() -> None:
+        raise RuntimeError("no tables")
+
+    _other_threads_done()
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=fails)
+    _beside_ready()
+    assert pipeline.analyze([d], Options(use_cache=False, only=("kv-full-pool-cast",))).to_json() == want
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rules:\n  - id: r\n    severity: high\n")
+    _other_threads_done()
+    early.start([d], use_cache=False, jobs=None, executor="local",
+                beside=partial(read_tables, (str(bad),), (), ()))
+    _beside_ready()
+    with pytest.raises(RuleError, match="bad.yaml"):
+        pipeline.analyze([d], Options(use_cache=False, rules=(str(bad),)))
+
+
+def test_a_bad_rule_file_fails_the_cli_with_a_good_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rules = tmp_path / "bad.yaml"
+    rules.write_text("rules:\n  - id: r\n    severity: high\n")
+    out = tmp_path / "a.json"
+    with pytest.raises(SystemExit) as ei:
+        main(["analyze", str(fixture_dir("kv-full-cast-eager")), "-q", "--no-cache", "--rules", str(rules),
+              "--json", str(out)])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(rules) in err[0] and not out.exists()
+
+
+def test_beside_work_runs_in_the_reading_process_and_is_taken_once() -> None:
+    if not early.process_supported() or not _other_threads_done():
+        pytest.skip("no early-read process here")
+    d = fixture_dir("kv-full-cast-eager")
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=os.getpid)
+    _beside_ready()
+    status, pid = early.beside_result()
+    assert status == "ok" and pid != os.getpid()
+    assert early.beside_result() is None and not early.beside_expected()
+
+    def fails() -> None:
+        raise RuntimeError("no")
+
+    _other_threads_done()
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=fails)
+    _beside_ready()
+    assert early.beside_result() == ("error", None)
+    _other_threads_done()
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=os.getpid)
+    early.drop()  # given up before it came: the process is stopped
+    assert early.beside_result() is None and not early.beside_expected()

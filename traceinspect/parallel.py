@@ -112,6 +112,12 @@ def _send_parts(out: int, fn: Callable[..., Any], args: tuple[Any, ...], then: S
         _write(out, more)
 
 
+def send(out: int, res: tuple[str, Any]) -> None:
+    """Write ``res`` (``("ok", value)`` or ``("error", None)``) to the pipe ``out`` as one pickle, for
+    :func:`receive` (``("error", None)`` when ``value`` cannot be pickled)."""
+    _write(out, res)
+
+
 def _write(out: int, res: tuple[str, Any]) -> None:
     try:
         data = pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)

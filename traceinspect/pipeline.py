@@ -24,20 +24,21 @@ import pandas as pd
 from traceinspect import link as link_stage
 from traceinspect.analysis import Analysis, Options
 from traceinspect.classify import ClassTable, GraphOps, classify_kernels, default_table, recover_graph_ops
+from traceinspect.classify.table import adopt_default_table
 from traceinspect.document.build import keep_trace_sections, trace_sections
 from traceinspect.errors import TraceInputError
 from traceinspect.judge import Finding, RuleSet, explain, load_rule_set
 from traceinspect.judge.engine import findings_of
 from traceinspect.judge.fixes import order_findings, replay_findings
 from traceinspect.judge.gaps import Gaps, find_gaps
-from traceinspect.load import load_trace_set
+from traceinspect.load import early, load_trace_set
 from traceinspect.measure.clock import clock_warnings
 from traceinspect.measure.collectives import Collectives, analyze_collectives
 from traceinspect.measure.gemm import Efficiency, measure_efficiency
 from traceinspect.measure.host import HostActivity, host_activity
 from traceinspect.measure.replay import ReplayBase, replay_base, replayed_steps
 from traceinspect.measure.replay.edits import kv_rows
-from traceinspect.measure.specs import default_gpu_specs
+from traceinspect.measure.specs import adopt_default_gpu_specs, default_gpu_specs
 from traceinspect.measure.time import class_step_time, class_totals
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel, user_facts
@@ -50,7 +51,7 @@ from traceinspect.steps import (
     step_count_warnings,
 )
 
-__all__ = ["Analysis", "Classified", "Judged", "Measured", "Options", "Selected", "Stepped", "analyze",
+__all__ = ["Analysis", "Classified", "Judged", "Measured", "Options", "Selected", "Stepped", "Tables", "analyze",
            "analysed_steps", "classify", "classified", "collectives", "judge", "link", "load", "measure", "record",
            "select", "side_jobs", "steps"]
 
@@ -239,23 +240,66 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
     opts = options or Options(**kw)
     if opts.command is None:
         opts.command = "traceinspect " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else None
-    # rules and stated facts first: a bad rule or config file is reported before the traces are read
-    rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
-    user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
-    default_table()  # the kernel class and GPU spec tables too (read once): on a large trace, while its scan runs
-    default_gpu_specs()
-    ts = load(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs, executor=opts.executor,
-              use_cache=opts.use_cache)
-    # the loaded tables hold ~1e6 long-lived objects: keep the cyclic garbage collector from rescanning
-    # them during the analysis (and from touching their pages in the process forked beside it)
-    gc.freeze()
+    tables = Tables(opts)
+    if not tables.early:
+        # rules and stated facts first: a bad rule or config file is reported before the traces are read
+        tables.rule_set()
+        default_table()  # the kernel class and GPU spec tables too (read once): on a large trace, while its scan runs
+        default_gpu_specs()
     try:
-        return _analyze_loaded(ts, opts, rule_set)
-    finally:
-        gc.unfreeze()
+        user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
+        ts = load(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs, executor=opts.executor,
+                  use_cache=opts.use_cache)
+        # the loaded tables hold ~1e6 long-lived objects: keep the cyclic garbage collector from rescanning
+        # them during the analysis (and from touching their pages in the process forked beside it)
+        gc.freeze()
+        try:
+            return _analyze_loaded(ts, opts, tables)
+        finally:
+            gc.unfreeze()
+    except Exception:
+        tables.rule_set()  # (a rule file's error first, as when the rules are read before the traces)
+        raise
 
 
-def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: RuleSet) -> Analysis:
+class Tables:
+    """The rule set and the shipped kernel class and GPU spec tables of one analysis: read here, or taken
+    from the early-read process of the CLI (:mod:`traceinspect.load.early`), which reads them beside
+    this process's imports once its file is read (``traceinspect.commands.analyze.read_tables``); taken
+    when they are needed, if they have come by then (never waited for), else read here."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.early = early.beside_expected()
+        self._rules: RuleSet | None = None
+
+    def adopt(self) -> None:
+        """Take the early-read process's tables, if they have come; when that process failed, read the
+        rule set here at once (a rule file's error is then reported as early as it can be)."""
+        got = early.beside_result() if self.early else None
+        if got is None:
+            return
+        self.early = False
+        if got[0] != "ok":
+            self.rule_set()
+            return
+        key, rule_set, table, specs = got[1]
+        adopt_default_table(table)
+        adopt_default_gpu_specs(specs)
+        o = self.opts
+        if self._rules is None and key == (tuple(str(r) for r in o.rules), tuple(o.only), tuple(o.disable)):
+            self._rules = rule_set
+
+    def rule_set(self) -> RuleSet:
+        """The analysis's rule set (:func:`~traceinspect.judge.load_rule_set` of its options)."""
+        self.adopt()
+        if self._rules is None:
+            self._rules = load_rule_set(extra=self.opts.rules, only=self.opts.only, disable=self.opts.disable)
+        return self._rules
+
+
+def _analyze_loaded(ts: TraceSet, opts: Options, tables: Tables) -> Analysis:
+    tables.adopt()
     stepped, labels, selected = analysed_steps(ts, opts)
     if not len(selected.steps):
         found = stepped.table.groupby("phase").size().to_dict()
@@ -267,11 +311,12 @@ def _analyze_loaded(ts: TraceSet, opts: Options, rule_set: RuleSet) -> Analysis:
     if kind is not None and kind.kind == "training":
         ts.warnings.append(f"a training run ({kind.evidence}): the rules, written for inference decode "
                            "steps, are not applied; classes and GEMM efficiency are measured as usual")
+    tables.adopt()
     measured = measure(a)
     a.efficiency, a.collectives, a.host = measured.efficiency, measured.collectives, measured.host
     ts.warnings += measured.warnings
     try:
-        judged = judge(a, rule_set)
+        judged = judge(a, tables.rule_set())
         if measured.side is not None and measured.side.forked:
             keep_trace_sections(a, measured.side.then_result(1))
     finally:

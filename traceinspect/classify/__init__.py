@@ -24,15 +24,43 @@ Modules: :mod:`~traceinspect.classify.table` (the class table and one name's lab
 :mod:`~traceinspect.classify.kv` (evidence checks), :mod:`~traceinspect.classify.audit` (the coverage table).
 """
 
-from traceinspect.classify.audit import class_table_rows
-from traceinspect.classify.experts import mark_experts, model_has_experts, verify_experts
-from traceinspect.classify.graphs import GraphOps, recover_graph_ops
-from traceinspect.classify.kv import promote_kv
-from traceinspect.classify.labels import classify_kernels
-from traceinspect.classify.runfacts import decide as decide_run_model
-from traceinspect.classify.table import ClassTable, Label, classify_name, default_table, load_class_table
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from traceinspect.model.classes import CLASSES
+
+if TYPE_CHECKING:
+    from traceinspect.classify.audit import class_table_rows
+    from traceinspect.classify.experts import mark_experts, model_has_experts, verify_experts
+    from traceinspect.classify.graphs import GraphOps, recover_graph_ops
+    from traceinspect.classify.kv import promote_kv
+    from traceinspect.classify.labels import classify_kernels
+    from traceinspect.classify.runfacts import decide as decide_run_model
+    from traceinspect.classify.table import ClassTable, Label, classify_name, default_table, load_class_table
+
+# the names above, imported when first asked for: the class table module alone (what a process that
+# only reads the shipped tables needs) then loads without pandas
+_EXPORTS = {
+    "class_table_rows": ("audit", "class_table_rows"), "mark_experts": ("experts", "mark_experts"),
+    "model_has_experts": ("experts", "model_has_experts"), "verify_experts": ("experts", "verify_experts"),
+    "GraphOps": ("graphs", "GraphOps"), "recover_graph_ops": ("graphs", "recover_graph_ops"),
+    "promote_kv": ("kv", "promote_kv"), "classify_kernels": ("labels", "classify_kernels"),
+    "decide_run_model": ("runfacts", "decide"), "ClassTable": ("table", "ClassTable"), "Label": ("table", "Label"),
+    "classify_name": ("table", "classify_name"), "default_table": ("table", "default_table"),
+    "load_class_table": ("table", "load_class_table"),
+}
 
 __all__ = ["CLASSES", "ClassTable", "GraphOps", "Label", "class_table_rows", "classify_kernels", "classify_name",
            "decide_run_model", "default_table", "load_class_table", "mark_experts", "model_has_experts", "promote_kv",
            "recover_graph_ops", "verify_experts"]
+
+
+def __getattr__(name: str) -> Any:
+    where = _EXPORTS.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{where[0]}"), where[1])
+    globals()[name] = value
+    return value

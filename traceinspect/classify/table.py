@@ -582,9 +582,21 @@ def load_class_table(path: str | Path | None = None, extra: Sequence[Path] = ())
     return ClassTable(rules=rules, source=main, extra=extras, promote=promote)
 
 
-@lru_cache(maxsize=1)
+_DEFAULT: list[ClassTable] = []  # the shipped table, once read (or adopted)
+
+
 def default_table() -> ClassTable:
-    return load_class_table()
+    """The shipped class table, read once per process."""
+    if not _DEFAULT:
+        _DEFAULT.append(load_class_table())
+    return _DEFAULT[0]
+
+
+def adopt_default_table(table: ClassTable) -> None:
+    """Take ``table``, read from the shipped files by a process forked from this one, as
+    :func:`default_table`'s, unless this process has read it already."""
+    if not _DEFAULT:
+        _DEFAULT.append(table)
 
 
 def classify_name(name: str, op_path: str = "", kind: str = "kernel", table: ClassTable | None = None) -> Label:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,26 @@ def build_options(**kw: Any) -> Any:
 
 
 def start_reading(paths: list[str], kw: dict[str, Any]) -> None:
-    """Begin reading the trace set beside the imports that follow (see :mod:`traceinspect.load.early`)."""
+    """Begin reading the trace set beside the imports that follow (see :mod:`traceinspect.load.early`),
+    and, where a process reads it, the rule set and the shipped kernel class and GPU spec tables there
+    too once the file is read (:func:`read_tables`)."""
     from traceinspect.load import early
 
+    tables = partial(read_tables, tuple(str(r) for r in kw.get("rules") or ()), tuple(kw.get("only") or ()),
+                     tuple(kw.get("disable") or ()))
     early.start(paths, use_cache=not kw.get("no_cache", False), jobs=kw.get("jobs"),
-                executor=kw.get("executor") or "local", phase=kw["phase"])
+                executor=kw.get("executor") or "local", phase=kw["phase"], beside=tables)
+
+
+def read_tables(rules: tuple[str, ...], only: tuple[str, ...], disable: tuple[str, ...]) -> tuple[Any, ...]:
+    """What an analysis reads besides the traces: ``((rules, only, disable), rule set, kernel class table,
+    GPU spec table)`` (:class:`traceinspect.pipeline.Tables` takes them). Imports no pandas."""
+    from traceinspect.classify.table import default_table
+    from traceinspect.judge.rules import load_rule_set
+    from traceinspect.measure.specs import default_gpu_specs
+
+    rule_set = load_rule_set(extra=rules, only=only, disable=disable)
+    return (rules, only, disable), rule_set, default_table(), default_gpu_specs()
 
 
 def _config_path(kw: dict[str, Any]) -> str | None:

@@ -125,7 +125,7 @@ def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool, advance: 
 
     from traceinspect.load import early
 
-    early.drop()  # no process forked while a read runs beside this thread
+    early.drop_reads()  # no process forked while a read runs beside this thread
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
     results: list[Any] = [None] * len(paths)
     # largest files first, so that the last one to finish is a small one
@@ -202,10 +202,10 @@ def _parse_all(paths: list[Path], jobs: int | None, executor: str, use_cache: bo
     try:
         if executor == "local":
             return _parse_local(paths, jobs, use_cache, advance, prepare)
-        early.drop()
+        early.drop_reads()
         return _parse_dask(paths, executor, jobs, use_cache, advance, prepare)
     finally:
-        early.drop()  # the reads not taken
+        early.drop_reads()  # the reads not taken
         close()
 
 

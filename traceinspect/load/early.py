@@ -11,6 +11,8 @@ process forked for it (:class:`_ChildPlan`: a thread would slow the imports it r
 files on one daemon thread (:class:`_Plan`, which reads them all otherwise). The loader then :func:`take`
 s each file's (digest, size, scanner result), or the error its read raised, and does the rest as always:
 tables, cache store (never written from the early read), linking. Results not taken are dropped.
+A process may be given more work (``beside``: the CLI's rule set and shipped tables) for after its file
+is read; its result comes through a pipe of its own (:func:`beside_result`, never waited for).
 Imports only light modules (no numpy, pandas or msgspec).
 """
 
@@ -20,10 +22,12 @@ import contextlib
 import hashlib
 import mmap
 import os
+import select
 import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,7 @@ from traceinspect.load.raw import (
     read_scan,
     split_point,
 )
-from traceinspect.parallel import fork_call, reap_beside, receive
+from traceinspect.parallel import fork_with_pipe, reap_beside, receive, send
 
 Read = tuple[Digest, int, dict[str, Any] | None]  # digest, size, scanner result (None: in the cache)
 
@@ -131,19 +135,32 @@ class _ChildPlan:
     which reads that file itself and reports what it finds. The later files stay on a thread: there,
     the loader would have to fault in the buffers of every file itself."""
 
-    def __init__(self, files: list[Path], root: Path | None) -> None:
+    def __init__(self, files: list[Path], root: Path | None, beside: Callable[[], Any] | None = None) -> None:
         self.root = root
         self.pid = os.getpid()
         self.files = files
         self.first = files[0].resolve()
-        self.child: int | None = None
+        self.beside = beside
+        self.child: int | None = None  # (None once the process is the :class:`_Later`'s to end)
         self.fd = -1
         self.res_r = -1
         self.rest: _Plan | None = None
 
     def start(self) -> None:
+        global _later
         self.fd = fd = os.memfd_create("traceinspect-read", os.MFD_CLOEXEC)
-        self.child, self.res_r = fork_call(lambda: _store(fd, read(self.files[0], self.root, threads=False)))
+        r, w = os.pipe() if self.beside is not None else (-1, -1)
+        try:
+            self.child, self.res_r = fork_with_pipe(partial(_read_then, fd, self.files[0], self.root, self.beside, r, w))
+        except OSError:
+            for end in (r, w):
+                if end >= 0:
+                    os.close(end)
+            raise
+        if w >= 0:
+            os.close(w)
+            _later = _Later(self.child, r)
+            self.child = None
 
     def take(self, path: Path) -> Read | None:
         if self.rest is not None:
@@ -152,7 +169,7 @@ class _ChildPlan:
             first = path.resolve() == self.first
         except OSError:
             return None
-        if self.child is None or not first:
+        if self.res_r < 0 or not first:
             return None  # (not the file the process read: the loader reads it itself)
         fd, self.res_r = self.res_r, -1
         status, value = receive(fd)  # (an error there: the loader reads the file itself and reports it)
@@ -180,7 +197,8 @@ class _ChildPlan:
             self.rest.drop()
 
     def _end(self) -> None:
-        """The process stopped (if still running) and reaped beside; the pipe closed."""
+        """The process stopped (if still running, and not the :class:`_Later`'s) and reaped beside; the
+        pipe closed."""
         pid, self.child = self.child, None
         fd, self.res_r = self.res_r, -1
         if fd >= 0:
@@ -197,6 +215,74 @@ class _ChildPlan:
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+class _Later:
+    """The ``beside`` work of an early-read process (:class:`_ChildPlan`): the pipe its result comes
+    through, and the process, stopped and reaped once the result is read or given up."""
+
+    def __init__(self, child: int, fd: int) -> None:
+        self.pid = os.getpid()
+        self.child: int | None = child
+        self.fd = fd
+        self.value: tuple[str, Any] | None = None
+        self.taken = False
+
+    def result(self) -> tuple[str, Any] | None:
+        """``("ok", value)`` or ``("error", None)`` once it has come, the first time it is asked for after
+        that; None while it has not come (it is not waited for), and once it is taken."""
+        if self.taken:
+            return None
+        fd = self.fd
+        if fd >= 0:
+            try:
+                ready = bool(select.select([fd], [], [], 0)[0])  # (the end of the pipe reads as ready too)
+            except (OSError, ValueError):
+                ready = True
+            if not ready:
+                return None
+            self.fd = -1
+            self.value = receive(fd)  # (the process sends it whole, then exits)
+            self.end()
+        self.taken = self.value is not None
+        return self.value
+
+    def end(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        pid, self.child = self.child, None
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)  # (it has exited, unless the result was given up)
+            reap_beside(pid)
+
+
+_later: _Later | None = None
+
+
+def _read_then(fd: int, path: Path, root: Path | None, beside: Callable[[], Any] | None, beside_r: int,
+               beside_w: int, out: int) -> None:
+    """The early-read process: the read of ``path`` (:func:`_store`) through ``out``, which is then closed
+    (the loader reads it to its end), then, when given, ``beside()`` through ``beside_w``; each as
+    ``("ok", value)`` or ``("error", None)``."""
+    if beside_r >= 0:
+        os.close(beside_r)
+    try:
+        res: tuple[str, Any] = ("ok", _store(fd, read(path, root, threads=False)))
+    except BaseException:  # noqa: BLE001 - the loader reads the file itself and meets the real error
+        res = ("error", None)
+    send(out, res)
+    os.close(out)
+    if beside is None:
+        return
+    try:
+        more: tuple[str, Any] = ("ok", beside())
+    except BaseException:  # noqa: BLE001 - the caller does the work itself and meets the real error
+        more = ("error", None)
+    with contextlib.suppress(OSError):  # (a closed pipe: the caller did without it)
+        send(beside_w, more)
 
 
 def _store(fd: int, value: Read) -> tuple[str, int, dict[str, Any] | None, dict[tuple[int, str], tuple[int, int]]]:
@@ -269,9 +355,11 @@ _plan: _Plan | _ChildPlan | None = None
 
 
 def start(paths: Sequence[str | Path], *, use_cache: bool, jobs: int | None, executor: str,
-          phase: str = "decode") -> None:
+          phase: str = "decode", beside: Callable[[], Any] | None = None) -> None:
     """Start reading the rank files of ``paths`` beside this thread, where the loader will read them in
-    this process; otherwise (or when the paths cannot be resolved: the loader reports that) do nothing."""
+    this process; otherwise (or when the paths cannot be resolved: the loader reports that) do nothing.
+    ``beside``: more work for the early-read process once its file is read, when there is one (its
+    result: :func:`beside_result`); light work, of modules that import without pandas."""
     global _plan
     drop()  # an earlier start's reads
     _memory_settings()
@@ -285,7 +373,7 @@ def start(paths: Sequence[str | Path], *, use_cache: bool, jobs: int | None, exe
         return  # several files on several processes: nothing runs beside the imports
     root = cache.cache_dir() if use_cache else None
     if _process_possible(files):
-        child = _ChildPlan(files, root)
+        child = _ChildPlan(files, root, beside)
         try:
             child.start()
         except OSError:  # no process (or memory file) to spare: a thread reads them
@@ -365,9 +453,36 @@ def take(path: Path, root: Path | None) -> Read | None:
     return plan.take(path)
 
 
+def beside_expected() -> bool:
+    """Whether this process's early-read process was given ``beside`` work (:func:`start`) whose result
+    is still to be taken."""
+    later = _later
+    return later is not None and later.pid == os.getpid() and not later.taken and later.fd >= 0
+
+
+def beside_result() -> tuple[str, Any] | None:
+    """What the early-read process's ``beside`` work gave, ``("ok", value)`` or ``("error", None)``, once
+    it has come, and once only (the first caller takes it); None while it has not (it is not waited for),
+    or when there is none."""
+    later = _later
+    if later is None or later.pid != os.getpid():
+        return None
+    return later.result()
+
+
 def drop() -> None:
+    """Give up the early reads not taken (:func:`drop_reads`) and the ``beside`` work's result."""
+    global _later
+    drop_reads()
+    later, _later = _later, None
+    if later is not None and later.pid == os.getpid():
+        later.end()
+
+
+def drop_reads() -> None:
     """Give up the early reads not taken: the thread ends at its next block, and has ended on return
-    (so that no process is forked while it runs); a reading process is stopped."""
+    (so that no process is forked while it runs); a reading process is stopped (unless it is doing its
+    ``beside`` work, whose result stays to be taken)."""
     global _plan
     plan, _plan = _plan, None
     if plan is None or plan.pid != os.getpid():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +101,21 @@ def load_gpu_specs(path: str | Path | None = None) -> list[GpuSpec]:
     return _parse(doc, p)
 
 
-@lru_cache(maxsize=1)
+_DEFAULT: list[tuple[GpuSpec, ...]] = []  # the shipped table, once read (or adopted)
+
+
 def default_gpu_specs() -> tuple[GpuSpec, ...]:
-    """The shipped spec table, read once."""
-    return tuple(load_gpu_specs())
+    """The shipped spec table, read once per process."""
+    if not _DEFAULT:
+        _DEFAULT.append(tuple(load_gpu_specs()))
+    return _DEFAULT[0]
+
+
+def adopt_default_gpu_specs(specs: tuple[GpuSpec, ...]) -> None:
+    """Take ``specs``, read from the shipped file by a process forked from this one, as
+    :func:`default_gpu_specs`'s, unless this process has read it already."""
+    if not _DEFAULT:
+        _DEFAULT.append(specs)
 
 
 def _looks_like_path(s: str) -> bool:
