@@ -101,7 +101,7 @@ def _send_parts(out: int, fn: Callable[..., Any], args: tuple[Any, ...], then: S
         res: tuple[str, Any] = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - the parent does the work itself and meets the real error
         res = ("error", None)
-    _write(out, res)
+    send(out, res)
     if res[0] != "ok":
         return
     for part in then:
@@ -109,16 +109,12 @@ def _send_parts(out: int, fn: Callable[..., Any], args: tuple[Any, ...], then: S
             more: tuple[str, Any] = ("ok", part(res[1]))
         except BaseException:  # noqa: BLE001 - as above
             more = ("error", None)
-        _write(out, more)
+        send(out, more)
 
 
 def send(out: int, res: tuple[str, Any]) -> None:
     """Write ``res`` (``("ok", value)`` or ``("error", None)``) to the pipe ``out`` as one pickle, for
     :func:`receive` (``("error", None)`` when ``value`` cannot be pickled)."""
-    _write(out, res)
-
-
-def _write(out: int, res: tuple[str, Any]) -> None:
     try:
         data = pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - an unpicklable result: the parent does the work itself
@@ -151,24 +147,9 @@ def fork_with_pipe(child: Callable[[int], None]) -> tuple[int, int]:
     return pid, r
 
 
-def fork_call(fn: Callable[[], Any]) -> tuple[int, int]:
-    """Fork a process that sends ``("ok", fn())`` as a pickle through a pipe and exits, or
-    ``("error", None)`` when ``fn`` raised or its result cannot be pickled; (pid, the pipe's reading end,
-    for :func:`receive`). OSError when no process can be forked."""
-
-    def child(out: int) -> None:
-        try:
-            res = ("ok", fn())
-        except BaseException:  # noqa: BLE001 - the parent does the work itself and meets the real error
-            res = ("error", None)
-        _write(out, res)
-
-    return fork_with_pipe(child)
-
-
 def receive(fd: int) -> tuple[str, Any]:
-    """What a :func:`fork_call` process sent, read to the end of its pipe (the process closes it by
-    exiting), which is then closed here; ``("error", None)`` when it died before sending."""
+    """What a forked process :func:`send` through the pipe ``fd``, read to its end (the process closes it,
+    or exits), which is then closed here; ``("error", None)`` when it died before sending."""
     try:
         with os.fdopen(fd, "rb") as f:
             return pickle.loads(f.read())
