@@ -232,3 +232,39 @@ def test_one_rank_still_hashing_measures_beside_here(tmp_path) -> None:
     assert side_jobs(analysis(hashing, done)) is None
     pending.start().hexdigest()
     assert not hashing.hashing  # the hash is through
+
+
+def _big(first: tuple[int, int]) -> bytes:
+    return bytes(range(256)) * (12 << 10) + first[1].to_bytes(4, "little")  # 3 MB, far more than a pipe holds
+
+
+def _flag_after(flag: str) -> Callable[[tuple[int, int]], str]:
+    def then(first: tuple[int, int]) -> str:
+        open(flag, "w").close()
+        return f"made after the large part, {first[1]}"
+    return then
+
+
+@needs_fork
+def test_a_large_part_does_not_hold_up_the_next(tmp_path) -> None:
+    """A part larger than a pipe holds goes through a memory file: the child goes on to its next part
+    before this process reads the large one, and both read back exactly."""
+    flag = str(tmp_path / "next-part-made")
+    b = Beside(_pid_and_square, 9, then=[_big, _flag_after(flag)])
+    assert b.result()[1] == 81
+    deadline = time.monotonic() + 30
+    while not os.path.exists(flag):  # the large part is not read yet
+        assert time.monotonic() < deadline, "the child waited for the large part to be read"
+        time.sleep(0.01)
+    assert b.then_result(0) == _big((0, 81))
+    assert b.then_result(1) == "made after the large part, 81"
+
+
+@needs_fork
+def test_large_parts_without_a_memory_file_come_through_the_pipe(monkeypatch) -> None:
+    import traceinspect.parallel as parallel
+
+    monkeypatch.setattr(parallel, "_memory_file", lambda: -1)
+    b = Beside(_pid_and_square, 5, then=[_big, _plus(1)])
+    child, sq = b.result()
+    assert b.then_result(0) == _big((0, 25)) and b.then_result(1) == (child, 26)

@@ -34,24 +34,34 @@ class Beside(Generic[T]):
         self.fn, self.args, self.then = fn, args, tuple(then)
         self._pid: int | None = None
         self._pipe: Any = None
+        self._spill = -1  # the memory file the child writes its larger parts to
         self._first: tuple[str, Any] | None = None
         self._parts: list[tuple[str, Any]] = []  # the parts of ``then`` read so far
         self.forked = False  # whether a child runs it (else it runs here when asked)
         if not _can_fork(jobs):
             return
-        with contextlib.suppress(OSError):  # no process to spare: it runs here later
-            self._pid, fd = fork_with_pipe(lambda out: _send_parts(out, fn, args, self.then))
-            self.forked = True
-            self._pipe = os.fdopen(fd, "rb")
-            # a Beside dropped before its parts were taken still ends and reaps its child
-            self._finalizer = weakref.finalize(self, _abandon, self._pipe, self._pid)
+        spill = _memory_file()
+        try:
+            self._pid, fd = fork_with_pipe(lambda out: _send_parts(out, fn, args, self.then, spill))
+        except OSError:  # no process to spare: it runs here later
+            if spill >= 0:
+                os.close(spill)
+            return
+        self.forked = True
+        self._pipe = os.fdopen(fd, "rb")
+        self._spill = spill
+        # a Beside dropped before its parts were taken still ends and reaps its child
+        self._finalizer = weakref.finalize(self, _abandon, self._pipe, self._pid, spill)
 
     def _next(self) -> tuple[str, Any]:
         """The child's next part, ``("error", None)`` when it failed or died first."""
         if self._pipe is None:
             return "error", None
         try:
-            return pickle.load(self._pipe)
+            part = pickle.load(self._pipe)
+            if part[0] == "spilled":
+                part = _unspill(self._spill, *part[1])
+            return part
         except Exception:  # noqa: BLE001 - a process that died sent nothing readable
             self.close()
             return "error", None
@@ -79,29 +89,57 @@ class Beside(Generic[T]):
 
     def close(self) -> None:
         """Stop reading the child (which ends at its next write) and reap it."""
-        pipe, pid = self._pipe, self._pid
-        self._pipe, self._pid = None, None
+        pipe, pid, spill = self._pipe, self._pid, self._spill
+        self._pipe, self._pid, self._spill = None, None, -1
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
-        _abandon(pipe, pid)
+        _abandon(pipe, pid, spill)
 
 
-def _abandon(pipe: Any, pid: int | None) -> None:
+def _abandon(pipe: Any, pid: int | None, spill: int = -1) -> None:
     if pipe is not None:
         pipe.close()
+    if spill >= 0:
+        with contextlib.suppress(OSError):
+            os.close(spill)
     if pid is not None:
         reap_beside(pid)
 
 
-def _send_parts(out: int, fn: Callable[..., Any], args: tuple[Any, ...], then: Sequence[Callable[[Any], Any]]) -> None:
+# A part larger than this is written to a memory file and only its place goes through the pipe: a pipe
+# holds 64 kB, so a child writing a larger part there waits until this process reads it, instead of going
+# on with its next part (the what-if replay model of a 114 MB rank file is about 3 MB).
+_PIPE_PART = 48 << 10
+
+
+def _memory_file() -> int:
+    """A memory file for a child's larger parts (-1 where there is none: they go through the pipe)."""
+    if not hasattr(os, "memfd_create"):
+        return -1
+    try:
+        return os.memfd_create("traceinspect-parts", os.MFD_CLOEXEC)
+    except OSError:
+        return -1
+
+
+def _unspill(spill: int, offset: int, size: int) -> tuple[str, Any]:
+    data = os.pread(spill, size, offset)
+    if len(data) != size:
+        raise EOFError("a part cut short")
+    return pickle.loads(data)
+
+
+def _send_parts(out: int, fn: Callable[..., Any], args: tuple[Any, ...], then: Sequence[Callable[[Any], Any]],
+                spill: int = -1) -> None:
     """A :class:`Beside` child: ``("ok", fn(*args))`` (or ``("error", None)``) through ``out``, then, when
-    ``fn`` succeeded, the same for each of ``then`` on that result."""
+    ``fn`` succeeded, the same for each of ``then`` on that result (a part too large for the pipe through
+    the memory file ``spill``, when there is one)."""
     try:
         res: tuple[str, Any] = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - the parent does the work itself and meets the real error
         res = ("error", None)
-    send(out, res)
+    send(out, res, spill)
     if res[0] != "ok":
         return
     for part in then:
@@ -109,19 +147,30 @@ def _send_parts(out: int, fn: Callable[..., Any], args: tuple[Any, ...], then: S
             more: tuple[str, Any] = ("ok", part(res[1]))
         except BaseException:  # noqa: BLE001 - as above
             more = ("error", None)
-        send(out, more)
+        send(out, more, spill)
 
 
-def send(out: int, res: tuple[str, Any]) -> None:
+def send(out: int, res: tuple[str, Any], spill: int = -1) -> None:
     """Write ``res`` (``("ok", value)`` or ``("error", None)``) to the pipe ``out`` as one pickle, for
-    :func:`receive` (``("error", None)`` when ``value`` cannot be pickled)."""
+    :func:`receive` (``("error", None)`` when ``value`` cannot be pickled). With a memory file ``spill``, a
+    pickle larger than :data:`_PIPE_PART` is appended to it and the pipe gets ``("spilled", (offset, size))``
+    (for :class:`Beside`, which reads it from there)."""
     try:
         data = pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - an unpicklable result: the parent does the work itself
         data = pickle.dumps(("error", None))
+    if spill >= 0 and len(data) > _PIPE_PART:
+        with contextlib.suppress(OSError):  # (no memory for it there: through the pipe)
+            offset = os.lseek(spill, 0, os.SEEK_END)
+            _write_all(spill, data)
+            data = pickle.dumps(("spilled", (offset, len(data))), protocol=pickle.HIGHEST_PROTOCOL)
+    _write_all(out, data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(out, view):]
+        view = view[os.write(fd, view):]
 
 
 def fork_with_pipe(child: Callable[[int], None]) -> tuple[int, int]:
