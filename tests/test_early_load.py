@@ -477,26 +477,34 @@ def test_file_hash_through_mappings_is_the_files(tmp_path: Path, monkeypatch: py
 
 
 def _beside_ready(timeout: float = 60.0) -> None:
-    """Wait until the early-read process's beside result can be read (without taking it)."""
+    """Wait until the early-read process's beside results can be read (without taking them): the last
+    part's (the parts are made in turn)."""
     import time
 
-    later = early._later
-    assert later is not None and later.fd >= 0
+    assert early._later
+    later = early._later[-1]
+    assert later.fd >= 0
     end = time.monotonic() + timeout
     while not select.select([later.fd], [], [], 0.05)[0]:
         assert time.monotonic() < end, "the early-read process sent nothing"
 
 
 def test_the_analysis_takes_its_tables_from_the_early_read_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rule set and the shipped class and GPU tables that the CLI's early-read process reads once its
-    file is read are the ones the analysis uses (nothing is read again here), with the same analysis."""
+    """The rule set, the shipped class and GPU tables and the settings tables that the CLI's early-read
+    process reads once its file is read are the ones the analysis uses (nothing is read again here, no
+    YAML parsed), with the same analysis."""
     from functools import partial
 
     import traceinspect.classify.table as table
     import traceinspect.measure.specs as specs
     import traceinspect.pipeline as pipeline
+    import traceinspect.resources as resources
     from traceinspect.analysis import Options
-    from traceinspect.commands.analyze import read_tables
+    from traceinspect.commands.analyze import read_rules, read_tables
+    from traceinspect.judge.gaps import evidence_table
+    from traceinspect.measure.comm_settings import load_settings as collectives_settings
+    from traceinspect.measure.replay.model import load_settings as replay_settings
+    from traceinspect.steps import step_rules
 
     if not early.process_supported() or not _other_threads_done():
         pytest.skip("no early-read process here")
@@ -504,14 +512,17 @@ def test_the_analysis_takes_its_tables_from_the_early_read_process(monkeypatch: 
     want = pipeline.analyze([d], Options(use_cache=False)).to_json()
     monkeypatch.setattr(table, "_DEFAULT", [])
     monkeypatch.setattr(specs, "_DEFAULT", [])
-    early.start([d], use_cache=False, jobs=None, executor="local", beside=partial(read_tables, (), (), ()))
+    for read in (step_rules, evidence_table, collectives_settings, replay_settings):  # the settings tables
+        read.cache_clear()
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=(read_tables, partial(read_rules, (), (), ())))
     assert early.beside_expected()
     _beside_ready()
 
     def read_here(*_: Any, **__: Any) -> None:
         raise AssertionError("read in this process")
 
-    for mod, name in ((pipeline, "load_rule_set"), (table, "load_class_table"), (specs, "load_gpu_specs")):
+    for mod, name in ((pipeline, "load_rule_set"), (table, "load_class_table"), (specs, "load_gpu_specs"),
+                      (resources, "load_yaml")):
         monkeypatch.setattr(mod, name, read_here)
     assert pipeline.analyze([d], Options(use_cache=False)).to_json() == want
     assert not early.beside_expected() and early.beside_result() is None  # taken once
@@ -525,14 +536,14 @@ def test_tables_for_other_options_or_a_failed_process_are_read_here(monkeypatch:
 
     import traceinspect.pipeline as pipeline
     from traceinspect.analysis import Options
-    from traceinspect.commands.analyze import read_tables
+    from traceinspect.commands.analyze import read_rules, read_tables
     from traceinspect.errors import RuleError
 
     if not early.process_supported() or not _other_threads_done():
         pytest.skip("no early-read process here")
     d = fixture_dir("kv-full-cast-eager")
     want = pipeline.analyze([d], Options(use_cache=False, only=("kv-full-pool-cast",))).to_json()
-    early.start([d], use_cache=False, jobs=None, executor="local", beside=partial(read_tables, (), (), ()))
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=(read_tables, partial(read_rules, (), (), ())))
     _beside_ready()
     got = pipeline.analyze([d], Options(use_cache=False, only=("kv-full-pool-cast",))).to_json()
     assert got == want and [f["rule"] for f in got["findings"]] in ([], ["kv-full-pool-cast"])
@@ -541,7 +552,7 @@ def test_tables_for_other_options_or_a_failed_process_are_read_here(monkeypatch:
         raise RuntimeError("no tables")
 
     _other_threads_done()
-    early.start([d], use_cache=False, jobs=None, executor="local", beside=fails)
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=(fails,))
     _beside_ready()
     assert pipeline.analyze([d], Options(use_cache=False, only=("kv-full-pool-cast",))).to_json() == want
 
@@ -549,7 +560,7 @@ def test_tables_for_other_options_or_a_failed_process_are_read_here(monkeypatch:
     bad.write_text("rules:\n  - id: r\n    severity: high\n")
     _other_threads_done()
     early.start([d], use_cache=False, jobs=None, executor="local",
-                beside=partial(read_tables, (str(bad),), (), ()))
+                beside=(read_tables, partial(read_rules, (str(bad),), (), ())))
     _beside_ready()
     with pytest.raises(RuleError, match="bad.yaml"):
         pipeline.analyze([d], Options(use_cache=False, rules=(str(bad),)))
@@ -571,7 +582,7 @@ def test_beside_work_runs_in_the_reading_process_and_is_taken_once() -> None:
     if not early.process_supported() or not _other_threads_done():
         pytest.skip("no early-read process here")
     d = fixture_dir("kv-full-cast-eager")
-    early.start([d], use_cache=False, jobs=None, executor="local", beside=os.getpid)
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=(os.getpid,))
     _beside_ready()
     status, pid = early.beside_result()
     assert status == "ok" and pid != os.getpid()
@@ -581,10 +592,43 @@ def test_beside_work_runs_in_the_reading_process_and_is_taken_once() -> None:
         raise RuntimeError("no")
 
     _other_threads_done()
-    early.start([d], use_cache=False, jobs=None, executor="local", beside=fails)
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=(fails,))
     _beside_ready()
     assert early.beside_result() == ("error", None)
     _other_threads_done()
-    early.start([d], use_cache=False, jobs=None, executor="local", beside=os.getpid)
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=(os.getpid,))
     early.drop()  # given up before it came: the process is stopped
     assert early.beside_result() is None and not early.beside_expected()
+
+
+def test_beside_parts_come_in_turn_each_when_made(tmp_path: Path) -> None:
+    """The first part of the beside work (the shipped tables) is there to take while the process still
+    makes the next (the rule set); the next comes once made."""
+    import time
+
+    if not early.process_supported() or not _other_threads_done():
+        pytest.skip("no early-read process here")
+    flag = tmp_path / "go"
+
+    def second() -> str:
+        deadline = time.monotonic() + 30
+        while not flag.exists():
+            if time.monotonic() > deadline:
+                return "timed out"
+            time.sleep(0.01)
+        return "second"
+
+    early.start([fixture_dir("kv-full-cast-eager")], use_cache=False, jobs=None, executor="local",
+                beside=(os.getpid, second))
+    first = early._later[0]
+    end = time.monotonic() + 60
+    while not select.select([first.fd], [], [], 0.05)[0]:
+        assert time.monotonic() < end, "the first part did not come"
+    status, pid = early.beside_result()
+    assert status == "ok" and pid != os.getpid()
+    assert early.beside_expected() and early.beside_result() is None  # (the second is being made)
+    flag.touch()
+    _beside_ready()
+    assert early.beside_result() == ("ok", "second")
+    assert not early.beside_expected() and early.beside_result() is None
+    early.drop()

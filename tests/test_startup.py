@@ -107,3 +107,14 @@ def test_rule_listings_start_without_pandas() -> None:
         mods = _imported(*cmd)
         assert "pandas" not in mods and "traceinspect.tables" not in mods, cmd
         assert "traceinspect.judge.metrics.run" in mods, cmd  # the registry is complete
+
+
+def test_the_analysis_modules_import_without_yaml() -> None:
+    """PyYAML is imported where YAML is parsed, not by importing the analysis: an analysis given its tables
+    by the early-read process parses none."""
+    code = ("import sys, traceinspect.pipeline, traceinspect.commands.analyze, traceinspect.judge.rules; "
+            "print(sorted(m for m in sys.modules if m == 'yaml.reader' or m.startswith('_yaml')))")
+    assert _cli("-c", code).stdout.split() == ["[]"]
+    code = ("import sys, traceinspect.pipeline as p; from traceinspect.steps import step_rules; step_rules(); "
+            "print('yaml.reader' in sys.modules)")
+    assert _cli("-c", code).stdout.split() == ["True"]  # (read here: imported then)

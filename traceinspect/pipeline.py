@@ -43,6 +43,7 @@ from traceinspect.measure.time import class_step_time, class_totals
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel, user_facts
 from traceinspect.parallel import Beside
+from traceinspect.resources import adopt_documents
 from traceinspect.steps import (
     build_steps,
     resolve_phase,
@@ -274,21 +275,29 @@ class Tables:
         self._rules: RuleSet | None = None
 
     def adopt(self) -> None:
-        """Take the early-read process's tables, if they have come; when that process failed, read the
-        rule set here at once (a rule file's error is then reported as early as it can be)."""
-        got = early.beside_result() if self.early else None
-        if got is None:
-            return
-        self.early = False
-        if got[0] != "ok":
-            self.rule_set()
-            return
-        key, rule_set, table, specs = got[1]
-        adopt_default_table(table)
-        adopt_default_gpu_specs(specs)
-        o = self.opts
-        if self._rules is None and key == (tuple(str(r) for r in o.rules), tuple(o.only), tuple(o.disable)):
-            self._rules = rule_set
+        """Take the parts of the early-read process's work that have come (the shipped tables, then the
+        rule set); when its rule set failed there, read the rule set here at once (a rule file's error is
+        then reported as early as it can be)."""
+        while self.early:
+            got = early.beside_result()
+            if got is None:
+                self.early = early.beside_expected()
+                return
+            if got[0] != "ok":
+                if not early.beside_expected():  # (the rule set was the part that failed, or the process died)
+                    self.early = False
+                    self.rule_set()
+                continue
+            if got[1][0] == "tables":
+                _, table, specs, documents = got[1]
+                adopt_default_table(table)
+                adopt_default_gpu_specs(specs)
+                adopt_documents(documents)
+            else:
+                _, key, rule_set = got[1]
+                o = self.opts
+                if self._rules is None and key == (tuple(str(r) for r in o.rules), tuple(o.only), tuple(o.disable)):
+                    self._rules = rule_set
 
     def rule_set(self) -> RuleSet:
         """The analysis's rule set (:func:`~traceinspect.judge.load_rule_set` of its options)."""

@@ -1,8 +1,18 @@
-"""Where the data files shipped with traceinspect live."""
+"""Where the data files shipped with traceinspect live, and the parsed YAML of the shipped settings tables."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+# the shipped settings tables read by the analysis itself (the kernel class and GPU spec tables and the
+# rules have readers of their own): what :func:`read_ahead` reads
+SETTINGS_TABLES = ("steps.yaml", "collectives.yaml", "replay.yaml", "evidence.yaml")
+
+_AHEAD: dict[str, Any] = {}  # name -> document, read by a process forked from this one (adopted)
 
 
 def rules_dir() -> Path:
@@ -17,3 +27,57 @@ def tables_dir() -> Path:
     """The shipped data tables (kernel classes, GPU specs, step markers, collectives, replay and evidence
     settings): ``rules/tables/``, beside the rule files."""
     return rules_dir() / "tables"
+
+
+def lazy_module(name: str) -> ModuleType:
+    """The module ``name``, imported when one of its attributes is first used (importlib's ``LazyLoader``).
+
+    For PyYAML: its import (about 15 ms, mostly one large regex) is needed only where YAML is parsed, and a
+    CLI analysis takes the tables it reads from its early-read process (:func:`read_ahead`)."""
+    got = sys.modules.get(name)
+    if got is not None:
+        return got
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    loader = importlib.util.LazyLoader(spec.loader)
+    spec.loader = loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    loader.exec_module(module)
+    return module
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` parsed as YAML with libyaml's safe loader (PyYAML's own where libyaml is not built)."""
+    import yaml
+
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def settings_document(name: str) -> Any:
+    """The parsed YAML of the shipped settings table ``rules/tables/<name>``: the one read ahead, when
+    adopted (:func:`adopt_documents`; taken once), else read here (OSError, yaml.YAMLError)."""
+    if name in _AHEAD:
+        return _AHEAD.pop(name)
+    return load_yaml((tables_dir() / name).read_text(encoding="utf-8"))
+
+
+def read_ahead() -> dict[str, Any]:
+    """The documents of :data:`SETTINGS_TABLES` that read and parse (a table that does not is left out:
+    its reader meets and reports the error where it is used)."""
+    out: dict[str, Any] = {}
+    for name in SETTINGS_TABLES:
+        try:
+            out[name] = settings_document(name)
+        except Exception:  # noqa: BLE001, S112 - reported by the reader, in the process that uses it
+            continue
+    return out
+
+
+def adopt_documents(docs: dict[str, Any]) -> None:
+    """Take documents :func:`read_ahead` read in a process forked from this one, for
+    :func:`settings_document`."""
+    for name, doc in docs.items():
+        if name in SETTINGS_TABLES:
+            _AHEAD.setdefault(name, doc)

@@ -74,12 +74,9 @@ class StepRules:
 
 @lru_cache(maxsize=1)
 def step_rules() -> StepRules:
-    import yaml
+    from traceinspect.resources import settings_document
 
-    from traceinspect.resources import tables_dir
-
-    doc = yaml.load((tables_dir() / "steps.yaml").read_text(encoding="utf-8"),
-                    Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    doc = settings_document("steps.yaml")
     it, gaps = doc["iteration"], doc["gaps"]
     return StepRules(
         forward=[re.compile(m["pattern"]) for m in doc["forward_markers"]],

@@ -10,11 +10,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from traceinspect.errors import RuleError
 from traceinspect.model.classes import CLASSES
-from traceinspect.resources import tables_dir
+from traceinspect.resources import lazy_module, tables_dir
+
+yaml = lazy_module("yaml")
 
 if TYPE_CHECKING:
     pass

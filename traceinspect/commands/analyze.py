@@ -54,25 +54,32 @@ def build_options(**kw: Any) -> Any:
 
 def start_reading(paths: list[str], kw: dict[str, Any]) -> None:
     """Begin reading the trace set beside the imports that follow (see :mod:`traceinspect.load.early`),
-    and, where a process reads it, the rule set and the shipped kernel class and GPU spec tables there
-    too once the file is read (:func:`read_tables`)."""
+    and, where a process reads it, the shipped tables and then the rule set there too once the file is
+    read (:func:`read_tables`, :func:`read_rules`)."""
     from traceinspect.load import early
 
-    tables = partial(read_tables, tuple(str(r) for r in kw.get("rules") or ()), tuple(kw.get("only") or ()),
-                     tuple(kw.get("disable") or ()))
+    rules = partial(read_rules, tuple(str(r) for r in kw.get("rules") or ()), tuple(kw.get("only") or ()),
+                    tuple(kw.get("disable") or ()))
     early.start(paths, use_cache=not kw.get("no_cache", False), jobs=kw.get("jobs"),
-                executor=kw.get("executor") or "local", phase=kw["phase"], beside=tables)
+                executor=kw.get("executor") or "local", phase=kw["phase"], beside=(read_tables, rules))
 
 
-def read_tables(rules: tuple[str, ...], only: tuple[str, ...], disable: tuple[str, ...]) -> tuple[Any, ...]:
-    """What an analysis reads besides the traces: ``((rules, only, disable), rule set, kernel class table,
-    GPU spec table)`` (:class:`traceinspect.pipeline.Tables` takes them). Imports no pandas."""
+def read_tables() -> tuple[Any, ...]:
+    """The shipped tables an analysis reads besides the traces: ``("tables", kernel class table, GPU spec
+    table, the settings tables' documents)`` (:class:`traceinspect.pipeline.Tables` takes them). Imports
+    neither pandas nor numpy, so that it is done before the slower :func:`read_rules`."""
     from traceinspect.classify.table import default_table
-    from traceinspect.judge.rules import load_rule_set
     from traceinspect.measure.specs import default_gpu_specs
+    from traceinspect.resources import read_ahead
 
-    rule_set = load_rule_set(extra=rules, only=only, disable=disable)
-    return (rules, only, disable), rule_set, default_table(), default_gpu_specs()
+    return "tables", default_table(), default_gpu_specs(), read_ahead()
+
+
+def read_rules(rules: tuple[str, ...], only: tuple[str, ...], disable: tuple[str, ...]) -> tuple[Any, ...]:
+    """The rule set of an analysis: ``("rules", (rules, only, disable), rule set)``. Imports no pandas."""
+    from traceinspect.judge.rules import load_rule_set
+
+    return "rules", (rules, only, disable), load_rule_set(extra=rules, only=only, disable=disable)
 
 
 def _config_path(kw: dict[str, Any]) -> str | None:

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from traceinspect.errors import RuleError
-from traceinspect.resources import tables_dir
+from traceinspect.resources import lazy_module, settings_document, tables_dir
+
+yaml = lazy_module("yaml")
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -47,7 +47,7 @@ class EvidenceTable:
 def evidence_table() -> EvidenceTable:
     path = tables_dir() / EVIDENCE_FILE
     try:
-        doc = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        doc = settings_document(EVIDENCE_FILE)
     except (OSError, yaml.YAMLError) as e:
         raise RuleError(f"cannot read the evidence table: {e}", path) from None
     if not isinstance(doc, dict):

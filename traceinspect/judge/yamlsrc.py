@@ -7,14 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from traceinspect.errors import RuleError
+from traceinspect.resources import lazy_module
+
+yaml = lazy_module("yaml")
 
 MAX_FILE_BYTES = 1 << 20  # a rule file larger than 1 MiB is not a rule file
 MAX_NODES = 20000
-# libyaml's parser (C) where PyYAML was built with it: ~10x faster than the pure-Python one
-Loader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _PARSED: dict[tuple[str, int, int, int], Any] = {}  # (path, inode, size, mtime) -> converted document
 
 
@@ -74,7 +73,8 @@ def _read_yaml(path: Path) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RuleError(f"rule file is not UTF-8 ({e.reason} at byte {e.start})", path) from None
-    loader = Loader(text)
+    # libyaml's parser (C) where PyYAML was built with it: ~10x faster than the pure-Python one
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
     try:
         node = loader.get_single_node()
     except yaml.MarkedYAMLError as e:

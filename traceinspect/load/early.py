@@ -11,8 +11,8 @@ process forked for it (:class:`_ChildPlan`: a thread would slow the imports it r
 files on one daemon thread (:class:`_Plan`, which reads them all otherwise). The loader then :func:`take`
 s each file's (digest, size, scanner result), or the error its read raised, and does the rest as always:
 tables, cache store (never written from the early read), linking. Results not taken are dropped.
-A process may be given more work (``beside``: the CLI's rule set and shipped tables) for after its file
-is read; its result comes through a pipe of its own (:func:`beside_result`, never waited for).
+A process may be given more work (``beside``: the CLI's shipped tables, then its rule set) for after its
+file is read; each part's result comes through a pipe of its own (:func:`beside_result`, never waited for).
 Imports only light modules (no numpy, pandas or msgspec).
 """
 
@@ -135,7 +135,7 @@ class _ChildPlan:
     which reads that file itself and reports what it finds. The later files stay on a thread: there,
     the loader would have to fault in the buffers of every file itself."""
 
-    def __init__(self, files: list[Path], root: Path | None, beside: Callable[[], Any] | None = None) -> None:
+    def __init__(self, files: list[Path], root: Path | None, beside: Sequence[Callable[[], Any]] = ()) -> None:
         self.root = root
         self.pid = os.getpid()
         self.files = files
@@ -149,17 +149,21 @@ class _ChildPlan:
     def start(self) -> None:
         global _later
         self.fd = fd = os.memfd_create("traceinspect-read", os.MFD_CLOEXEC)
-        r, w = os.pipe() if self.beside is not None else (-1, -1)
+        pipes: list[tuple[int, int]] = []
         try:
-            self.child, self.res_r = fork_with_pipe(partial(_read_then, fd, self.files[0], self.root, self.beside, r, w))
+            for _ in self.beside:
+                pipes.append(os.pipe())
+                _widen(pipes[-1][1])
+            self.child, self.res_r = fork_with_pipe(partial(_read_then, fd, self.files[0], self.root, self.beside,
+                                                            pipes))
         except OSError:
-            for end in (r, w):
-                if end >= 0:
-                    os.close(end)
+            for end in (e for pipe in pipes for e in pipe):
+                os.close(end)
             raise
-        if w >= 0:
+        for _, w in pipes:
             os.close(w)
-            _later = _Later(self.child, r)
+        if pipes:  # (the last part's ends the process)
+            _later = [_Later(self.child if i == len(pipes) - 1 else None, r) for i, (r, _) in enumerate(pipes)]
             self.child = None
 
     def take(self, path: Path) -> Read | None:
@@ -218,10 +222,10 @@ class _ChildPlan:
 
 
 class _Later:
-    """The ``beside`` work of an early-read process (:class:`_ChildPlan`): the pipe its result comes
-    through, and the process, stopped and reaped once the result is read or given up."""
+    """One part of the ``beside`` work of an early-read process (:class:`_ChildPlan`): the pipe its result
+    comes through, and the process, stopped and reaped once the result is read or given up."""
 
-    def __init__(self, child: int, fd: int) -> None:
+    def __init__(self, child: int | None, fd: int) -> None:
         self.pid = os.getpid()
         self.child: int | None = child
         self.fd = fd
@@ -242,7 +246,7 @@ class _Later:
             if not ready:
                 return None
             self.fd = -1
-            self.value = receive(fd)  # (the process sends it whole, then exits)
+            self.value = receive(fd)  # (the process sends it whole, then closes the pipe)
             self.end()
         self.taken = self.value is not None
         return self.value
@@ -259,30 +263,42 @@ class _Later:
             reap_beside(pid)
 
 
-_later: _Later | None = None
+_later: list[_Later] = []  # the parts of the beside work not taken yet, in order
+
+_PART_PIPE = 1 << 18
 
 
-def _read_then(fd: int, path: Path, root: Path | None, beside: Callable[[], Any] | None, beside_r: int,
-               beside_w: int, out: int) -> None:
+def _widen(fd: int) -> None:
+    """Let the pipe ``fd`` hold a whole part of the beside work (about 60-90 kB; a pipe holds 64 kB), so
+    that the process goes on to the next part before this one reads it (Linux; elsewhere, or over the
+    system's limit, it keeps its size)."""
+    import fcntl
+
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PART_PIPE)
+
+
+def _read_then(fd: int, path: Path, root: Path | None, beside: Sequence[Callable[[], Any]],
+               pipes: list[tuple[int, int]], out: int) -> None:
     """The early-read process: the read of ``path`` (:func:`_store`) through ``out``, which is then closed
-    (the loader reads it to its end), then, when given, ``beside()`` through ``beside_w``; each as
-    ``("ok", value)`` or ``("error", None)``."""
-    if beside_r >= 0:
-        os.close(beside_r)
+    (the loader reads it to its end), then each of ``beside`` in turn through its pipe (closed once
+    written); each as ``("ok", value)`` or ``("error", None)``."""
+    for r, _ in pipes:
+        os.close(r)
     try:
         res: tuple[str, Any] = ("ok", _store(fd, read(path, root, threads=False)))
     except BaseException:  # noqa: BLE001 - the loader reads the file itself and meets the real error
         res = ("error", None)
     send(out, res)
     os.close(out)
-    if beside is None:
-        return
-    try:
-        more: tuple[str, Any] = ("ok", beside())
-    except BaseException:  # noqa: BLE001 - the caller does the work itself and meets the real error
-        more = ("error", None)
-    with contextlib.suppress(OSError):  # (a closed pipe: the caller did without it)
-        send(beside_w, more)
+    for work, (_, w) in zip(beside, pipes, strict=True):
+        try:
+            more: tuple[str, Any] = ("ok", work())
+        except BaseException:  # noqa: BLE001 - the caller does the work itself and meets the real error
+            more = ("error", None)
+        with contextlib.suppress(OSError):  # (a closed pipe: the caller did without it)
+            send(w, more)
+            os.close(w)
 
 
 def _store(fd: int, value: Read) -> tuple[str, int, dict[str, Any] | None, dict[tuple[int, str], tuple[int, int]]]:
@@ -355,11 +371,12 @@ _plan: _Plan | _ChildPlan | None = None
 
 
 def start(paths: Sequence[str | Path], *, use_cache: bool, jobs: int | None, executor: str,
-          phase: str = "decode", beside: Callable[[], Any] | None = None) -> None:
+          phase: str = "decode", beside: Sequence[Callable[[], Any]] = ()) -> None:
     """Start reading the rank files of ``paths`` beside this thread, where the loader will read them in
     this process; otherwise (or when the paths cannot be resolved: the loader reports that) do nothing.
-    ``beside``: more work for the early-read process once its file is read, when there is one (its
-    result: :func:`beside_result`); light work, of modules that import without pandas."""
+    ``beside``: more work for the early-read process once its file is read, when there is one, done in
+    turn, each result sent as soon as it is made (:func:`beside_result`); light work, of modules that
+    import without pandas."""
     global _plan
     drop()  # an earlier start's reads
     _memory_settings()
@@ -454,29 +471,35 @@ def take(path: Path, root: Path | None) -> Read | None:
 
 
 def beside_expected() -> bool:
-    """Whether this process's early-read process was given ``beside`` work (:func:`start`) whose result
-    is still to be taken."""
-    later = _later
-    return later is not None and later.pid == os.getpid() and not later.taken and later.fd >= 0
+    """Whether this process's early-read process was given ``beside`` work (:func:`start`) whose results
+    are still to be taken."""
+    return any(later.pid == os.getpid() and not later.taken and later.fd >= 0 for later in _later)
 
 
 def beside_result() -> tuple[str, Any] | None:
-    """What the early-read process's ``beside`` work gave, ``("ok", value)`` or ``("error", None)``, once
-    it has come, and once only (the first caller takes it); None while it has not (it is not waited for),
-    or when there is none."""
-    later = _later
-    if later is None or later.pid != os.getpid():
-        return None
-    return later.result()
+    """What the next part of the early-read process's ``beside`` work gave, ``("ok", value)`` or
+    ``("error", None)``, once it has come, and once only (the first caller takes it); None while it has not
+    (it is not waited for), or when there is none left. Parts are taken in the order of the work."""
+    while _later and _later[0].pid == os.getpid():
+        later = _later[0]
+        got = later.result()
+        if got is not None:
+            _later.pop(0)
+            return got
+        if later.fd >= 0:
+            return None  # (not come yet)
+        _later.pop(0)  # (taken, or given up)
+    return None
 
 
 def drop() -> None:
     """Give up the early reads not taken (:func:`drop_reads`) and the ``beside`` work's result."""
     global _later
     drop_reads()
-    later, _later = _later, None
-    if later is not None and later.pid == os.getpid():
-        later.end()
+    parts, _later = _later, []
+    for later in parts:
+        if later.pid == os.getpid():
+            later.end()
 
 
 def drop_reads() -> None:

@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
+
+from traceinspect.resources import lazy_module
+
+yaml = lazy_module("yaml")
 
 SCHEMA_NOTE = "docs/collectives.md"
 
@@ -83,11 +86,11 @@ class Settings:
 def load_settings(path: str | None = None) -> Settings:
     """Read the collectives settings (default: the shipped ``rules/tables/collectives.yaml``)."""
     from traceinspect.errors import RuleError
-    from traceinspect.resources import tables_dir
+    from traceinspect.resources import load_yaml, settings_document, tables_dir
 
     file = Path(path) if path else tables_dir() / SETTINGS_FILE
     try:
-        doc = yaml.load(file.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))["collectives"]
+        doc = (load_yaml(file.read_text(encoding="utf-8")) if path else settings_document(SETTINGS_FILE))["collectives"]
         kinds = tuple((str(k["kind"]), re.compile(str(k["pattern"]), re.IGNORECASE)) for k in doc["kinds"])
         off, strag = doc["clock_offset"], doc["straggler"]
         return Settings(

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from traceinspect.errors import ConfigError
+from traceinspect.resources import lazy_module, load_yaml
+
+yaml = lazy_module("yaml")
 
 DTYPES = ("fp4", "fp8", "fp16", "bf16", "tf32", "fp32")
 
@@ -91,7 +92,7 @@ def load_gpu_specs(path: str | Path | None = None) -> list[GpuSpec]:
     """Read a GPU spec file (default: the shipped ``rules/tables/gpus.yaml``)."""
     p = Path(path) if path is not None else _default_path()
     try:
-        doc = yaml.load(p.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        doc = load_yaml(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError("GPU spec file not found", p) from None
     except (OSError, UnicodeDecodeError) as e:
