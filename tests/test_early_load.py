@@ -548,7 +548,7 @@ def test_tables_for_other_options_or_a_failed_process_are_read_here(monkeypatch:
     got = pipeline.analyze([d], Options(use_cache=False, only=("kv-full-pool-cast",))).to_json()
     assert got == want and [f["rule"] for f in got["findings"]] in ([], ["kv-full-pool-cast"])
 
-    def fails() -> None:
+    def fails(names: list[str]) -> None:
         raise RuntimeError("no tables")
 
     _other_threads_done()
@@ -582,13 +582,13 @@ def test_beside_work_runs_in_the_reading_process_and_is_taken_once() -> None:
     if not early.process_supported() or not _other_threads_done():
         pytest.skip("no early-read process here")
     d = fixture_dir("kv-full-cast-eager")
-    early.start([d], use_cache=False, jobs=None, executor="local", beside=(os.getpid,))
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=(lambda names: os.getpid(),))
     _beside_ready()
     status, pid = early.beside_result()
     assert status == "ok" and pid != os.getpid()
     assert early.beside_result() is None and not early.beside_expected()
 
-    def fails() -> None:
+    def fails(names: list[str]) -> None:
         raise RuntimeError("no")
 
     _other_threads_done()
@@ -596,7 +596,7 @@ def test_beside_work_runs_in_the_reading_process_and_is_taken_once() -> None:
     _beside_ready()
     assert early.beside_result() == ("error", None)
     _other_threads_done()
-    early.start([d], use_cache=False, jobs=None, executor="local", beside=(os.getpid,))
+    early.start([d], use_cache=False, jobs=None, executor="local", beside=(lambda names: os.getpid(),))
     early.drop()  # given up before it came: the process is stopped
     assert early.beside_result() is None and not early.beside_expected()
 
@@ -610,7 +610,7 @@ def test_beside_parts_come_in_turn_each_when_made(tmp_path: Path) -> None:
         pytest.skip("no early-read process here")
     flag = tmp_path / "go"
 
-    def second() -> str:
+    def second(names: list[str]) -> str:
         deadline = time.monotonic() + 30
         while not flag.exists():
             if time.monotonic() > deadline:
@@ -619,7 +619,7 @@ def test_beside_parts_come_in_turn_each_when_made(tmp_path: Path) -> None:
         return "second"
 
     early.start([fixture_dir("kv-full-cast-eager")], use_cache=False, jobs=None, executor="local",
-                beside=(os.getpid, second))
+                beside=(lambda names: os.getpid(), second))
     first = early._later[0]
     end = time.monotonic() + 60
     while not select.select([first.fd], [], [], 0.05)[0]:
@@ -632,3 +632,19 @@ def test_beside_parts_come_in_turn_each_when_made(tmp_path: Path) -> None:
     assert early.beside_result() == ("ok", "second")
     assert not early.beside_expected() and early.beside_result() is None
     early.drop()
+
+
+@pytest.mark.parametrize("trace", [
+    lambda: fixture_dir("kv-full-cast-eager"),
+    lambda: real_trace("tracelens__inference__sglang_decode__sglang_Qwen3-8B_decode.json.gz"),
+], ids=["fixture", "tracelens-sglang-decode"])
+def test_the_gpu_event_names_given_to_the_beside_work_are_the_kernel_tables(trace: Any) -> None:
+    from traceinspect.load.raw import gpu_event_names, native_available, read_scan
+
+    if not native_available():
+        pytest.skip("no native scanner")
+    path = Path(trace())
+    f = path if path.is_file() else next(path.glob("*.trace.json*"))
+    names = gpu_event_names(read_scan(f, threads=False))
+    want = set(load.load_trace_set([str(f)], use_cache=False).kernels["name"].astype(str))
+    assert len(names) == len(set(names)) and set(names) == want and want

@@ -273,16 +273,18 @@ class Tables:
         self.opts = opts
         self.early = early.beside_expected()
         self._rules: RuleSet | None = None
+        self._tables = False  # whether the early-read process's first part (the shipped tables) was taken
 
-    def adopt(self) -> None:
+    def adopt(self, wait: float = 0.0) -> None:
         """Take the parts of the early-read process's work that have come (the shipped tables, then the
-        rule set); when its rule set failed there, read the rule set here at once (a rule file's error is
-        then reported as early as it can be)."""
+        rule set), waiting up to ``wait`` seconds for the tables; when its rule set failed there, read
+        the rule set here at once (a rule file's error is then reported as early as it can be)."""
         while self.early:
-            got = early.beside_result()
+            got = early.beside_result(0.0 if self._tables else wait)
             if got is None:
                 self.early = early.beside_expected()
                 return
+            self._tables = True  # (the first part: the tables, or their failure there; not waited for again)
             if got[0] != "ok":
                 if not early.beside_expected():  # (the rule set was the part that failed, or the process died)
                     self.early = False
@@ -307,8 +309,14 @@ class Tables:
         return self._rules
 
 
+# How long the analysis waits, once the traces are loaded, for the shipped tables from the CLI's early-read
+# process, which reads them after its file: read here instead, they take about 50 ms (the YAML module's
+# import, the class table, the first search of each name pattern), and they are usually a few ms away.
+TABLES_WAIT_S = 0.06
+
+
 def _analyze_loaded(ts: TraceSet, opts: Options, tables: Tables) -> Analysis:
-    tables.adopt()
+    tables.adopt(wait=TABLES_WAIT_S)
     stepped, labels, selected = analysed_steps(ts, opts)
     if not len(selected.steps):
         found = stepped.table.groupby("phase").size().to_dict()

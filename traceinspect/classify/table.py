@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -222,6 +222,17 @@ class NamePattern:
     def __repr__(self) -> str:
         return f"NamePattern({self.pattern!r})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # without its compiled regexes (made again when first needed): unpickling one compiles it, and the
+        # process that takes a table from the CLI's early-read process finds most answers in its name memo
+        state = {k: getattr(self, k) for k in self.__slots__}
+        state["_full"] = state["_rest"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
 
 _NAME_PATTERNS: dict[tuple[str, int], NamePattern] = {}
 
@@ -350,6 +361,24 @@ class ClassTable:
         if len(self._cache) < _CACHE_MAX:
             self._cache[key] = label
         return label
+
+    def prime(self, names: Iterable[str]) -> None:
+        """Ask every name pattern of the rules about each of ``names`` now, into the memo
+        :meth:`classify` reads (which asks them as its rules reach them): the CLI's early-read process
+        does this for the GPU event names of the file it read, while the analysis imports."""
+        patterns = list(dict.fromkeys(p for r in self.rules for p in (*r.name, *r.not_name)))
+        for name in names:
+            name = name[:MAX_MATCH_CHARS]
+            if name in self._name_hits:
+                hits = self._name_hits[name]
+            elif len(self._name_hits) < _NAME_HITS_MAX:
+                hits = self._name_hits[name] = {}
+            else:
+                return
+            lower = name.lower()
+            for p in patterns:
+                if p not in hits:
+                    hits[p] = p.matches(name, lower)
 
     def rule(self, rule_id: str) -> Rule:
         """The rule with this id (KeyError if none)."""

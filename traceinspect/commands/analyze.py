@@ -64,19 +64,24 @@ def start_reading(paths: list[str], kw: dict[str, Any]) -> None:
                 executor=kw.get("executor") or "local", phase=kw["phase"], beside=(read_tables, rules))
 
 
-def read_tables() -> tuple[Any, ...]:
+def read_tables(names: list[str]) -> tuple[Any, ...]:
     """The shipped tables an analysis reads besides the traces: ``("tables", kernel class table, GPU spec
-    table, the settings tables' documents)`` (:class:`traceinspect.pipeline.Tables` takes them). Imports
-    neither pandas nor numpy, so that it is done before the slower :func:`read_rules`."""
+    table, the settings tables' documents)`` (:class:`traceinspect.pipeline.Tables` takes them), the class
+    table's name patterns asked about the GPU event names ``names`` already (:meth:`ClassTable.prime`).
+    Imports neither pandas nor numpy, so that it is done before the slower :func:`read_rules`."""
     from traceinspect.classify.table import default_table
     from traceinspect.measure.specs import default_gpu_specs
     from traceinspect.resources import read_ahead
 
-    return "tables", default_table(), default_gpu_specs(), read_ahead()
+    table = default_table()
+    table.prime(names)
+    return "tables", table, default_gpu_specs(), read_ahead()
 
 
-def read_rules(rules: tuple[str, ...], only: tuple[str, ...], disable: tuple[str, ...]) -> tuple[Any, ...]:
-    """The rule set of an analysis: ``("rules", (rules, only, disable), rule set)``. Imports no pandas."""
+def read_rules(rules: tuple[str, ...], only: tuple[str, ...], disable: tuple[str, ...],
+               names: list[str] | None = None) -> tuple[Any, ...]:
+    """The rule set of an analysis: ``("rules", (rules, only, disable), rule set)`` (``names``, given by
+    the early-read process, unused). Imports no pandas."""
     from traceinspect.judge.rules import load_rule_set
 
     return "rules", (rules, only, disable), load_rule_set(extra=rules, only=only, disable=disable)

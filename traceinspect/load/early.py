@@ -40,6 +40,7 @@ from traceinspect.load.raw import (
     Sha256Beside,
     Stopped,
     _sha256,
+    gpu_event_names,
     native_available,
     parse_processes,
     read_scan,
@@ -135,7 +136,7 @@ class _ChildPlan:
     which reads that file itself and reports what it finds. The later files stay on a thread: there,
     the loader would have to fault in the buffers of every file itself."""
 
-    def __init__(self, files: list[Path], root: Path | None, beside: Sequence[Callable[[], Any]] = ()) -> None:
+    def __init__(self, files: list[Path], root: Path | None, beside: Sequence[Callable[[list[str]], Any]] = ()) -> None:
         self.root = root
         self.pid = os.getpid()
         self.files = files
@@ -232,15 +233,15 @@ class _Later:
         self.value: tuple[str, Any] | None = None
         self.taken = False
 
-    def result(self) -> tuple[str, Any] | None:
+    def result(self, wait: float = 0.0) -> tuple[str, Any] | None:
         """``("ok", value)`` or ``("error", None)`` once it has come, the first time it is asked for after
-        that; None while it has not come (it is not waited for), and once it is taken."""
+        that; None while it has not come (waited for up to ``wait`` seconds), and once it is taken."""
         if self.taken:
             return None
         fd = self.fd
         if fd >= 0:
             try:
-                ready = bool(select.select([fd], [], [], 0)[0])  # (the end of the pipe reads as ready too)
+                ready = bool(select.select([fd], [], [], wait)[0])  # (the end of the pipe reads as ready too)
             except (OSError, ValueError):
                 ready = True
             if not ready:
@@ -278,22 +279,28 @@ def _widen(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PART_PIPE)
 
 
-def _read_then(fd: int, path: Path, root: Path | None, beside: Sequence[Callable[[], Any]],
+def _read_then(fd: int, path: Path, root: Path | None, beside: Sequence[Callable[[list[str]], Any]],
                pipes: list[tuple[int, int]], out: int) -> None:
     """The early-read process: the read of ``path`` (:func:`_store`) through ``out``, which is then closed
-    (the loader reads it to its end), then each of ``beside`` in turn through its pipe (closed once
-    written); each as ``("ok", value)`` or ``("error", None)``."""
+    (the loader reads it to its end), then each of ``beside`` in turn, given the distinct names of the
+    file's GPU events, through its pipe (closed once written); each as ``("ok", value)`` or
+    ``("error", None)``."""
     for r, _ in pipes:
         os.close(r)
+    names: list[str] = []
     try:
-        res: tuple[str, Any] = ("ok", _store(fd, read(path, root, threads=False)))
+        value = read(path, root, threads=False)
+        res: tuple[str, Any] = ("ok", _store(fd, value))
     except BaseException:  # noqa: BLE001 - the loader reads the file itself and meets the real error
         res = ("error", None)
     send(out, res)
     os.close(out)
+    if res[0] == "ok":
+        with contextlib.suppress(Exception):  # (none: the work does without them)
+            names = gpu_event_names(value[2])
     for work, (_, w) in zip(beside, pipes, strict=True):
         try:
-            more: tuple[str, Any] = ("ok", work())
+            more: tuple[str, Any] = ("ok", work(names))
         except BaseException:  # noqa: BLE001 - the caller does the work itself and meets the real error
             more = ("error", None)
         with contextlib.suppress(OSError):  # (a closed pipe: the caller did without it)
@@ -371,12 +378,13 @@ _plan: _Plan | _ChildPlan | None = None
 
 
 def start(paths: Sequence[str | Path], *, use_cache: bool, jobs: int | None, executor: str,
-          phase: str = "decode", beside: Sequence[Callable[[], Any]] = ()) -> None:
+          phase: str = "decode", beside: Sequence[Callable[[list[str]], Any]] = ()) -> None:
     """Start reading the rank files of ``paths`` beside this thread, where the loader will read them in
     this process; otherwise (or when the paths cannot be resolved: the loader reports that) do nothing.
     ``beside``: more work for the early-read process once its file is read, when there is one, done in
-    turn, each result sent as soon as it is made (:func:`beside_result`); light work, of modules that
-    import without pandas."""
+    turn, each given the distinct names of the file's GPU events ([] when the read failed) and its result
+    sent as soon as it is made (:func:`beside_result`); light work, of modules that import without
+    pandas."""
     global _plan
     drop()  # an earlier start's reads
     _memory_settings()
@@ -476,13 +484,14 @@ def beside_expected() -> bool:
     return any(later.pid == os.getpid() and not later.taken and later.fd >= 0 for later in _later)
 
 
-def beside_result() -> tuple[str, Any] | None:
+def beside_result(wait: float = 0.0) -> tuple[str, Any] | None:
     """What the next part of the early-read process's ``beside`` work gave, ``("ok", value)`` or
     ``("error", None)``, once it has come, and once only (the first caller takes it); None while it has not
-    (it is not waited for), or when there is none left. Parts are taken in the order of the work."""
+    (waited for up to ``wait`` seconds), or when there is none left. Parts are taken in the order of the
+    work."""
     while _later and _later[0].pid == os.getpid():
         later = _later[0]
-        got = later.result()
+        got = later.result(wait)
         if got is not None:
             _later.pop(0)
             return got
