@@ -118,3 +118,14 @@ def test_the_analysis_modules_import_without_yaml() -> None:
     code = ("import sys, traceinspect.pipeline as p; from traceinspect.steps import step_rules; step_rules(); "
             "print('yaml.reader' in sys.modules)")
     assert _cli("-c", code).stdout.split() == ["True"]  # (read here: imported then)
+
+
+def test_a_lazy_module_imports_once_whole_for_threads_that_ask_at_once() -> None:
+    code = ("import sys, threading; from traceinspect.resources import lazy_module\n"
+            "m = lazy_module('yaml'); assert 'yaml' not in sys.modules\n"
+            "got = []; go = threading.Barrier(8)\n"
+            "def ask():\n    go.wait(); got.append((m.safe_load('a: [1, 2]'), m.YAMLError.__name__))\n"
+            "ts = [threading.Thread(target=ask) for _ in range(8)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n"
+            "print(len(got), all(g == ({'a': [1, 2]}, 'YAMLError') for g in got), lazy_module('yaml') is sys.modules['yaml'])")
+    assert _cli("-c", code).stdout.split() == ["8", "True", "True"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -29,23 +29,23 @@ def tables_dir() -> Path:
     return rules_dir() / "tables"
 
 
+class _Lazy(ModuleType):
+    """A stand-in for a module not imported yet: the first attribute asked for imports it (under the import
+    system's own lock, so threads that ask at once all get the whole module) and copies its attributes."""
+
+    def __getattr__(self, attr: str) -> Any:
+        module = importlib.import_module(self.__name__)
+        self.__dict__.update(module.__dict__)
+        return getattr(module, attr)
+
+
 def lazy_module(name: str) -> ModuleType:
-    """The module ``name``, imported when one of its attributes is first used (importlib's ``LazyLoader``).
+    """The module ``name`` if imported, else a stand-in that imports it when one of its attributes is first
+    used.
 
     For PyYAML: its import (about 15 ms, mostly one large regex) is needed only where YAML is parsed, and a
     CLI analysis takes the tables it reads from its early-read process (:func:`read_ahead`)."""
-    got = sys.modules.get(name)
-    if got is not None:
-        return got
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-    loader = importlib.util.LazyLoader(spec.loader)
-    spec.loader = loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    loader.exec_module(module)
-    return module
+    return sys.modules.get(name) or _Lazy(name)
 
 
 def load_yaml(text: str) -> Any:
