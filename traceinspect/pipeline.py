@@ -264,10 +264,11 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
 
 
 class Tables:
-    """The rule set and the shipped kernel class and GPU spec tables of one analysis: read here, or taken
-    from the early-read process of the CLI (:mod:`traceinspect.load.early`), which reads them beside
-    this process's imports once its file is read (``traceinspect.commands.analyze.read_tables``); taken
-    when they are needed, if they have come by then (never waited for), else read here."""
+    """The rule set and the shipped kernel class, GPU spec and settings tables of one analysis: read here,
+    or taken from the early-read process of the CLI (:mod:`traceinspect.load.early`), which reads them
+    beside this process's imports once its file is read (``traceinspect.commands.analyze.read_tables``,
+    then ``read_rules``); taken when they are needed, if they have come by then (the tables waited for
+    briefly: :data:`TABLES_WAIT_S`), else read here."""
 
     def __init__(self, opts: Options) -> None:
         self.opts = opts

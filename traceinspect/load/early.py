@@ -12,7 +12,8 @@ files on one daemon thread (:class:`_Plan`, which reads them all otherwise). The
 s each file's (digest, size, scanner result), or the error its read raised, and does the rest as always:
 tables, cache store (never written from the early read), linking. Results not taken are dropped.
 A process may be given more work (``beside``: the CLI's shipped tables, then its rule set) for after its
-file is read; each part's result comes through a pipe of its own (:func:`beside_result`, never waited for).
+file is read; each part's result comes through a pipe of its own (:func:`beside_result`, waited for only
+as long as its caller says).
 Imports only light modules (no numpy, pandas or msgspec).
 """
 
