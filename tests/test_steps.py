@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from conftest import fixture_dir, rewrite_trace
+import pytest
+from conftest import fixture_dir, real_trace, rewrite_trace
 
 from traceinspect.link import link
 from traceinspect.load import load_trace_set
@@ -163,3 +164,29 @@ def test_group_unions_are_each_groups_union_bit_for_bit() -> None:
         for g, w in zip(got.tolist(), want, strict=True):
             assert (np.isnan(g) and np.isnan(w)) or g == w, (trial, g, w)
     assert group_unions(np.zeros(0), np.zeros(0), np.array([0, 0, 0])).tolist() == [0.0, 0.0]
+
+
+def _samples_by_named_aggregation(a) -> pd.DataFrame:  # noqa: ANN001 - an Analysis
+    """The step samples as a named aggregation and an inner merge make them (the reference)."""
+    sel = a.selected.copy()
+    sel["pos"] = sel.groupby("rank").cumcount()
+    sel = sel[sel["pos"] < a.steps_per_rank()]
+    out = sel.groupby("pos").agg(step_us=("span_us", "max"), busy_us=("busy_us", "mean"),
+                                 kernel_us=("kernel_us", "mean"), bs=("bs", "max"))
+    cs = a.class_steps.merge(sel[["pos"]], left_on="step", right_index=True)
+    wide = cs.groupby(["pos", "cls"], observed=True)["us"].sum().unstack("cls", fill_value=0.0) / a.n_ranks
+    return out.join(wide.add_prefix("class."), how="left").fillna(0.0)
+
+
+@pytest.mark.parametrize("trace", [
+    lambda: fixture_dir("slow-rank-eager"),  # two ranks
+    lambda: fixture_dir("kv-full-cast-graph"),
+    lambda: real_trace("param__dlrm_8rank"),
+    lambda: real_trace("tracelens__inference__sglang_decode__sglang_Qwen3-8B_decode.json.gz"),
+], ids=["slow-rank", "kv-graph", "dlrm-8rank", "tracelens-sglang-decode"])
+def test_step_samples_are_the_named_aggregations_value_for_value(trace) -> None:  # noqa: ANN001
+    a = analyze([trace()], use_cache=False)
+    a.selected = a.selected.sample(frac=1.0, random_state=3).sort_values("rank", kind="stable")  # steps unsorted
+    got = a._step_samples()
+    pd.testing.assert_frame_equal(got, _samples_by_named_aggregation(a), check_exact=True)
+    assert len(got) == a.steps_per_rank() and got.filter(like="class.").shape[1]

@@ -116,15 +116,23 @@ class Analysis:
         return id(self.selected), id(self.class_steps)  # the tables the samples are built from
 
     def _step_samples(self) -> pd.DataFrame:
-        sel = self.selected.copy()
-        sel["pos"] = sel.groupby("rank").cumcount()
-        n = self.steps_per_rank()
-        sel = sel[sel["pos"] < n]
-        out = sel.groupby("pos").agg(step_us=("span_us", "max"), busy_us=("busy_us", "mean"),
-                                     kernel_us=("kernel_us", "mean"), bs=("bs", "max"))
+        # one group-by reduction per column, and the class rows of the selected steps taken in their order
+        # (what a named aggregation and an inner merge give, value for value, at half the cost)
+        sel = self.selected
+        pos = sel.groupby("rank").cumcount()
+        keep = (pos < self.steps_per_rank()).to_numpy()
+        sel, pos = sel[keep], pos[keep]
+        g = sel.groupby(pos.rename("pos"))
+        out = pd.DataFrame({"step_us": g["span_us"].max(), "busy_us": g["busy_us"].mean(),
+                            "kernel_us": g["kernel_us"].mean(), "bs": g["bs"].max()})
         if len(self.class_steps):
-            cs = self.class_steps.merge(sel[["pos"]], left_on="step", right_index=True)
-            wide = cs.groupby(["pos", "cls"], observed=True)["us"].sum().unstack("cls", fill_value=0.0) / self.n_ranks
+            cs = self.class_steps
+            at = pos.reindex(cs["step"].to_numpy())  # (the selected steps' index: unique step ids)
+            hit = at.notna().to_numpy()
+            cs = cs[hit]
+            wide = cs.groupby([at[hit].to_numpy(dtype=np.int64), cs["cls"]], observed=True)["us"].sum()
+            wide.index.names = ["pos", "cls"]
+            wide = wide.unstack("cls", fill_value=0.0) / self.n_ranks
             out = out.join(wide.add_prefix("class."), how="left").fillna(0.0)
         return out
 
