@@ -449,9 +449,8 @@ def _remove_launches(m: Model, p: Params, mask: np.ndarray) -> None:
     has = L >= 0
     if not has.any():
         return
-    calls = np.unique(L[has & mask])
-    kept = np.unique(L[has & ~mask])
-    gone = np.setdiff1d(calls, kept)
+    n = len(p.gap)  # (one per host call: a launch's index)
+    gone = np.flatnonzero((np.bincount(L[has & mask], minlength=n) > 0) & (np.bincount(L[has & ~mask], minlength=n) == 0))
     if not len(gone):
         return
     gone = gone[~p.block[gone]]
