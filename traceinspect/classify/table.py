@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from traceinspect.errors import RuleError
 from traceinspect.model.classes import CLASSES
-from traceinspect.resources import lazy_module, tables_dir
+from traceinspect.resources import lazy_module, safe_loader, tables_dir
 
 yaml = lazy_module("yaml")
 
@@ -411,7 +411,7 @@ class _File:
         except (OSError, UnicodeDecodeError) as e:
             raise RuleError(f"cannot read class table: {e}", path) from None
         try:
-            self.loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+            self.loader = safe_loader()(text)
             self.root = self.loader.get_single_node()
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from traceinspect.errors import RuleError
-from traceinspect.resources import lazy_module
+from traceinspect.resources import lazy_module, safe_loader
 
 yaml = lazy_module("yaml")
 
@@ -73,8 +73,7 @@ def _read_yaml(path: Path) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RuleError(f"rule file is not UTF-8 ({e.reason} at byte {e.start})", path) from None
-    # libyaml's parser (C) where PyYAML was built with it: ~10x faster than the pure-Python one
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+    loader = safe_loader()(text)
     try:
         node = loader.get_single_node()
     except yaml.MarkedYAMLError as e:

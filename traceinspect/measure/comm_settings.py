@@ -86,11 +86,11 @@ class Settings:
 def load_settings(path: str | None = None) -> Settings:
     """Read the collectives settings (default: the shipped ``rules/tables/collectives.yaml``)."""
     from traceinspect.errors import RuleError
-    from traceinspect.resources import load_yaml, settings_document, tables_dir
+    from traceinspect.resources import settings_document, tables_dir
 
     file = Path(path) if path else tables_dir() / SETTINGS_FILE
     try:
-        doc = (load_yaml(file.read_text(encoding="utf-8")) if path else settings_document(SETTINGS_FILE))["collectives"]
+        doc = settings_document(SETTINGS_FILE, path)["collectives"]
         kinds = tuple((str(k["kind"]), re.compile(str(k["pattern"]), re.IGNORECASE)) for k in doc["kinds"])
         off, strag = doc["clock_offset"], doc["straggler"]
         return Settings(

@@ -59,11 +59,11 @@ class Settings:
 def load_settings(path: str | None = None) -> Settings:
     """Read ``rules/tables/replay.yaml`` (or ``path``)."""
     from traceinspect.errors import RuleError
-    from traceinspect.resources import load_yaml, settings_document, tables_dir
+    from traceinspect.resources import settings_document, tables_dir
 
     file = Path(path) if path else tables_dir() / SETTINGS_FILE
     try:
-        doc = (load_yaml(file.read_text(encoding="utf-8")) if path else settings_document(SETTINGS_FILE))["replay"]
+        doc = settings_document(SETTINGS_FILE, path)["replay"]
         gaps = tuple((re.compile(str(g["match"]), re.IGNORECASE), float(g["us"]), str(g.get("source", "")))
                      for g in doc.get("graph_kernel_gap_us") or [])
         floors = tuple(sorted(((str(k), float(v)) for k, v in (doc.get("severity_min_saving_share") or {}).items()),
