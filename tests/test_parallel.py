@@ -208,30 +208,112 @@ def test_analysis_inside_a_daemon_process() -> None:
     assert n >= 1
 
 
-def test_one_rank_still_hashing_measures_beside_here(tmp_path) -> None:
-    """With the cache off the second core hashes a lone rank's file during the analysis: the side
-    measures then run in this process; a hashed file, or several ranks, keep the analysis's jobs."""
-    from types import SimpleNamespace
+def _held_hash(monkeypatch, gate) -> None:
+    """Make every hash of a file wait for ``gate`` (a threading.Event) before it begins."""
+    from traceinspect.load import raw
+
+    real = raw._hash_file
+
+    def held(f, size: int = 1 << 20) -> str:
+        assert gate.wait(60)
+        return real(f, size)
+
+    monkeypatch.setattr(raw, "_hash_file", held)
+
+
+def test_the_digest_is_told_once_the_hash_is_through(tmp_path, monkeypatch) -> None:
+    """A pipe from Sha256After.told gets the hex digest when the hash thread is through, not before; asked
+    once the hash is through, at once (and there is no writing end to close)."""
+    import hashlib
+    import select
+    import threading
 
     from traceinspect.load.raw import Sha256After
-    from traceinspect.model.trace import RankInfo
-    from traceinspect.pipeline import side_jobs
 
     f = tmp_path / "r-TP-0.trace.json"
-    f.write_bytes(b"{}")
-    pending = Sha256After(f)
-    hashing = RankInfo(rank=0, label="TP0", path=f, rank_source="filename", digest=pending)
-    done = RankInfo(rank=0, label="TP0", path=f, rank_source="filename", digest="0" * 64)
-    assert hashing.hashing and not done.hashing
+    f.write_bytes(b"[]" * 1000)
+    gate = threading.Event()
+    _held_hash(monkeypatch, gate)
+    pending = Sha256After(f).start()
+    r, w = pending.told()
+    assert w >= 0 and not select.select([r], [], [], 0.2)[0]  # (the hash waits)
+    gate.set()
+    want = hashlib.sha256(f.read_bytes()).hexdigest()
+    assert select.select([r], [], [], 30)[0]
+    assert os.read(r, 128) == want.encode() and os.read(r, 1) == b""
+    os.close(r)
+    assert pending.hexdigest() == want
+    r, w = pending.told()
+    assert w == -1 and os.read(r, 128) == want.encode()
+    os.close(r)
 
-    def analysis(*ranks: RankInfo) -> SimpleNamespace:
-        return SimpleNamespace(trace=SimpleNamespace(ranks=list(ranks)), options=SimpleNamespace(jobs=None))
+    gone = tmp_path / "gone.json"  # a hash that fails tells ''
+    gone.write_bytes(b"[]")
+    failing = Sha256After(gone)
+    failing._f.close()
+    failing._t = threading.Thread(target=lambda: None)
+    failing._t.start()
+    failing._t.join()
+    r, w = failing.told()
+    assert w == -1 and os.read(r, 128) == b""
+    os.close(r)
 
-    assert side_jobs(analysis(hashing)) == 1
-    assert side_jobs(analysis(done)) is None
-    assert side_jobs(analysis(hashing, done)) is None
-    pending.start().hexdigest()
-    assert not hashing.hashing  # the hash is through
+
+@pytest.mark.skipif(not _can_fork(None), reason="no process forked beside here")
+def test_a_lone_rank_still_hashing_is_measured_beside_once_hashed(tmp_path, monkeypatch) -> None:
+    """With the cache off a lone rank's file may still be hashing when the measures begin: the process
+    forked beside the GEMM measure starts its work once the hash is through (the second core is the
+    hash's until then) and holds the digest; the analysis is the one made with everything here."""
+    import hashlib
+    import threading
+    from functools import partial
+
+    from conftest import fixture_dir
+
+    from traceinspect import pipeline
+    from traceinspect.analysis import Options
+    from traceinspect.load.raw import Sha256After
+    from traceinspect.model.trace import RankInfo
+
+    f = tmp_path / "r-TP-0.trace.json"
+    f.write_bytes(b"[]" * 1000)
+    gate = threading.Event()
+    _held_hash(monkeypatch, gate)
+    pending = Sha256After(f).start()
+    info = RankInfo(rank=0, label="TP0", path=f, rank_source="filename", digest=pending)
+    assert info.hashing
+    told = pending.told()
+    side = Beside(lambda: (time.monotonic(), info.digest), before=partial(pipeline._after_hash, info, told))
+    os.close(told[0])
+    assert side.forked
+    time.sleep(0.3)
+    released = time.monotonic()
+    gate.set()
+    started, digest = side.result()
+    side.close()
+    assert started >= released and digest == hashlib.sha256(f.read_bytes()).hexdigest()
+
+    d = fixture_dir("kv-full-cast-eager")
+    monkeypatch.undo()
+    want = pipeline.analyze([d], Options(use_cache=False, jobs=1)).to_json()
+    gate.clear()
+    _held_hash(monkeypatch, gate)
+    forked: list[bool] = []
+    real_measure = pipeline.measure
+
+    def measure(a):
+        assert a.trace.ranks[0].hashing  # (held)
+        threading.Timer(0.3, gate.set).start()
+        m = real_measure(a)
+        forked.append(m.side is not None and m.side.forked)
+        return m
+
+    monkeypatch.setattr(pipeline, "measure", measure)
+    got = pipeline.analyze([d], Options(use_cache=False)).to_json()
+    assert forked == [True]
+    for doc in (want, got):
+        doc["source"]["command"] = None
+    assert got == want
 
 
 def _big(first: tuple[int, int]) -> bytes:

@@ -27,10 +27,11 @@ class Beside(Generic[T]):
     """``fn(*args)`` running in a forked child (or deferred, where that is not possible), and, when given,
     each of ``then`` after it, in order, in the same child, each called with ``fn``'s result: :meth:`result`
     has the first as soon as the child sends it, while the child goes on with the others
-    (:meth:`then_result`)."""
+    (:meth:`then_result`). ``before``: what the child does first, and only a child (say, wait for this
+    process to be through with something)."""
 
     def __init__(self, fn: Callable[..., T], *args: Any, jobs: int | None = None,
-                 then: Sequence[Callable[[T], Any]] = ()) -> None:
+                 then: Sequence[Callable[[T], Any]] = (), before: Callable[[], None] | None = None) -> None:
         self.fn, self.args, self.then = fn, args, tuple(then)
         self._pid: int | None = None
         self._pipe: Any = None
@@ -42,7 +43,7 @@ class Beside(Generic[T]):
             return
         spill = _memory_file()
         try:
-            self._pid, fd = fork_with_pipe(lambda out: _send_parts(out, fn, args, self.then, spill))
+            self._pid, fd = fork_with_pipe(lambda out: _send_parts(out, fn, args, self.then, spill, before))
         except OSError:  # no process to spare: it runs here later
             if spill >= 0:
                 os.close(spill)
@@ -131,11 +132,13 @@ def _unspill(spill: int, offset: int, size: int) -> tuple[str, Any]:
 
 
 def _send_parts(out: int, fn: Callable[..., Any], args: tuple[Any, ...], then: Sequence[Callable[[Any], Any]],
-                spill: int = -1) -> None:
+                spill: int = -1, before: Callable[[], None] | None = None) -> None:
     """A :class:`Beside` child: ``("ok", fn(*args))`` (or ``("error", None)``) through ``out``, then, when
     ``fn`` succeeded, the same for each of ``then`` on that result (a part too large for the pipe through
-    the memory file ``spill``, when there is one)."""
+    the memory file ``spill``, when there is one); ``before`` first, when given."""
     try:
+        if before is not None:
+            before()
         res: tuple[str, Any] = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - the parent does the work itself and meets the real error
         res = ("error", None)

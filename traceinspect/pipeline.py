@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -40,7 +41,7 @@ from traceinspect.measure.replay import ReplayBase, replay_base, replayed_steps
 from traceinspect.measure.replay.edits import kv_rows
 from traceinspect.measure.specs import adopt_default_gpu_specs, default_gpu_specs
 from traceinspect.measure.time import class_step_time, class_totals
-from traceinspect.model import TraceSet
+from traceinspect.model import RankInfo, TraceSet
 from traceinspect.model.run import RunModel, user_facts
 from traceinspect.parallel import Beside
 from traceinspect.resources import adopt_documents
@@ -54,7 +55,7 @@ from traceinspect.steps import (
 
 __all__ = ["Analysis", "Classified", "Judged", "Measured", "Options", "Selected", "Stepped", "Tables", "analyze",
            "analysed_steps", "classify", "classified", "collectives", "judge", "link", "load", "measure", "record",
-           "select", "side_jobs", "steps"]
+           "select", "steps"]
 
 
 # ----------------------------------------------------------------------------- stage results
@@ -168,11 +169,22 @@ def _beside_gemm(a: Analysis) -> tuple[Collectives, HostActivity]:
     return analyze_collectives(a), host_activity(a)
 
 
-def side_jobs(a: Analysis) -> int | None:
-    """``jobs`` for the measures beside the GEMM measure: 1 (in this process) for one rank whose file is
-    still being hashed, else the analysis's own."""
-    ranks = a.trace.ranks
-    return 1 if len(ranks) == 1 and ranks[0].hashing else a.options.jobs
+def _after_hash(info: RankInfo, told: tuple[int, int]) -> None:
+    """In the process forked beside the GEMM measure: wait until this process has hashed the file of the
+    rank ``info`` (the second core is the hash's until then) and take its digest
+    (:meth:`~traceinspect.load.raw.Sha256After.told`)."""
+    r, w = told
+    if w >= 0:
+        os.close(w)  # (this process's copy: the end of the pipe is the hash thread's to make)
+    got = b""
+    while len(got) < 64:  # (the hex digest; '' when the hash failed)
+        more = os.read(r, 64 - len(got))
+        if not more:
+            break
+        got += more
+    os.close(r)
+    if len(got) == 64:
+        info.digest = got.decode()
 
 
 def _replay_beside(a: Analysis, beside: tuple[Collectives, HostActivity]) -> ReplayBase:
@@ -189,11 +201,19 @@ def _sections_beside(a: Analysis, beside: tuple[Collectives, HostActivity]) -> d
 
 def measure(a: Analysis) -> Measured:
     """Stage 5, measure: the collectives analysis and the host activity on a second core while this one
-    measures GEMMs and makes the step samples; for one rank whose file is still being hashed (the cache off), here:
-    the fork costs about what one rank's take, and the hash has the second core. The second core then
-    builds the what-if replay model (``a.replay_base``) and the document's sections made from the tables
-    alone while this one goes on to the rules."""
-    side = Beside(_beside_gemm, a, jobs=side_jobs(a), then=(partial(_replay_beside, a), partial(_sections_beside, a)))
+    measures GEMMs and makes the step samples; for one rank whose file is still being hashed (the cache off),
+    once the hash is through (the second core is the hash's until then). The second core then builds the
+    what-if replay model (``a.replay_base``) and the document's sections made from the tables alone while
+    this one goes on to the rules."""
+    ranks = a.trace.ranks
+    told = ranks[0].digest.told() if len(ranks) == 1 and ranks[0].hashing else None
+    try:
+        side = Beside(_beside_gemm, a, jobs=a.options.jobs,
+                      then=(partial(_replay_beside, a), partial(_sections_beside, a)),
+                      before=partial(_after_hash, ranks[0], told) if told is not None else None)
+    finally:
+        if told is not None:
+            os.close(told[0])  # (the process forked beside has its copy)
     eff = measure_efficiency(a)
     eff.shapes()  # the judge's GEMM shape rows, made while the other core works
     a.step_samples()

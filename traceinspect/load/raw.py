@@ -6,6 +6,7 @@ are imported (:mod:`traceinspect.load.early`)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import mmap
@@ -304,6 +305,7 @@ class Sha256After:
         self._error: TraceInputError | None = None
         self._t: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._told: list[int] = []  # the writing ends of the pipes that get the digest (:meth:`told`)
 
     def _run(self) -> None:
         try:
@@ -314,6 +316,31 @@ class Sha256After:
                 self._digest = _hash_file(f, max(1 << 20, min(HASH_BLOCK, os.fstat(f.fileno()).st_size)))
         except OSError as e:
             self._error = TraceInputError(f"cannot read file: {e.strerror or e}", self.path)
+        finally:
+            with self._lock:
+                told, self._told = self._told, []
+            for w in told:
+                self._tell(w)
+
+    def told(self) -> tuple[int, int]:
+        """A pipe (reading end, writing end) whose reading end gets the hex digest ('' when the hash
+        failed) and then its end, once the hash is through (at once when it is, and the writing end is
+        then -1): for a process forked meanwhile, which has no hash thread (it closes its copy of the
+        writing end, which this process owns). Begins the hash if it was not."""
+        self.start()
+        r, w = os.pipe()
+        with self._lock:
+            if self._t is not None and self._t.is_alive() and self._digest is None and self._error is None:
+                self._told.append(w)
+                return r, w
+        self._tell(w)
+        return r, -1
+
+    def _tell(self, w: int) -> None:
+        with contextlib.suppress(OSError):  # (no reader left: the forked process is gone)
+            os.write(w, (self._digest or "").encode())
+        with contextlib.suppress(OSError):
+            os.close(w)
 
     def start(self) -> Sha256After:
         """Begin hashing (on a thread), once."""
