@@ -33,6 +33,7 @@ from traceinspect.judge.engine import findings_of
 from traceinspect.judge.fixes import order_findings, replay_findings
 from traceinspect.judge.gaps import Gaps, find_gaps
 from traceinspect.load import early, load_trace_set
+from traceinspect.load.raw import Sha256After
 from traceinspect.measure.clock import clock_warnings
 from traceinspect.measure.collectives import Collectives, analyze_collectives
 from traceinspect.measure.gemm import Efficiency, measure_efficiency
@@ -173,18 +174,9 @@ def _after_hash(info: RankInfo, told: tuple[int, int]) -> None:
     """In the process forked beside the GEMM measure: wait until this process has hashed the file of the
     rank ``info`` (the second core is the hash's until then) and take its digest
     (:meth:`~traceinspect.load.raw.Sha256After.told`)."""
-    r, w = told
-    if w >= 0:
-        os.close(w)  # (this process's copy: the end of the pipe is the hash thread's to make)
-    got = b""
-    while len(got) < 64:  # (the hex digest; '' when the hash failed)
-        more = os.read(r, 64 - len(got))
-        if not more:
-            break
-        got += more
-    os.close(r)
-    if len(got) == 64:
-        info.digest = got.decode()
+    digest = Sha256After.heard(told)
+    if digest is not None:
+        info.digest = digest
 
 
 def _replay_beside(a: Analysis, beside: tuple[Collectives, HostActivity]) -> ReplayBase:

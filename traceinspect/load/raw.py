@@ -325,8 +325,8 @@ class Sha256After:
     def told(self) -> tuple[int, int]:
         """A pipe (reading end, writing end) whose reading end gets the hex digest ('' when the hash
         failed) and then its end, once the hash is through (at once when it is, and the writing end is
-        then -1): for a process forked meanwhile, which has no hash thread (it closes its copy of the
-        writing end, which this process owns). Begins the hash if it was not."""
+        then -1): for a process forked meanwhile, which has no hash thread and reads it with :meth:`heard`
+        (the writing end is this process's). Begins the hash if it was not."""
         self.start()
         r, w = os.pipe()
         with self._lock:
@@ -341,6 +341,23 @@ class Sha256After:
             os.write(w, (self._digest or "").encode())
         with contextlib.suppress(OSError):
             os.close(w)
+
+    @staticmethod
+    def heard(told: tuple[int, int]) -> str | None:
+        """In a process forked after :meth:`told`: wait for that pipe's digest (closing this process's copy
+        of the writing end first, and the reading end once read); None when the hash failed."""
+        r, w = told
+        if w >= 0:
+            os.close(w)
+        size = 2 * hashlib.sha256().digest_size
+        got = b""
+        while len(got) < size:
+            more = os.read(r, size - len(got))
+            if not more:
+                break
+            got += more
+        os.close(r)
+        return got.decode() if len(got) == size else None
 
     def start(self) -> Sha256After:
         """Begin hashing (on a thread), once."""
