@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -31,8 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["SCHEMA", "Analysis", "Options"]
 
 
-@dataclass
-class Options:
+class Options(msgspec.Struct):
     """What an analysis was asked to do (also recorded in the JSON)."""
 
     phase: str = "auto"  # decode | prefill | all | auto (decode, else the one phase the trace holds)

@@ -15,11 +15,11 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pandas as pd
 
 from traceinspect import link as link_stage
@@ -62,18 +62,16 @@ __all__ = ["Analysis", "Classified", "Judged", "Measured", "Options", "Selected"
 # ----------------------------------------------------------------------------- stage results
 
 
-@dataclass
-class Stepped:
+class Stepped(msgspec.Struct):
     """The steps stage: every step of every rank (:data:`traceinspect.steps.STEP_COLUMNS`), the phase
     analysed (``auto`` resolved) and what resolving it noted."""
 
     table: pd.DataFrame
     phase: str
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = msgspec.field(default_factory=list)
 
 
-@dataclass
-class Classified:
+class Classified(msgspec.Struct):
     """The classify stage: the kernels carry ``cls``, ``cls2`` and ``cls_evidence``; the CPU ops of their
     CUDA-graph replays recovered from the capture traces, and the run model decided on the way."""
 
@@ -81,29 +79,26 @@ class Classified:
     run_model: RunModel
 
 
-@dataclass
-class Selected:
+class Selected(msgspec.Struct):
     """The analysed steps, their kernels, and a warning when ranks recorded different numbers of them."""
 
     steps: pd.DataFrame
     kernels: pd.DataFrame
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[str] = msgspec.field(default_factory=list)
 
 
-@dataclass
-class Measured:
+class Measured(msgspec.Struct):
     """The measure stage: GEMM and memory efficiency, the collectives across ranks, the host activity of
     the analysed steps, and clock warnings."""
 
     efficiency: Efficiency
     collectives: Collectives
     host: HostActivity
-    warnings: list[str] = field(default_factory=list)
-    side: Beside[Any] | None = field(default=None, repr=False)  # the second core, on the replay model and table sections
+    warnings: list[str] = msgspec.field(default_factory=list)
+    side: Beside[Any] | None = None  # the second core, on the replay model and table sections
 
 
-@dataclass
-class Judged:
+class Judged(msgspec.Struct):
     """The judge stage: the findings (ordered), the step with every finding fixed, and what could not be
     decided."""
 

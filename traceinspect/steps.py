@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -47,8 +48,7 @@ STEP_COLUMNS = [
 ]
 
 
-@dataclass
-class _Windows:
+class _Windows(msgspec.Struct):
     start: np.ndarray
     end: np.ndarray
     name: list[str]
@@ -483,8 +483,7 @@ def select_steps(steps: pd.DataFrame, phase: str) -> pd.DataFrame:
 TRAINING_OPS = re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^Optimizer\.step#|^## backward ##$")
 
 
-@dataclass
-class RunKind:
+class RunKind(msgspec.Struct):
     """What kind of run the trace is: decode, prefill, mixed, training, or None (undecided) with why."""
 
     kind: str | None

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -81,8 +82,7 @@ class CaptureTrace:
         self.conc = ops["concrete"].to_numpy(dtype=object) if len(ops) else empty
 
 
-@dataclass(frozen=True)
-class RankStatus:
+class RankStatus(msgspec.Struct, frozen=True):
     """How the ops of one rank's replayed kernels were recovered."""
 
     rank: int
@@ -97,8 +97,7 @@ class RankStatus:
                 "matched": self.matched, "capture_trace": self.capture}
 
 
-@dataclass
-class GraphOps:
+class GraphOps(msgspec.Struct):
     """CPU ops of graph-replayed GPU events recovered from the capture traces.
 
     ``kernels`` has one row per graph-replayed event of ``ts.kernels`` (same index): ``rank``,
@@ -109,8 +108,8 @@ class GraphOps:
     """
 
     kernels: pd.DataFrame
-    captures: dict[int, CaptureTrace] = field(default_factory=dict)
-    ranks: dict[int, RankStatus] = field(default_factory=dict)
+    captures: dict[int, CaptureTrace] = msgspec.field(default_factory=dict)
+    ranks: dict[int, RankStatus] = msgspec.field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> GraphOps:

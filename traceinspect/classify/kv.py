@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -52,8 +52,7 @@ def _cast_destination(name: str) -> str | None:
     return None
 
 
-@dataclass
-class _KvContext:
+class _KvContext(msgspec.Struct):
     """What the trace says about the KV cache and the layer structure."""
 
     pool: int | None
@@ -63,7 +62,7 @@ class _KvContext:
     layers_src: str
     included: np.ndarray  # per kernel row: in an included step
     pool_src: str = ""  # where the pool size came from
-    steps_per_rank: dict[int, int] = field(default_factory=dict)  # included steps per rank
+    steps_per_rank: dict[int, int] = msgspec.field(default_factory=dict)  # included steps per rank
 
     def pool_rows(self, rows: int) -> bool:
         return self.pool is not None and self.pool <= rows <= self.pool + 2 * max(self.page, 1)

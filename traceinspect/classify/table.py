@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from traceinspect.errors import RuleError
 from traceinspect.model.classes import CLASSES
@@ -247,8 +248,7 @@ def name_pattern(text: str, flags: int) -> NamePattern:
     return p
 
 
-@dataclass(frozen=True)
-class Label:
+class Label(msgspec.Struct, frozen=True):
     """The class of one kernel: primary ``cls``, secondary ``cls2`` ('' unless fused), and why."""
 
     cls: str
@@ -256,8 +256,7 @@ class Label:
     evidence: str
 
 
-@dataclass(frozen=True)
-class Rule:
+class Rule(msgspec.Struct, frozen=True):
     """One compiled entry of a class table."""
 
     id: str
@@ -309,26 +308,24 @@ class Rule:
         return f"rule {self.id} ({', '.join(what)})"
 
 
-@dataclass(frozen=True)
-class Promotion:
+class Promotion(msgspec.Struct, frozen=True):
     """Which labels may be promoted to an evidence-based class (``kv_cast``, ``kv_write``)."""
 
     target: str
     sources: tuple[str, ...]
     name: re.Pattern[str] | None = None
-    next: dict[str, str] = field(default_factory=dict)  # consumer: class of the next kernel -> new class
+    next: dict[str, str] = msgspec.field(default_factory=dict)  # consumer: class of the next kernel -> new class
 
 
-@dataclass
-class ClassTable:
+class ClassTable(msgspec.Struct):
     """Compiled class rules, highest priority first; ``source`` is the main YAML file."""
 
     rules: list[Rule]
     source: Path
     extra: tuple[Path, ...] = ()
-    promote: dict[str, Promotion] = field(default_factory=dict)
-    _cache: dict[tuple[str, str, str], Label] = field(default_factory=dict, repr=False)
-    _name_hits: dict[str, dict[NamePattern, bool]] = field(default_factory=dict, repr=False)
+    promote: dict[str, Promotion] = msgspec.field(default_factory=dict)
+    _cache: dict[tuple[str, str, str], Label] = msgspec.field(default_factory=dict)
+    _name_hits: dict[str, dict[NamePattern, bool]] = msgspec.field(default_factory=dict)
 
     def classify(self, name: str, op_path: str = "", kind: str = "kernel") -> Label:
         """Label of one (name, op_path, kind) triple; memoised."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from traceinspect import units
@@ -30,8 +30,7 @@ MAX_TEXT_VALUE = 160  # characters of a text metric inside a message
 MAX_EVIDENCE_TEXT = 600
 
 
-@dataclass
-class Finding:
+class Finding(msgspec.Struct):
     """One problem found by one rule (on one subject, or on several merged ranks)."""
 
     rule: str
@@ -44,13 +43,13 @@ class Finding:
     evidence: dict[str, Any]
     remediation: str
     # what the rule's fixes act on: the subject's selection, ranks and the fix edits' values
-    fix_context: dict[str, Any] = field(default_factory=dict, repr=False)
+    fix_context: dict[str, Any] = msgspec.field(default_factory=dict)
     # replays of the rule's fixes (traceinspect.judge.fixes): variant, label, predicted step, saving, edits
-    fixes: list[dict[str, Any]] = field(default_factory=list)
+    fixes: list[dict[str, Any]] = msgspec.field(default_factory=list)
     estimate_source: str = "rule"  # 'replay' when the saving comes from replaying a fix
     parent: str | None = None  # the finding (rule id) sharing this one's cause with the larger saving
-    children: list[str] = field(default_factory=list)
-    prediction: Any = field(default=None, repr=False)  # the replay behind the estimate (not serialised)
+    children: list[str] = msgspec.field(default_factory=list)
+    prediction: Any = None  # the replay behind the estimate (not serialised)
 
     @property
     def id(self) -> str:
@@ -69,18 +68,17 @@ class Finding:
         }
 
 
-@dataclass
-class Outcome:
+class Outcome(msgspec.Struct):
     """What one rule concluded on one subject: fired, silent, undecided, skipped or error, and why."""
 
     rule: str
     status: str
     subject: str = ""
-    reasons: list[str] = field(default_factory=list)
+    reasons: list[str] = msgspec.field(default_factory=list)
     finding: Finding | None = None
-    values: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Any] = msgspec.field(default_factory=dict)
     # undecided: the unavailable metrics the undecided conditions read (through ``let``), and why
-    missing: dict[str, str] = field(default_factory=dict)
+    missing: dict[str, str] = msgspec.field(default_factory=dict)
     classes: tuple[str, ...] = ()  # kernel classes of the subject's kernels
 
 

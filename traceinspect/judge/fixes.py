@@ -5,9 +5,9 @@ one replay of all the fixes together, never a sum of savings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from traceinspect.measure.replay import EditError, Prediction, Replayer, replayer
@@ -28,13 +28,12 @@ def _r(x: float | None) -> float | None:
     return None if x is None or not np.isfinite(x) else round(float(x), 1)
 
 
-@dataclass
-class AllFixed:
+class AllFixed(msgspec.Struct):
     """The step with every finding's (first decided) fix applied together, from one replay."""
 
     prediction: Prediction | None
-    fixes: list[str] = field(default_factory=list)
-    undecided: list[str] = field(default_factory=list)
+    fixes: list[str] = msgspec.field(default_factory=list)
+    undecided: list[str] = msgspec.field(default_factory=list)
     reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:

@@ -4,9 +4,10 @@ exact way to supply what is missing. Texts and thresholds: ``rules/tables/eviden
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from traceinspect.errors import RuleError
 from traceinspect.resources import lazy_module, settings_document, tables_dir
@@ -24,8 +25,7 @@ DERIVED = {"kv_pool_bytes_per_layer": ("kv_pool_tokens", "kv_row_bytes"), "kv_ro
            "calls_per_layer": ("layers",)}
 
 
-@dataclass(frozen=True)
-class EvidenceTable:
+class EvidenceTable(msgspec.Struct, frozen=True):
     """rules/tables/evidence.yaml, read."""
 
     undecided_share: float
@@ -58,13 +58,12 @@ def evidence_table() -> EvidenceTable:
                          dict(doc.get("supply") or {}), about)
 
 
-@dataclass
-class Gaps:
+class Gaps(msgspec.Struct):
     """``undecided``: [{rule, subject, share, missing, how_to_supply}]; ``unexplained``:
     [{cls, share, explain_with}]; both largest share first."""
 
-    undecided: list[dict[str, Any]] = field(default_factory=list)
-    unexplained: list[dict[str, Any]] = field(default_factory=list)
+    undecided: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    unexplained: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"undecided": self.undecided, "unexplained": self.unexplained}

@@ -4,9 +4,10 @@ validated against (severities, phases, selectors, fixes)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from traceinspect.judge.expr import Expr
 
@@ -29,16 +30,14 @@ FORMAT_SPEC = re.compile(r"^[<>^]?[+\- ]?,?\d{0,2}(?:\.\d{1,2})?[eEfFgG%dsn]?$")
 MAX_TEXT = 20_000
 
 
-@dataclass(frozen=True)
-class Placeholder:
+class Placeholder(msgspec.Struct, frozen=True):
     """One ``{expression:format}`` of a message template."""
 
     expr: Expr
     spec: str
 
 
-@dataclass
-class Selector:
+class Selector(msgspec.Struct):
     """What a rule is evaluated on (scope) and how the subjects are picked."""
 
     scope: str = "run"  # run | kernels | gemm | rank | class
@@ -52,19 +51,17 @@ class Selector:
     moe: bool | None = None  # gemm: only expert (True) / only dense (False) GEMMs
     where: Expr | None = None  # gemm: row filter over the gemm scope's shape metrics
     group_by: str = "none"
-    text: dict[str, Any] = field(default_factory=dict)  # as written, for `rules show`
+    text: dict[str, Any] = msgspec.field(default_factory=dict)  # as written, for `rules show`
 
 
-@dataclass
-class FixEdit:
+class FixEdit(msgspec.Struct):
     """One edit of a fix as declared: ``value`` is an expression over the rule's names (or None)."""
 
     spec: dict[str, Any]
     value: Expr | None = None
 
 
-@dataclass
-class Fix:
+class Fix(msgspec.Struct):
     """A named way to fix what a rule finds, as replay edits (``fixes:`` of a rule)."""
 
     variant: str
@@ -72,8 +69,7 @@ class Fix:
     edits: list[FixEdit]
 
 
-@dataclass
-class Rule:
+class Rule(msgspec.Struct):
     """One validated rule."""
 
     id: str
@@ -92,7 +88,7 @@ class Rule:
     evidence: dict[str, Expr]
     params: dict[str, float]
     tests: dict[str, list[str]]
-    let: dict[str, Expr] = field(default_factory=dict)
+    let: dict[str, Expr] = msgspec.field(default_factory=dict)
     share_of: str = "step_time"
     removes: str = "time"  # "idle": the estimate is capped at the GPU idle time inside the step
     example: str = ""
@@ -101,7 +97,7 @@ class Rule:
     line: int = 0
     override: bool = False
     shipped: bool = False
-    fixes: list[Fix] = field(default_factory=list)
+    fixes: list[Fix] = msgspec.field(default_factory=list)
 
     @property
     def where(self) -> str:
@@ -143,12 +139,11 @@ class Rule:
         return out
 
 
-@dataclass
-class RuleSet:
+class RuleSet(msgspec.Struct):
     """The rules to evaluate, in file order, and the files they came from."""
 
     rules: list[Rule]
-    files: list[Path] = field(default_factory=list)
+    files: list[Path] = msgspec.field(default_factory=list)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self.rules)

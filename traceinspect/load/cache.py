@@ -16,7 +16,6 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +128,7 @@ def store(root: Path, sha256: str, parsed: ParsedRank) -> None:
     """Write an entry atomically (a temporary directory renamed into place); failures are ignored."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from msgspec import structs
 
     final = _entry(root, sha256)
     if final.exists():
@@ -150,7 +150,7 @@ def store(root: Path, sha256: str, parsed: ParsedRank) -> None:
                     cols[c] = pa.array(v.to_numpy())
             pq.write_table(pa.table(cols), tmp / f"{t}.parquet")
         meta = {
-            "devices": [asdict(d) for d in parsed.devices],
+            "devices": [structs.asdict(d) for d in parsed.devices],
             "distributed_info": parsed.distributed_info,
             "cuda_runtime_version": parsed.cuda_runtime_version,
             "cuda_driver_version": parsed.cuda_driver_version,

@@ -23,9 +23,9 @@ Tables of :class:`Collectives` (pandas DataFrames):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -57,24 +57,23 @@ if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
 
-@dataclass
-class Collectives:
+class Collectives(msgspec.Struct):
     """The tensor-parallel view of an analysis (see the module docstring and docs/collectives.md)."""
 
     n_ranks: int
     reason: str | None = None  # why there is no collective analysis (None when there is one)
-    groups: list[list[int]] = field(default_factory=list)
-    instances: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=INSTANCE_COLUMNS))
-    per_rank: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PER_RANK_COLUMNS))
-    per_step: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PER_STEP_COLUMNS))
-    offsets: dict[int, float] = field(default_factory=dict)  # estimated clock offset per rank (us)
-    offsets_applied: dict[int, float] = field(default_factory=dict)  # the offset subtracted (0 if not)
-    offset_noise: dict[int, float] = field(default_factory=dict)
-    reference_rank: dict[int, int] = field(default_factory=dict)  # rank -> its group's reference rank
-    straggler: dict[str, Any] = field(default_factory=dict)
-    critical_path: dict[str, Any] = field(default_factory=dict)
+    groups: list[list[int]] = msgspec.field(default_factory=list)
+    instances: pd.DataFrame = msgspec.field(default_factory=lambda: pd.DataFrame(columns=INSTANCE_COLUMNS))
+    per_rank: pd.DataFrame = msgspec.field(default_factory=lambda: pd.DataFrame(columns=PER_RANK_COLUMNS))
+    per_step: pd.DataFrame = msgspec.field(default_factory=lambda: pd.DataFrame(columns=PER_STEP_COLUMNS))
+    offsets: dict[int, float] = msgspec.field(default_factory=dict)  # estimated clock offset per rank (us)
+    offsets_applied: dict[int, float] = msgspec.field(default_factory=dict)  # the offset subtracted (0 if not)
+    offset_noise: dict[int, float] = msgspec.field(default_factory=dict)
+    reference_rank: dict[int, int] = msgspec.field(default_factory=dict)  # rank -> its group's reference rank
+    straggler: dict[str, Any] = msgspec.field(default_factory=dict)
+    critical_path: dict[str, Any] = msgspec.field(default_factory=dict)
     steps_aligned: int = 0
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = msgspec.field(default_factory=list)
 
     @property
     def applicable(self) -> bool:

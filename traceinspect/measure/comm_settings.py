@@ -4,11 +4,11 @@ kinds, clock-offset and straggler thresholds, table columns."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from traceinspect.resources import lazy_module
@@ -69,8 +69,7 @@ def _median(v: Any) -> float:
     return float(np.median(arr)) if len(arr) else float("nan")
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(msgspec.Struct, frozen=True):
     """The data-driven part of the collectives analysis (``rules/tables/collectives.yaml``)."""
 
     kinds: tuple[tuple[str, re.Pattern[str]], ...]

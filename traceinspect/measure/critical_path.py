@@ -6,9 +6,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -129,8 +129,7 @@ def _longest_path(n: int, weight: list[float], edges: list[tuple[int, int]], src
     return path
 
 
-@dataclass
-class StepGraph:
+class StepGraph(msgspec.Struct):
     """One step's dependency graph as arrays: per node its weight, class (``cls_names[cls]``), rank
     (-1: none) and label (``labels[label]``); the edges ``src[i] -> dst[i]`` in order; the step's source
     and sink nodes. A path's length is the sum of the weights of its nodes but the last."""

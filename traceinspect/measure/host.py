@@ -5,9 +5,9 @@ run metrics and the ``host-stalls`` replay edit read them from here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import pandas as pd
 
 from traceinspect.measure.idle import gpu_gaps, host_syncs
@@ -18,8 +18,7 @@ if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
 
 
-@dataclass
-class HostActivity:
+class HostActivity(msgspec.Struct):
     """What :func:`host_activity` measured."""
 
     stall_min_us: float  # the threshold of ``stalls``

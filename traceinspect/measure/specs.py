@@ -4,9 +4,10 @@ matching of a trace's device (``deviceProperties`` name / compute capability) to
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from traceinspect.errors import ConfigError
 from traceinspect.resources import lazy_module, load_yaml
@@ -16,14 +17,13 @@ yaml = lazy_module("yaml")
 DTYPES = ("fp4", "fp8", "fp16", "bf16", "tf32", "fp32")
 
 
-@dataclass
-class GpuSpec:
+class GpuSpec(msgspec.Struct):
     """One GPU model: dense peak TFLOP/s per dtype and peak memory bandwidth (GB/s)."""
 
     name: str
-    match: list[str] = field(default_factory=list)  # regexes against deviceProperties.name
+    match: list[str] = msgspec.field(default_factory=list)  # regexes against deviceProperties.name
     compute_capability: str | None = None
-    peak_tflops: dict[str, float] = field(default_factory=dict)
+    peak_tflops: dict[str, float] = msgspec.field(default_factory=dict)
     mem_bw_gbps: float | None = None
     source: str = ""
 

@@ -7,10 +7,10 @@ user states (flags, ``[model]`` of ``traceinspect.toml``) and :class:`ServerInfo
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from traceinspect.errors import ConfigError
@@ -41,8 +41,7 @@ TORCH_DTYPES = {
 }
 
 
-@dataclass(frozen=True)
-class Fact:
+class Fact(msgspec.Struct, frozen=True):
     """One decided value: ``value`` (None when undecided), ``source``, ``confidence`` and ``detail``
     (the exact key or method; when undecided, why)."""
 
@@ -65,11 +64,10 @@ def undecided(reason: str) -> Fact:
     return Fact(None, None, UNDECIDED, reason)
 
 
-@dataclass
-class RunModel:
+class RunModel(msgspec.Struct):
     """The facts of one analysis (see the module docstring)."""
 
-    facts: dict[str, Fact] = field(default_factory=dict)
+    facts: dict[str, Fact] = msgspec.field(default_factory=dict)
 
     def value(self, name: str) -> Any:
         f = self.facts.get(name)

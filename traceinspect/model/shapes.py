@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -47,8 +46,7 @@ def dtype_of(type_str: str | None) -> tuple[str, float] | None:
     return _DTYPES.get(type_str)
 
 
-@dataclass(frozen=True)
-class Shape:
+class Shape(msgspec.Struct, frozen=True):
     """What one op (or one kernel of a fused op) computes, from its recorded shapes."""
 
     kind: str  # 'gemm' | 'memory'
@@ -191,9 +189,9 @@ def _scaled_mm(dims, types, concrete) -> tuple[Shape, ...]:
     scale_bytes = sum(_prod(d) * 4 for d in dims[2:4] if isinstance(d, list))
     s = _gemm(a, at, ae, b, bt, be, out[1] if out else None)
     if s.bytes is not None:
-        s = Shape(**{**s.__dict__, "bytes": s.bytes + scale_bytes})
+        s = msgspec.structs.replace(s, bytes=s.bytes + scale_bytes)
     else:
-        s = Shape(**{**s.__dict__, "note": "output dtype not recorded: bytes unknown"})
+        s = msgspec.structs.replace(s, note="output dtype not recorded: bytes unknown")
     return (s,)
 
 

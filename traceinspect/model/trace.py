@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -42,8 +43,7 @@ ANNOTATION_COLUMNS = ["rank", "name", "ts", "dur", "end", "tid"]
 GPU_ANNOTATION_COLUMNS = ["rank", "name", "ts", "dur", "end"]
 
 
-@dataclass
-class DeviceInfo:
+class DeviceInfo(msgspec.Struct):
     """One GPU as described by the trace's ``deviceProperties``."""
 
     name: str
@@ -52,8 +52,7 @@ class DeviceInfo:
     num_sms: int | None = None
 
 
-@dataclass
-class RankInfo:
+class RankInfo(msgspec.Struct):
     """One rank file of a trace set and where its identity came from."""
 
     rank: int
@@ -66,15 +65,15 @@ class RankInfo:
     ep: int | None = None
     stage: str | None = None  # 'EXTEND' | 'DECODE' from the file name
     profile_id: str | None = None
-    devices: list[DeviceInfo] = field(default_factory=list)
-    distributed_info: dict[str, Any] = field(default_factory=dict)
+    devices: list[DeviceInfo] = msgspec.field(default_factory=list)
+    distributed_info: dict[str, Any] = msgspec.field(default_factory=dict)
     cuda_runtime_version: str | None = None
     cuda_driver_version: str | None = None
     trace_id: str | None = None
     size_bytes: int = 0
     # the file's SHA-256 as hex, or the hash under way (a load without the cache hashes the file beside
     # the analysis): read it as :attr:`sha256`
-    digest: Any = field(default="", repr=False)
+    digest: Any = ""
     n_events: int = 0
 
     @property

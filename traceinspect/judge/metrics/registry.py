@@ -4,9 +4,9 @@ it (the scope modules of this package), and the :class:`Subject` a rule is evalu
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from traceinspect.model.classes import CLASSES
@@ -17,8 +17,7 @@ def class_ids() -> tuple[str, ...]:
     return CLASSES
 
 
-@dataclass(frozen=True)
-class Metric:
+class Metric(msgspec.Struct, frozen=True):
     """One documented metric."""
 
     name: str
@@ -75,16 +74,15 @@ def known(scope: str, name: str) -> bool:
     return name in _REG["run"] or name in _REG[scope]
 
 
-@dataclass
-class Subject:
+class Subject(msgspec.Struct):
     """One thing a rule is evaluated on: its metric values, label, ranks and the reasons why some
     metrics are unavailable."""
 
     scope: str
     label: str
     values: dict[str, Any]
-    ranks: list[int] = field(default_factory=list)
-    missing: dict[str, str] = field(default_factory=dict)
+    ranks: list[int] = msgspec.field(default_factory=list)
+    missing: dict[str, str] = msgspec.field(default_factory=dict)
     classes: tuple[str, ...] = ()  # kernel classes of the subject's kernels (kernels, gemm, class scopes)
 
 

@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -148,8 +149,7 @@ class Prediction:
         }
 
 
-@dataclass
-class ReplayBase:
+class ReplayBase(msgspec.Struct):
     """What a :class:`Replayer` starts from: the replay model of an analysis and its replay as measured
     (made once; made beside the analysis by the measure stage, see :func:`replay_base`)."""
 
@@ -157,7 +157,7 @@ class ReplayBase:
     params: Params
     run: Run
     steps: pd.DataFrame  # per replayed step (see _step_table)
-    facts: dict[str, Any] = field(default_factory=dict)  # facts edits need, found ahead (see Replayer.cache)
+    facts: dict[str, Any] = msgspec.field(default_factory=dict)  # facts edits need, found ahead (see Replayer.cache)
 
 
 def replay_base(a: Analysis, max_steps: int | None = None) -> ReplayBase:

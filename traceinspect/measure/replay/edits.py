@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from traceinspect.errors import ConfigError
@@ -46,8 +46,7 @@ class EditError(ConfigError):
     """An edit that cannot be parsed."""
 
 
-@dataclass
-class Select:
+class Select(msgspec.Struct):
     """Which GPU operations (or host calls) an edit touches."""
 
     classes: tuple[str, ...] = ()
@@ -57,16 +56,15 @@ class Select:
     not_op: re.Pattern[str] | None = None
     kinds: tuple[str, ...] = ()
     ranks: tuple[int, ...] = ()
-    text: dict[str, Any] = field(default_factory=dict)
+    text: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.text)
 
 
-@dataclass
-class Edit:
+class Edit(msgspec.Struct):
     kind: str
-    select: Select = field(default_factory=Select)
+    select: Select = msgspec.field(default_factory=Select)
     value: float | None = None
     src: int | None = None  # host-from: the rank whose timeline is given
     dst: int | None = None
@@ -290,23 +288,21 @@ def kv_rows(a: Analysis, cache: dict[str, Any] | None = None) -> tuple[float | N
     return out
 
 
-@dataclass
-class Applied:
+class Applied(msgspec.Struct):
     """Parameters after the edits, and what could not be decided."""
 
     params: Params
-    undecided: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    undecided: list[str] = msgspec.field(default_factory=list)
+    notes: list[str] = msgspec.field(default_factory=list)
 
 
 def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
                 cache: dict[str, Any] | None = None) -> Applied:
     """Apply ``edits`` in order to a copy of ``base`` (``cache``: facts found once per replayer)."""
-    from dataclasses import replace
-
-    p = replace(base, dur=base.dur.copy(), res=base.res.copy(), lA=base.lA.copy(), lS=base.lS.copy(),
-                gap=base.gap.copy(), hdur=base.hdur.copy(), block=base.block.copy(), r=base.r.copy(),
-                hspeed=base.hspeed.copy() if base.hspeed is not None else np.ones(len(m.h_t)))
+    hspeed = base.hspeed.copy() if base.hspeed is not None else np.ones(len(m.h_t))
+    p = msgspec.structs.replace(base, dur=base.dur.copy(), res=base.res.copy(), lA=base.lA.copy(), lS=base.lS.copy(),
+                                gap=base.gap.copy(), hdur=base.hdur.copy(), block=base.block.copy(),
+                                r=base.r.copy(), hspeed=hspeed)
     out = Applied(params=p)
     coll = m.g_inst >= 0
     for e in edits:

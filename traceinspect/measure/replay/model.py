@@ -23,11 +23,11 @@ replay without edits reproduces every start and end, and an edit moves what it f
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -43,8 +43,7 @@ SETTINGS_FILE = "replay.yaml"
 XSTREAM_TOL_US = 2.0  # an operation starting this close to another stream's end waits for it
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(msgspec.Struct, frozen=True):
     blocking: re.Pattern[str]
     block_tol_us: float
     max_steps: int
@@ -76,8 +75,7 @@ def load_settings(path: str | None = None) -> Settings:
         raise RuleError(f"unusable replay settings: {type(e).__name__}: {e}", file) from None
 
 
-@dataclass
-class Model:
+class Model(msgspec.Struct):
     """Arrays of one replay: ``g_*`` per GPU operation, ``h_*`` per host call, ``i_*`` per collective
     instance. Index -1 means "none"; anchors are measured times used where a chain enters the window."""
 
@@ -119,9 +117,9 @@ class Model:
     h_launches: np.ndarray  # bool: launches GPU work of the window
     h_op_in: np.ndarray  # host time of the launching CPU op before the call (removable with the op)
     # collective instances
-    i_members: list[list[int]] = field(default_factory=list)
-    i_key: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    notes: list[str] = field(default_factory=list)
+    i_members: list[list[int]] = msgspec.field(default_factory=list)
+    i_key: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0))
+    notes: list[str] = msgspec.field(default_factory=list)
     steps_available: int = 0
     order: np.ndarray | None = None  # event order (types, indices), computed once
 

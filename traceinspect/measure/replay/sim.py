@@ -16,8 +16,7 @@ entry ``S0`` needs the event loop; every start and end then follows in a few arr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -29,8 +28,7 @@ _HOST, _OP, _BLOCK_END, _INST = 0, 1, 2, 3
 BY_LAUNCH, BY_STREAM, BY_XSTREAM, BY_ANCHOR = 0, 1, 2, 3
 
 
-@dataclass
-class Params:
+class Params(msgspec.Struct):
     """The editable quantities of a replay (copies of the model's measured ones)."""
 
     dur: np.ndarray
@@ -50,8 +48,7 @@ def measured_params(m: Model) -> Params:
                   hspeed=np.ones(len(m.h_t)))
 
 
-@dataclass
-class Run:
+class Run(msgspec.Struct):
     """Replayed times: op starts/ends, host call starts/ends, and what bound each op."""
 
     g_start: np.ndarray
