@@ -5,7 +5,6 @@ contract (``traceinspect.analysis/1``, built by :mod:`traceinspect.document.buil
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +51,7 @@ class Options(msgspec.Struct):
     config: str | Path | None = None  # a traceinspect.toml whose [model] table states them too
 
 
-@dataclass
-class Analysis:
+class Analysis(msgspec.Struct, eq=False):
     """Everything measured about one trace set, as tables, plus the findings."""
 
     trace: TraceSet
@@ -66,19 +64,19 @@ class Analysis:
     efficiency: Efficiency | None = None
     collectives: Collectives | None = None
     host: HostActivity | None = None  # stall stretches, syncs, GPU gaps of the analysed steps (measure stage)
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[Finding] = msgspec.field(default_factory=list)
     graph_ops: GraphOps | None = None  # CPU ops of CUDA-graph replays, from the capture traces
-    run_model: RunModel = field(default_factory=RunModel)  # layers, KV pool, experts, ... (one place)
-    gaps: Gaps = field(default_factory=Gaps)  # rules that could not decide, large classes nothing explains
+    run_model: RunModel = msgspec.field(default_factory=RunModel)  # layers, KV pool, experts, ... (one place)
+    gaps: Gaps = msgspec.field(default_factory=Gaps)  # rules that could not decide, large classes nothing explains
     rule_set: Any = None  # the rules the findings were judged with (their texts go into the report)
     run_kind: RunKind | None = None  # decode, prefill, mixed or training, decided once (steps.run_kind)
     replay: Any = None  # the what-if replayer (traceinspect.measure.replay), built on first use
     # its model and measured replay, being built beside the analysis (measure stage): a call that waits for them
-    replay_base: Any = field(default=None, repr=False, compare=False)
+    replay_base: Any = None
     # the document's sections made from the tables alone, made beside the rules: (tables key, sections)
-    trace_sections: Any = field(default=None, repr=False, compare=False)
+    trace_sections: Any = None
     all_fixed: Any = None  # the step with every finding fixed, from one replay (traceinspect.judge.fixes)
-    _samples: Any = field(default=None, init=False, repr=False, compare=False)  # (key, step_samples())
+    _samples: Any = None  # (key, step_samples())
 
     @property
     def phase(self) -> str:
@@ -111,6 +109,10 @@ class Analysis:
         if self._samples is None or self._samples[0] != key:
             self._samples = (key, self._step_samples())
         return self._samples[1]
+
+    def keep_step_samples(self, samples: pd.DataFrame) -> None:
+        """Keep :meth:`step_samples` made elsewhere (a process forked from this one, from the same tables)."""
+        self._samples = (self._samples_key(), samples)
 
     def _samples_key(self) -> tuple[int, int]:
         return id(self.selected), id(self.class_steps)  # the tables the samples are built from

@@ -160,9 +160,17 @@ def collectives(a: Analysis) -> Collectives:
     return analyze_collectives(a)
 
 
-def _beside_gemm(a: Analysis) -> tuple[Collectives, HostActivity]:
+def _samples_beside(a: Analysis) -> pd.DataFrame:
+    """The step samples (:meth:`~traceinspect.analysis.Analysis.step_samples`), the side's first part: the
+    rules read them, and the later parts there too."""
+    return a.step_samples()
+
+
+def _beside_gemm(a: Analysis, samples: pd.DataFrame | None = None) -> tuple[Collectives, HostActivity]:
     """The measures that do not read the GEMM efficiency: collectives and host activity."""
-    return analyze_collectives(a), host_activity(a)
+    c = analyze_collectives(a)
+    a.collectives = c  # (in the side's copy: the replay model reads the clock offsets)
+    return c, host_activity(a)
 
 
 def _after_hash(info: RankInfo, told: tuple[int, int]) -> None:
@@ -174,38 +182,46 @@ def _after_hash(info: RankInfo, told: tuple[int, int]) -> None:
         info.digest = digest
 
 
-def _replay_beside(a: Analysis, beside: tuple[Collectives, HostActivity]) -> ReplayBase:
-    a.collectives = beside[0]  # the model reads the clock offsets (set in the child's copy; here, the same)
+def _replay_beside(a: Analysis, samples: pd.DataFrame | None = None) -> ReplayBase:
+    if a.collectives is None:  # (the side's collectives part failed: as the serial run has them)
+        a.collectives = analyze_collectives(a)
     base = replay_base(a)
     with contextlib.suppress(Exception):  # found ahead, for the KV-row edits; else where an edit needs them
         base.facts["kv_rows"] = kv_rows(a, {"steps": replayed_steps(a, base.model)})
     return base
 
 
-def _sections_beside(a: Analysis, beside: tuple[Collectives, HostActivity]) -> dict[str, Any]:
-    return trace_sections(a)  # (with the step samples made there, or those made here)
+def _sections_beside(a: Analysis, samples: pd.DataFrame | None = None) -> dict[str, Any]:
+    return trace_sections(a)  # (with the step samples made there)
+
+
+# the parts of the side's work after its first (the step samples), by position for Beside.then_result
+SIDE_MEASURES, SIDE_REPLAY, SIDE_SECTIONS = 0, 1, 2
 
 
 def measure(a: Analysis) -> Measured:
-    """Stage 5, measure: the collectives analysis and the host activity on a second core while this one
-    measures GEMMs and makes the step samples; for one rank whose file is still being hashed (the cache off),
-    once the hash is through (the second core is the hash's until then). The second core then builds the
-    what-if replay model (``a.replay_base``) and the document's sections made from the tables alone while
-    this one goes on to the rules."""
+    """Stage 5, measure: on a second core, the step samples, then the collectives analysis and the host
+    activity, while this one measures GEMMs; for one rank whose file is still being hashed (the cache off),
+    once the hash is through (the second core is the hash's until then, and this one makes the step samples
+    meanwhile). The second core then builds the what-if replay model (``a.replay_base``) and the document's
+    sections made from the tables alone while this one goes on to the rules."""
     ranks = a.trace.ranks
     told = ranks[0].digest.told() if len(ranks) == 1 and ranks[0].hashing else None
     try:
-        side = Beside(_beside_gemm, a, jobs=a.options.jobs,
-                      then=(partial(_replay_beside, a), partial(_sections_beside, a)),
+        side = Beside(_samples_beside, a, jobs=a.options.jobs,
+                      then=(partial(_beside_gemm, a), partial(_replay_beside, a), partial(_sections_beside, a)),
                       before=partial(_after_hash, ranks[0], told) if told is not None else None)
     finally:
         if told is not None:
             os.close(told[0])  # (the process forked beside has its copy)
     eff = measure_efficiency(a)
     eff.shapes()  # the judge's GEMM shape rows, made while the other core works
-    a.step_samples()
-    c, host = side.result()
-    a.replay_base = partial(side.then_result, 0)
+    if told is not None or not side.forked:
+        a.step_samples()
+    else:
+        a.keep_step_samples(side.result())
+    c, host = side.then_result(SIDE_MEASURES)
+    a.replay_base = partial(side.then_result, SIDE_REPLAY)
     return Measured(eff, c, host, clock_warnings(c, a.trace.ranks), side=side)
 
 
@@ -343,7 +359,7 @@ def _analyze_loaded(ts: TraceSet, opts: Options, tables: Tables) -> Analysis:
     try:
         judged = judge(a, tables.rule_set())
         if measured.side is not None and measured.side.forked:
-            keep_trace_sections(a, measured.side.then_result(1))
+            keep_trace_sections(a, measured.side.then_result(SIDE_SECTIONS))
     finally:
         a.replay_base = None
         if measured.side is not None:

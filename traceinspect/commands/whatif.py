@@ -96,7 +96,7 @@ def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str,
     rp = replayer(a)
     p = rp.predict(all_edits, label="; ".join(labels))
     if host_undecided:
-        from dataclasses import replace
+        from msgspec.structs import replace
 
         p = replace(p, undecided=list(p.undecided) + host_undecided)
     doc = p.to_json()

@@ -10,9 +10,9 @@ given, else reported as unknown. Formulas are in ``docs/metrics.md``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -54,18 +54,17 @@ CALL_COLUMNS = [
 ]
 
 
-@dataclass
-class Efficiency:
+class Efficiency(msgspec.Struct, eq=False):
     """GEMM and memory efficiency of the analysed kernels."""
 
     calls: pd.DataFrame
     gemm: pd.DataFrame
     memory_bound: pd.DataFrame
-    moe: dict[str, Any] = field(default_factory=dict)
+    moe: dict[str, Any] = msgspec.field(default_factory=dict)
     spec: GpuSpec | None = None
     spec_reason: str = ""
-    _gemm_calls: pd.DataFrame | None = field(default=None, repr=False, compare=False)
-    _shapes: tuple[pd.DataFrame | None] | None = field(default=None, repr=False, compare=False)
+    _gemm_calls: pd.DataFrame | None = None
+    _shapes: tuple[pd.DataFrame | None] | None = None
 
     def gemm_calls(self) -> pd.DataFrame:
         """The GEMM rows of ``calls``, selected once (the GEMM table, the judge's shape rows and the

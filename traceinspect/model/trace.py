@@ -22,7 +22,6 @@ Tables (one pandas DataFrame each, all ranks concatenated, column ``rank`` first
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +100,7 @@ class RankInfo(msgspec.Struct):
         return self.devices[0]
 
 
-@dataclass
-class TraceSet:
+class TraceSet(msgspec.Struct, eq=False):
     """All ranks of one capture, as typed tables, plus the evidence found beside them."""
 
     ranks: list[RankInfo]
@@ -113,12 +111,12 @@ class TraceSet:
     gpu_annotations: pd.DataFrame
     server_info: dict[str, Any] | None = None
     server_info_path: Path | None = None
-    capture_traces: dict[int, Path] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-    sources: list[str] = field(default_factory=list)
+    capture_traces: dict[int, Path] = msgspec.field(default_factory=dict)
+    warnings: list[str] = msgspec.field(default_factory=list)
+    sources: list[str] = msgspec.field(default_factory=list)
     linked: bool = False  # link columns already present (the loader links each rank where it parses it)
     # cpu_ops.name as (codes, texts), as the loader's link numbered it (texts may repeat); see op_names
-    op_name_codes: tuple[Any, Any] | None = field(default=None, repr=False, compare=False)
+    op_name_codes: tuple[Any, Any] | None = None
 
     @property
     def n_ranks(self) -> int:

@@ -9,7 +9,6 @@ TP step = the slowest rank's, medians over the replayed steps, and the replay's 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -49,19 +48,18 @@ def _r(x: float | None, nd: int = 1) -> float | None:
     return None if x is None or not np.isfinite(x) else round(float(x), nd)
 
 
-@dataclass
-class Prediction:
+class Prediction(msgspec.Struct, eq=False):
     """One replay with edits, beside the replay without them."""
 
     edits: list[Edit]
     per_step: pd.DataFrame  # rank, pos, measured_us, replayed_us, predicted_us, *_busy_us
-    undecided: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    undecided: list[str] = msgspec.field(default_factory=list)
+    notes: list[str] = msgspec.field(default_factory=list)
     run: Run | None = None
     label: str = ""
     _paths: Any = None  # () -> (path as replayed, path with the edits), computed on first use
     _path_cache: tuple[dict[str, float], dict[str, float]] | None = None
-    _tp: dict[str, float] = field(default_factory=dict, repr=False, compare=False)  # per_step is not changed
+    _tp: dict[str, float] = msgspec.field(default_factory=dict)  # per_step is not changed
 
     def _path_pair(self) -> tuple[dict[str, float], dict[str, float]]:
         if self._path_cache is None:
