@@ -160,13 +160,7 @@ def collectives(a: Analysis) -> Collectives:
     return analyze_collectives(a)
 
 
-def _samples_beside(a: Analysis) -> pd.DataFrame:
-    """The step samples (:meth:`~traceinspect.analysis.Analysis.step_samples`), the side's first part: the
-    rules read them, and the later parts there too."""
-    return a.step_samples()
-
-
-def _beside_gemm(a: Analysis, samples: pd.DataFrame | None = None) -> tuple[Collectives, HostActivity]:
+def _beside_gemm(a: Analysis, samples: pd.DataFrame) -> tuple[Collectives, HostActivity]:
     """The measures that do not read the GEMM efficiency: collectives and host activity."""
     c = analyze_collectives(a)
     a.collectives = c  # (in the side's copy: the replay model reads the clock offsets)
@@ -182,7 +176,7 @@ def _after_hash(info: RankInfo, told: tuple[int, int]) -> None:
         info.digest = digest
 
 
-def _replay_beside(a: Analysis, samples: pd.DataFrame | None = None) -> ReplayBase:
+def _replay_beside(a: Analysis, samples: pd.DataFrame) -> ReplayBase:
     if a.collectives is None:  # (the side's collectives part failed: as the serial run has them)
         a.collectives = analyze_collectives(a)
     base = replay_base(a)
@@ -191,11 +185,12 @@ def _replay_beside(a: Analysis, samples: pd.DataFrame | None = None) -> ReplayBa
     return base
 
 
-def _sections_beside(a: Analysis, samples: pd.DataFrame | None = None) -> dict[str, Any]:
+def _sections_beside(a: Analysis, samples: pd.DataFrame) -> dict[str, Any]:
     return trace_sections(a)  # (with the step samples made there)
 
 
-# the parts of the side's work after its first (the step samples), by position for Beside.then_result
+# the parts of the side's work after its first (the step samples, which the rules and these parts read), by
+# position for Beside.then_result
 SIDE_MEASURES, SIDE_REPLAY, SIDE_SECTIONS = 0, 1, 2
 
 
@@ -208,7 +203,7 @@ def measure(a: Analysis) -> Measured:
     ranks = a.trace.ranks
     told = ranks[0].digest.told() if len(ranks) == 1 and ranks[0].hashing else None
     try:
-        side = Beside(_samples_beside, a, jobs=a.options.jobs,
+        side = Beside(Analysis.step_samples, a, jobs=a.options.jobs,
                       then=(partial(_beside_gemm, a), partial(_replay_beside, a), partial(_sections_beside, a)),
                       before=partial(_after_hash, ranks[0], told) if told is not None else None)
     finally:
@@ -216,10 +211,10 @@ def measure(a: Analysis) -> Measured:
             os.close(told[0])  # (the process forked beside has its copy)
     eff = measure_efficiency(a)
     eff.shapes()  # the judge's GEMM shape rows, made while the other core works
-    if told is not None or not side.forked:
-        a.step_samples()
+    if told is not None:
+        a.step_samples()  # (the side makes them after the hash)
     else:
-        a.keep_step_samples(side.result())
+        a.keep_step_samples(side.result())  # (made here when nothing was forked)
     c, host = side.then_result(SIDE_MEASURES)
     a.replay_base = partial(side.then_result, SIDE_REPLAY)
     return Measured(eff, c, host, clock_warnings(c, a.trace.ranks), side=side)
