@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from traceinspect.gate.diff import Diff, MetricDelta, diff_documents, severity_rank
-from traceinspect.gate.stats import DEFAULT_ALPHA, NoiseTest, noise_test
+from traceinspect.gate.stats import DEFAULT_ALPHA, noise_test
 from traceinspect.gate.thresholds import (
     DEFAULT_FLOOR,
     DEFAULT_THRESHOLDS,
@@ -122,8 +122,10 @@ class GateResult:
                 tail += f" and {len(warns) - 5} more"
             return f"PASS: {self.headline or f'{len(self.checks)} check(s) passed'}{tail}"
         if self.exit_code == 2:
-            word = "ERROR (not comparable)" if not self.comparable else "ERROR (unusable input)"
-            return f"{word}: " + "; ".join(c.summary or c.message for c in self.failing())
+            if not self.comparable:
+                return ("ERROR (not comparable): " + "; ".join(c.summary or c.message for c in self.failing())
+                        + "; use --allow-mismatch to compare anyway")
+            return "ERROR (unusable input): " + "; ".join(c.summary or c.message for c in self.failing())
         failing = self.failing()
         metrics = [c for c in failing if c.id in VERDICT_METRICS]
         parts = [", ".join(c.summary or c.message for c in metrics)] if metrics else []
@@ -241,12 +243,15 @@ class Gate:
         """``step`` and, where both batches are known, ``throughput``. Where the batches differ, the step time
         does not decide (each step does different work) unless the user set a step threshold."""
         step = self._metric(diff.step, floor_us, "regression")
-        if diff.batch_changed and step.status == "fail" and "step" not in self.explicit:
+        if diff.batch_changed and diff.throughput is not None and "step" not in self.explicit:
             b, c = diff.batch["base"], diff.batch["cand"]
-            step = Check("step", "regression", "pass",
-                         f"{step.data['change']}; not failing: the batch changed {b:g} -> {c:g}, so each step does "
-                         "different work and tokens/s is the verdict (a step threshold you set gates it too)",
-                         dict(step.data, regressed=False, explains_batch=True))
+            why = (f"the batch changed {b:g} -> {c:g}, so each step does different work and tokens/s is the verdict "
+                   "(a step threshold you set gates the step time too)")
+            if step.status == "fail":
+                step = Check("step", "regression", "pass", f"{step.data['change']}; not failing: {why}",
+                             dict(step.data, regressed=False))
+            else:
+                step.message += f"; {why}"
         out = [step]
         if diff.throughput is not None:
             out.append(self._throughput(diff, floor_us))
@@ -361,8 +366,8 @@ class Gate:
         return out
 
     def _improvement(self, diff: Diff) -> str | None:
-        """'the step improved by 48.4%' when the verdict metric improved by FIX_IMPROVEMENT_PCT or more, beyond
-        step-to-step noise where the samples can tell; else None."""
+        """'the step time improved by 48.4%' when the verdict metric's median improved by FIX_IMPROVEMENT_PCT or
+        more (the words say whether the samples show it beyond step-to-step noise); else None."""
         if diff.batch_changed and diff.throughput is not None:
             m, sign, name = diff.throughput, 1.0, "tokens/s"
             noise = noise_test(m.base_samples, m.cand_samples, self.alpha)  # the candidate's rate above
@@ -370,9 +375,10 @@ class Gate:
             m, sign, name = diff.step, -1.0, "the step time"
             noise = noise_test(m.cand_samples, m.base_samples, self.alpha)  # the baseline's step above
         gain = None if m.pct is None else sign * m.pct
-        if gain is None or gain < FIX_IMPROVEMENT_PCT or not _supported(noise):
+        if gain is None or gain < FIX_IMPROVEMENT_PCT:
             return None
-        return f"{name} improved by {gain:.1f}%"
+        within = " (median; within step-to-step noise)" if noise.decided and not noise.significant else ""
+        return f"{name} improved by {gain:.1f}%{within}"
 
     def _findings(self, diff: Diff, improved: str | None, classes: list[Check], floor_us: float) -> list[Check]:
         if diff.findings_note:
@@ -434,11 +440,6 @@ class Gate:
         if not out:
             out.append(Check("findings", "finding", "pass", "no findings in either run"))
         return out
-
-
-def _supported(noise: NoiseTest) -> bool:
-    """The samples show the change beyond noise, or cannot tell (then the medians decide)."""
-    return not noise.decided or bool(noise.significant)
 
 
 def _class_grew(cls: str, classes: list[Check], diff: Diff, floor_us: float) -> bool:

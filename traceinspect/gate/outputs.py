@@ -96,7 +96,7 @@ def github_annotations(result: GateResult) -> list[str]:
             lines.append(f"::{level} title={gh_escape_property('traceinspect gate: ' + c.id)}::"
                          f"{gh_escape_data(c.message)}")
     level = {0: "notice", 1: "error", 2: "error"}[result.exit_code]
-    lines.append(f"::{level} title={gh_escape_property('traceinspect gate verdict')}::{gh_escape_data(result.verdict())}")
+    lines.append(f"::{level} title={gh_escape_property('traceinspect gate')}::{gh_escape_data(result.verdict())}")
     return lines
 
 
