@@ -402,8 +402,8 @@ class Gate:
                 return None
             what = (f"its class{'es' if len(own) > 1 else ''} {', '.join(own)} did not grow" if own
                     else "it names no kernel class that could have grown")
-            return (f"not failing: {improved} and {what}; a smaller problem that the faster run made visible, "
-                    "worth a look")
+            return (f"not failing: {improved} and {what}: the faster step makes it a larger share, not a worse "
+                    "problem; worth a look")
 
         for f in diff.findings["added"]:
             hit, note = at_or_above(f.get("severity"))
