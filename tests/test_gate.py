@@ -676,11 +676,19 @@ def test_readme_pair_through_the_entry_point() -> None:
     assert "  WARN   late-rank.TP1: TP1 arrives late" in outs[0] and "not failing" in outs[0], outs[0]
 
 
-def test_not_comparable_shows_why_and_caps_the_keys(fixture_json, capsys) -> None:
+def test_not_comparable_shows_why_and_caps_the_keys(fixture_json, tmp_path: Path, capsys) -> None:
     base, cand = fixture_json("kv-gather-cast-graph"), fixture_json("tp1-l6-gather-graph")
-    code, out, err = run_cli(["gate", str(base), str(cand), "--no-config"], capsys)
+    code, out, err = run_cli(["gate", str(base), str(cand), "--no-config", "--markdown", str(tmp_path / "g.md"),
+                              "--json", str(tmp_path / "g.json"), "--junit", str(tmp_path / "j.xml"), "--github"],
+                             capsys)
     assert code == 2 and "TP size differs: baseline 2, candidate 1" in err
-    lines = out.rstrip().splitlines()
+    _outputs_agree(code, out, tmp_path)
+    md = (tmp_path / "g.md").read_text()
+    assert "✅" not in md and "❌" not in md and "more (the JSON output lists them all)" in md
+    assert md.count("\n| ") <= 2 + 2 + 10 + 2  # the error checks and 10 keys, with their headers
+    annotations = [x for x in out.splitlines() if x.startswith("::")]
+    assert annotations and all(x.startswith("::error") for x in annotations)
+    lines = [x for x in out.rstrip().splitlines() if not x.startswith("::")]
     assert not any(x.lstrip().startswith(("PASS", "FAIL")) for x in lines), out
     assert lines[-1].startswith("ERROR (not comparable): TP size differs") and "--allow-mismatch" in lines[-1]
     b, c = (json.loads(p.read_text())["server_config"] for p in (base, cand))

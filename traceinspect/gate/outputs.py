@@ -211,28 +211,38 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
                   md_escape(x["cand"].get("title") or "")] for x in f["unchanged"]]
         lines += (_table(["change", "severity", "rule", "title"], rows) if rows else ["No findings in either run."])
         lines.append("")
-    lines += [f"{heading}# Server configuration", ""]
-    if diff.server_config_note:
-        lines += [md_escape(diff.server_config_note), ""]
-    elif diff.server_config:
-        rows = diff.server_config[:SERVER_CONFIG_SHOWN]
-        lines += [md_escape(server_config_summary(diff)), ""]
-        lines += _table(["key", "baseline", "candidate"],
-                        [[md_escape(r["key"]), *map(md_escape, _short_pair(r["base"], r["cand"]))] for r in rows])
-        if len(diff.server_config) > len(rows):
-            lines.append(f"\nand {len(diff.server_config) - len(rows)} more (the JSON output lists them all)")
-        lines.append("")
-    else:
-        lines += ["The same in both runs.", ""]
+    lines += _server_config_md(diff, heading)
     for n in diff.notes:
         lines.append(f"- {md_escape(n)}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _server_config_md(diff: Diff, heading: str) -> list[str]:
+    """The server-config section: at most SERVER_CONFIG_SHOWN keys that differ, and how many more."""
+    lines = [f"{heading}# Server configuration", ""]
+    if diff.server_config_note:
+        return lines + [md_escape(diff.server_config_note), ""]
+    if not diff.server_config:
+        return lines + ["The same in both runs.", ""]
+    rows = diff.server_config[:SERVER_CONFIG_SHOWN]
+    lines += [md_escape(server_config_summary(diff)), ""]
+    lines += _table(["key", "baseline", "candidate"],
+                    [[md_escape(r["key"]), *map(md_escape, _short_pair(r["base"], r["cand"]))] for r in rows])
+    if len(diff.server_config) > len(rows):
+        lines.append(f"\nand {len(diff.server_config) - len(rows)} more (the JSON output lists them all)")
+    return lines + [""]
 
 
 def gate_markdown(result: GateResult) -> str:
     """The gate verdict, its checks, and the diff, as Markdown (also the GitHub step summary)."""
     mark = {0: "✅ PASS", 1: "❌ FAIL", 2: "⛔ ERROR"}[result.exit_code]
     lines = [f"## traceinspect gate: {mark}", "", md_escape(result.verdict()), ""]
+    if not result.comparable:  # why, and the server-config keys that differ; nothing was judged
+        lines += _table(["status", "check", "detail"], [[STATUS_MARK[c.status], md_escape(c.id), md_escape(c.message)]
+                                                         for c in result.checks if c.status == "error"]) + [""]
+        if result.diff is not None:
+            lines += _server_config_md(result.diff, "##")
+        return "\n".join(lines).rstrip() + "\n"
     shown = [c for c in result.checks if c.status != "pass"] or []
     passed = [c for c in result.checks if c.status == "pass"]
     rows = [[STATUS_MARK[c.status], md_escape(c.id), md_escape(c.message)] for c in shown + passed]
