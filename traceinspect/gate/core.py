@@ -212,8 +212,12 @@ class Gate:
         improved = self._improvement(diff)
         findings = self._findings(diff, improved, classes, floor_us)
         settings = dict(self.settings(), floor_us=round(floor_us, 3))
+        # a verdict metric beyond its threshold that the noise test let pass: the PASS line says so
+        noisy = [f"{'tokens/s' if c.id == 'throughput' else c.id} p={c.data['noise']['p_value']:.3g}" for c in verdict
+                 if c.status == "pass" and (c.data.get("noise") or {}).get("significant") is False]
+        head = headline(diff) + (f"; within step-to-step noise ({', '.join(noisy)})" if noisy else "")
         return GateResult(checks + verdict + classes + findings, diff, settings,
-                          headline=headline(diff), explanation=explanation(diff, classes) if regressed else None)
+                          headline=head, explanation=explanation(diff, classes) if regressed else None)
 
     # -- checks ---------------------------------------------------------------------------------
     def _compat(self, diff: Diff) -> list[Check]:
