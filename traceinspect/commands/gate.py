@@ -16,9 +16,10 @@ from traceinspect.gate.core import FAIL_ON
 from traceinspect.render.terminal import plain_text
 
 THRESHOLD_HELP = (
-    "Allowed regression, METRIC:LIMIT (repeatable): step:5%, class.kv_cast:10%, class.*:15%, step:200us, "
-    "class.comm:off. Defaults: step:5% and class.*:10%; a metric given here replaces the config "
-    "file's and the default's thresholds for that metric."
+    "Allowed regression, METRIC:LIMIT (repeatable): step:5%, throughput:5%, class.kv_cast:10%, class.*:15%, "
+    "step:200us, class.comm:off. Defaults: step:5%, throughput:5% and class.*:10%; a metric given here replaces "
+    "the config file's and the default's thresholds for that metric. The step time and tokens/s decide; a "
+    "class.NAME threshold written here or in the config file also fails the gate on its own."
 )
 
 
@@ -127,16 +128,17 @@ def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str |
              junit: str | None, github: bool, md_out: str | None, json_out: str | None, verbose: bool,
              quiet: bool, **kw: Any) -> None:
     """Fail (exit 1) when CAND regressed against BASE beyond thresholds, floor and step-to-step
-    noise, or has new findings at or above --fail-on. Exit 0 on pass, 2 on unusable input
-    (bad files, missing steps, different GPU/TP size/phase without --allow-mismatch). BASE and
-    CAND are trace sets or analysis JSON files from `traceinspect analyze --json`."""
+    noise, or has new findings at or above --fail-on. The verdict is the median step time and,
+    where both batches are known, tokens/s (alone where the batches differ); class changes are
+    listed under it to explain it. Exit 0 on pass, 2 on unusable input (bad files, missing steps,
+    different GPU/TP size/phase without --allow-mismatch). BASE and CAND are trace sets or
+    analysis JSON files from `traceinspect analyze --json`."""
     start_base(base, kw)
     from traceinspect.errors import TraceInputError, TraceInspectError
     from traceinspect.gate import (
         DEFAULT_ALPHA,
         DEFAULT_FAIL_ON,
         DEFAULT_FLOOR,
-        DEFAULT_THRESHOLDS,
         Gate,
         GateResult,
         merge_thresholds,
@@ -146,13 +148,14 @@ def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str |
     from traceinspect.gate.outputs import gate_text
 
     cfg = find_config(config, no_config)
-    thresholds = merge_thresholds([parse_threshold(t) for t in DEFAULT_THRESHOLDS], cfg.thresholds,
-                                  [parse_threshold(t) for t in max_regression])
+    # the user's thresholds (config file, then command line); the gate layers them over its defaults and
+    # knows which ones were written: a class threshold fails the gate on its own only when written
+    thresholds = merge_thresholds(cfg.thresholds, [parse_threshold(t) for t in max_regression])
     disabled = sorted(set(cfg.disable) | set(kw.get("disable") or ()))
     kw["disable"] = tuple(disabled)
     kw["config"], kw["no_config"] = (str(cfg.path) if cfg.path else None), no_config  # its [model] facts
     gate = Gate(
-        thresholds, replace_defaults=True,
+        thresholds,
         floor=floor if floor is not None else cfg.floor or DEFAULT_FLOOR,
         alpha=alpha if alpha is not None else cfg.alpha if cfg.alpha is not None else DEFAULT_ALPHA,
         fail_on=fail_on or cfg.fail_on or DEFAULT_FAIL_ON,
@@ -167,7 +170,7 @@ def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str |
         _write_outputs(GateResult.from_error(e.one_line(), settings), junit, github, md_out, json_out)
         raise
     result = gate.run(b, c)
-    result.settings = settings
+    result.settings["config"] = settings["config"]
     _write_outputs(result, junit, github, md_out, json_out)
     click.echo(plain_text(result.verdict() if quiet else gate_text(result, verbose=verbose).rstrip("\n")))
     if result.exit_code == 2:

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from traceinspect.gate.document import (
+    batch_value,
     class_samples,
     class_values,
     comm_split,
+    finding_classes,
     label,
     num,
     rank_class_samples,
@@ -26,7 +28,7 @@ SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 
 # Run facts that must match for the comparison to mean anything (else exit 2 unless allowed).
 COMPAT_FIELDS: tuple[tuple[str, str], ...] = (
-    ("device", "GPU"), ("tp_size", "TP size"), ("ranks", "ranks"), ("phase", "phase"),
+    ("device", "GPU"), ("tp_size", "TP size"), ("ranks", "rank count"), ("phase", "phase"),
 )
 # Run facts that are shown when they change (a config bump is what the gate is for).
 CONTEXT_FIELDS: tuple[tuple[str, str], ...] = (
@@ -47,7 +49,8 @@ def _context(doc: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class MetricDelta:
-    """One metric, baseline vs candidate (us per step; larger is slower)."""
+    """One metric, baseline vs candidate: us per step (larger is slower), or tokens/s (``throughput``:
+    larger is faster)."""
 
     metric: str
     base: float | None
@@ -56,6 +59,7 @@ class MetricDelta:
     cand_samples: list[float] | None = None
     note: str | None = None  # why a side is missing
     pooled: str | None = None  # how the samples were pooled across ranks, when they were
+    unit: str = "us"  # 'us' (per step) | 'tokens/s'
 
     @property
     def delta(self) -> float | None:
@@ -76,6 +80,8 @@ class MetricDelta:
         out = {"metric": self.metric, "base": r(self.base), "cand": r(self.cand), "delta": r(self.delta),
                "pct": r(self.pct), "n_base_samples": len(self.base_samples or []),
                "n_cand_samples": len(self.cand_samples or [])}
+        if self.unit != "us":
+            out["unit"] = self.unit
         if self.note:
             out["note"] = self.note
         if self.pooled:
@@ -102,6 +108,14 @@ class Diff:
     server_config: list[dict[str, Any]] = field(default_factory=list)  # key, base, cand: the keys that differ
     server_config_note: str | None = None
     comm: dict[str, Any] | None = None  # base / cand: collective wait and transfer per step (comm_split)
+    batch: dict[str, float | None] = field(default_factory=dict)  # base / cand: the decode batch (None: unknown)
+    throughput: MetricDelta | None = None  # tokens/s, when the batch is known on both sides
+
+    @property
+    def batch_changed(self) -> bool:
+        """Both batches known, and different: the step time of the two runs does different work."""
+        b, c = self.batch.get("base"), self.batch.get("cand")
+        return b is not None and c is not None and b != c
 
     def mismatches(self) -> list[dict[str, Any]]:
         """Compatibility facts that differ (device, TP size, ranks, phase)."""
@@ -114,6 +128,8 @@ class Diff:
             "cand": self.cand_label,
             "context": self.context,
             "step": self.step.to_json(),
+            "batch": self.batch,
+            "throughput": self.throughput.to_json() if self.throughput is not None else None,
             "classes": [c.to_json() for c in self.classes],
             "classes_note": self.classes_note,
             "gemm": self.gemm,
@@ -156,14 +172,28 @@ def _classes(base: dict[str, Any], cand: dict[str, Any]) -> tuple[list[MetricDel
 
 
 def _server_config(base: dict[str, Any], cand: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
-    """The server-config keys whose values differ between the two runs (a key only one side has too)."""
+    """The server-config keys whose values differ between the two runs: keys both runs set first, then keys
+    only one run has (``only_one_side``), each group by name."""
     b, c = server_config(base), server_config(cand)
     if b is None or c is None:
         missing = [s for s, x in (("baseline", b), ("candidate", c)) if x is None]
         return [], (f"no server configuration in the {' and '.join(missing)} (no server_info.json beside its "
                     "traces): server config not compared")
-    return [{"key": k, "base": b.get(k), "cand": c.get(k)} for k in sorted(set(b) | set(c))
-            if b.get(k) != c.get(k)], None
+    rows = [{"key": k, "base": b.get(k), "cand": c.get(k), "only_one_side": b.get(k) is None or c.get(k) is None}
+            for k in sorted(set(b) | set(c)) if b.get(k) != c.get(k)]
+    return sorted(rows, key=lambda r: r["only_one_side"]), None
+
+
+def _throughput(base: dict[str, Any], cand: dict[str, Any]) -> MetricDelta | None:
+    """Tokens/s (batch x 1e6 / step us) of both runs, per step and at the median step; None when a batch is
+    unknown."""
+    bb, bc = batch_value(base), batch_value(cand)
+    sb, sc = step_value(base), step_value(cand)
+    if bb is None or bc is None or not sb or not sc:
+        return None
+    rate = lambda batch, xs: None if xs is None else [batch * 1e6 / x for x in xs if x > 0] or None  # noqa: E731
+    return MetricDelta("throughput", bb * 1e6 / sb, bc * 1e6 / sc, rate(bb, step_samples(base)),
+                       rate(bc, step_samples(cand)), unit="tokens/s")
 
 
 GEMM_KEY = ("cls", "op", "dtype", "m", "n", "k", "batch", "groups")
@@ -226,8 +256,8 @@ def severity_rank(sev: Any) -> int | None:
 
 
 def _brief(f: dict[str, Any]) -> dict[str, Any]:
-    return {k: f.get(k) for k in ("rule", "severity", "title", "message", "share", "est_saving_us_per_step",
-                                  "ranks", "remediation")}
+    return {**{k: f.get(k) for k in ("rule", "severity", "title", "message", "share", "est_saving_us_per_step",
+                                     "ranks", "remediation")}, "classes": finding_classes(f)}
 
 
 def match_findings(base: list[dict[str, Any]], cand: list[dict[str, Any]]
@@ -290,4 +320,5 @@ def diff_documents(base: dict[str, Any], cand: dict[str, Any], disabled_rules: s
         findings=findings, findings_note=findings_note, base_step_us=step_value(base), notes=notes,
         server_config=config, server_config_note=config_note,
         comm={"base": comm_split(base), "cand": comm_split(cand)},
+        batch={"base": batch_value(base), "cand": batch_value(cand)}, throughput=_throughput(base, cand),
     )

@@ -54,6 +54,26 @@ def step_value(doc: dict[str, Any]) -> float | None:
     return num((doc.get("steps") or {}).get("median_us"))
 
 
+def batch_value(doc: dict[str, Any]) -> float | None:
+    """The decode batch (the median ``bs=N`` of the analysed steps' annotations), or None when unknown."""
+    b = num((doc.get("run") or {}).get("batch_median"))
+    return b if b is not None and b > 0 else None
+
+
+def finding_classes(f: dict[str, Any]) -> list[str]:
+    """The kernel classes a finding is about: the classes its replayed fixes edit (none for a finding
+    about the host or the run as a whole)."""
+    out: list[str] = []
+    for fix in f.get("fixes") or []:
+        for edit in (fix.get("edits") or []) if isinstance(fix, dict) else []:
+            sel = edit.get("select") if isinstance(edit, dict) else None
+            cls = sel.get("class") if isinstance(sel, dict) else None
+            for c in [cls] if isinstance(cls, str) else cls if isinstance(cls, list) else []:
+                if isinstance(c, str) and c not in out:
+                    out.append(c)
+    return out
+
+
 def step_samples(doc: dict[str, Any]) -> list[float] | None:
     """Per-step TP step times (us), or None when the document has no samples."""
     samples = (doc.get("steps") or {}).get("samples")

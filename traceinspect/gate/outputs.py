@@ -49,7 +49,8 @@ def junit_xml(result: GateResult) -> str:
     suite = ET.SubElement(suites, "testsuite", name="traceinspect.gate", tests=str(len(checks)),
                           failures=str(n_fail), errors=str(n_err), skipped="0", time="0")
     props = ET.SubElement(suite, "properties")
-    settings = dict(result.settings)
+    settings = {"verdict": result.verdict(), "status": result.status, "exit_code": result.exit_code,
+                **result.settings}
     if result.diff is not None:
         settings["baseline"] = result.diff.base_label
         settings["candidate"] = result.diff.cand_label
@@ -86,16 +87,16 @@ def gh_escape_property(s: Any) -> str:
 
 
 def github_annotations(result: GateResult) -> list[str]:
-    """``::error`` for failures and unusable input, ``::warning`` for warnings, one ``::notice``
-    with the verdict when the gate passes."""
+    """``::error`` for failures and unusable input, ``::warning`` for warnings, and the verdict line last:
+    a ``::notice`` when the gate passes, an ``::error`` when it does not."""
     lines = []
     for c in result.checks:
         level = {"fail": "error", "error": "error", "warn": "warning"}.get(c.status)
         if level:
             lines.append(f"::{level} title={gh_escape_property('traceinspect gate: ' + c.id)}::"
                          f"{gh_escape_data(c.message)}")
-    if result.exit_code == 0:
-        lines.append(f"::notice title={gh_escape_property('traceinspect gate')}::{gh_escape_data(result.verdict())}")
+    level = {0: "notice", 1: "error", 2: "error"}[result.exit_code]
+    lines.append(f"::{level} title={gh_escape_property('traceinspect gate')}::{gh_escape_data(result.verdict())}")
     return lines
 
 
@@ -160,8 +161,14 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
     lines += _table(["run", "baseline", "candidate", ""], ctx_rows) + [""]
     s = diff.step
     lines += [f"{heading}# Step time", ""]
-    lines += _table(["metric", "baseline", "candidate", "delta", "change"],
-                    [["median step", _us(s.base), _us(s.cand), _sus(s.delta), _pct(s.pct)]]) + [""]
+    rows = [["median step", _us(s.base), _us(s.cand), _sus(s.delta), _pct(s.pct)]]
+    t = diff.throughput
+    if t is not None:
+        rows.append([f"tokens/s (batch {diff.batch['base']:g} -> {diff.batch['cand']:g})", _rate(t.base),
+                     _rate(t.cand), "n/a" if t.delta is None else ("+" if t.delta >= 0 else "") + _rate(t.delta), _pct(t.pct)])
+    lines += _table(["metric", "baseline", "candidate", "delta", "change"], rows) + [""]
+    if t is None:
+        lines += [md_escape(throughput_text(diff)), ""]
     lines += [f"{heading}# GPU time per step by class", ""]
     if diff.classes_note:
         lines += [md_escape(diff.classes_note), ""]
@@ -204,24 +211,38 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
                   md_escape(x["cand"].get("title") or "")] for x in f["unchanged"]]
         lines += (_table(["change", "severity", "rule", "title"], rows) if rows else ["No findings in either run."])
         lines.append("")
-    lines += [f"{heading}# Server configuration", ""]
-    if diff.server_config_note:
-        lines += [md_escape(diff.server_config_note), ""]
-    elif diff.server_config:
-        lines += _table(["key", "baseline", "candidate"], [[md_escape(r["key"]), md_escape(r["base"]),
-                                                              md_escape(r["cand"])] for r in diff.server_config])
-        lines.append("")
-    else:
-        lines += ["The same in both runs.", ""]
+    lines += _server_config_md(diff, heading)
     for n in diff.notes:
         lines.append(f"- {md_escape(n)}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _server_config_md(diff: Diff, heading: str) -> list[str]:
+    """The server-config section: at most SERVER_CONFIG_SHOWN keys that differ, and how many more."""
+    lines = [f"{heading}# Server configuration", ""]
+    if diff.server_config_note:
+        return lines + [md_escape(diff.server_config_note), ""]
+    if not diff.server_config:
+        return lines + ["The same in both runs.", ""]
+    rows = diff.server_config[:SERVER_CONFIG_SHOWN]
+    lines += [md_escape(server_config_summary(diff)), ""]
+    lines += _table(["key", "baseline", "candidate"],
+                    [[md_escape(r["key"]), *map(md_escape, _short_pair(r["base"], r["cand"]))] for r in rows])
+    if len(diff.server_config) > len(rows):
+        lines.append(f"\nand {len(diff.server_config) - len(rows)} more (the JSON output lists them all)")
+    return lines + [""]
 
 
 def gate_markdown(result: GateResult) -> str:
     """The gate verdict, its checks, and the diff, as Markdown (also the GitHub step summary)."""
     mark = {0: "✅ PASS", 1: "❌ FAIL", 2: "⛔ ERROR"}[result.exit_code]
     lines = [f"## traceinspect gate: {mark}", "", md_escape(result.verdict()), ""]
+    if not result.comparable:  # why, and the server-config keys that differ; nothing was judged
+        lines += _table(["status", "check", "detail"], [[STATUS_MARK[c.status], md_escape(c.id), md_escape(c.message)]
+                                                         for c in result.checks if c.status == "error"]) + [""]
+        if result.diff is not None:
+            lines += _server_config_md(result.diff, "##")
+        return "\n".join(lines).rstrip() + "\n"
     shown = [c for c in result.checks if c.status != "pass"] or []
     passed = [c for c in result.checks if c.status == "pass"]
     rows = [[STATUS_MARK[c.status], md_escape(c.id), md_escape(c.message)] for c in shown + passed]
@@ -253,12 +274,63 @@ def _cols(rows: list[list[str]], indent: str = "  ") -> list[str]:
             for r in rows]
 
 
-def server_config_lines(diff: Diff) -> list[str]:
-    """The server-config keys that differ, one line each (or why they could not be compared)."""
+SERVER_CONFIG_SHOWN = 10  # server-config keys listed in the text and Markdown outputs (the JSON has them all)
+
+
+def _short_pair(base: Any, cand: Any, width: int = 60) -> tuple[str, str]:
+    """Two values of one server-config key, shortened where long: only the words that differ, each with the
+    word before it (a launch command's changed arguments), the words both share becoming ``...``."""
+    b, c = plain(base), plain(cand)
+    if len(b) <= width and len(c) <= width:
+        return b, c
+    import difflib
+
+    bw, cw = b.split(" "), c.split(" ")
+    parts: tuple[list[str], list[str]] = ([], [])
+    ops = difflib.SequenceMatcher(a=bw, b=cw, autojunk=False).get_opcodes()
+    for tag, i1, i2, j1, j2 in ops:
+        if tag == "equal":
+            continue
+        for words, lo, hi, out in ((bw, i1, i2, parts[0]), (cw, j1, j2, parts[1])):
+            ctx = max(lo - 1, 0)
+            out.append((" " if ctx == 0 else "... ") + " ".join(words[ctx:hi]).strip())
+
+    more = " ..." if ops and ops[-1][0] == "equal" else ""
+
+    def cut(segments: list[str]) -> str:
+        text = " ".join(x.strip() for x in segments if x.strip()) + more
+        return text if len(text) <= 3 * width else text[:3 * width - 3] + "..."
+
+    return cut(parts[0]), cut(parts[1])
+
+
+def server_config_summary(diff: Diff) -> str | None:
+    """How many server-config keys differ, or why they were not compared; None when they are the same."""
     if diff.server_config_note:
-        return [f"  server config: {plain(diff.server_config_note)}"]
-    return [f"  server config differs: {plain(r['key'])}: {plain(r['base'])} -> {plain(r['cand'])}"
-            for r in diff.server_config]
+        return f"server config: {diff.server_config_note}"
+    rows = diff.server_config
+    if not rows:
+        return None
+    one = sum(1 for r in rows if r.get("only_one_side"))
+    split = f" ({len(rows) - one} set in both runs, {one} in one run only)" if one else ""
+    return f"server config: {len(rows)} key(s) differ{split}"
+
+
+def server_config_lines(diff: Diff, limit: int = SERVER_CONFIG_SHOWN) -> list[str]:
+    """The server-config keys that differ, at most ``limit`` of them (keys both runs set first), then how many
+    more; or why they could not be compared."""
+    head = server_config_summary(diff)
+    if head is None:
+        return []
+    if diff.server_config_note:
+        return [f"  {plain(head)}"]
+    lines = [f"  {head}:"]
+    for r in diff.server_config[:limit]:
+        b, c = _short_pair(r["base"], r["cand"])
+        lines.append(f"    {plain(r['key'])}: {b} -> {c}")
+    if len(diff.server_config) > limit:
+        lines.append(f"    and {len(diff.server_config) - limit} more (the JSON output lists them all)")
+    return lines
 
 
 def diff_text(diff: Diff, show_all: bool = False) -> str:
@@ -271,6 +343,7 @@ def diff_text(diff: Diff, show_all: bool = False) -> str:
     lines += server_config_lines(diff)
     s = diff.step
     lines.append(f"  median step: {_us(s.base)} -> {_us(s.cand)} ({_sus(s.delta)}, {_pct(s.pct)})")
+    lines.append(f"  {throughput_text(diff)}")
     lines.append("")
     if diff.classes_note:
         lines.append(f"  classes: {plain(diff.classes_note)}")
@@ -288,14 +361,17 @@ def diff_text(diff: Diff, show_all: bool = False) -> str:
     elif diff.gemm:
         rows = [["GEMM M x N x K", "class", "dtype", "in", "TFLOPS base", "cand", "change"]]
         tf = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
-        shown = diff.gemm if show_all else [g for g in diff.gemm if g["status"] != "both"
-                                            or (g["tflops_pct"] is not None and abs(g["tflops_pct"]) >= 5)]
+        changed = [g for g in diff.gemm if g["status"] != "both"
+                   or (g["tflops_pct"] is not None and abs(g["tflops_pct"]) >= 5)]
+        shown = diff.gemm if show_all else changed
         for g in shown[:25]:
             rows.append([plain(_shape(g)), plain(g.get("cls")), plain(g.get("dtype")), g["status"],
                          tf(g["base_tflops"]), tf(g["cand_tflops"]), _pct(g["tflops_pct"])])
         if len(rows) > 1:
             lines += _cols(rows)
-        lines.append(f"  GEMM shapes: {len(diff.gemm)} compared, {len(shown)} changed by >= 5% or added/removed")
+        if len(shown) > 25:
+            lines.append(f"  ({len(shown) - 25} more shape(s) in the JSON output)")
+        lines.append(f"  GEMM shapes: {len(diff.gemm)} compared, {len(changed)} changed by >= 5% or added/removed")
     lines.append("")
     if diff.findings_note:
         lines.append(f"  findings: {plain(diff.findings_note)}")
@@ -318,24 +394,73 @@ def diff_text(diff: Diff, show_all: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+def throughput_text(diff: Diff) -> str:
+    """Tokens/s of both runs, or why there is none."""
+    t = diff.throughput
+    if t is None:
+        missing = [side for side in ("base", "cand") if diff.batch.get(side) is None]
+        who = " and ".join({"base": "baseline", "cand": "candidate"}[m] for m in missing)
+        return f"tokens/s: not compared (no batch in the {who}: the steps carry no bs=N annotation)"
+    b, c = diff.batch["base"], diff.batch["cand"]
+    at = f"batch {b:g}" + (f" -> {c:g}" if b != c else "")
+    return f"tokens/s: {_rate(t.base)} -> {_rate(t.cand)} ({_pct(t.pct)}) at {at}"
+
+
+def _rate(v: float | None) -> str:
+    from traceinspect.gate.core import fmt_rate
+
+    return fmt_rate(v)
+
+
+CLASSES_SHOWN = 3  # class changes listed under the verdict without --verbose (besides the ones not passing)
+
+
+def _check_line(c: Any, indent: str = "  ") -> str:
+    return f"{indent}{c.status.upper():5}  {plain(c.id)}: {plain(c.message)}"
+
+
 def gate_text(result: GateResult, verbose: bool = False) -> str:
-    """The gate's checks and verdict for a terminal: every non-passing check, passing ones with
-    ``verbose``, and the verdict line last."""
+    """The gate for a terminal: the verdict metrics (step, tokens/s), the class changes that explain them
+    below, findings, and the verdict line last. Runs that are not comparable show only why, with the
+    server-config keys that differ (capped)."""
     lines = []
-    if result.diff is not None:
-        d = result.diff
+    d = result.diff
+    if d is not None:
         lines.append(f"traceinspect gate: {plain(d.base_label)} -> {plain(d.cand_label)}")
+    if not result.comparable:
+        lines += [_check_line(c) for c in result.checks if c.status == "error"]
+        if d is not None:
+            lines += server_config_lines(d)
+        lines.append(plain(result.verdict()))
+        return "\n".join(lines) + "\n"
+    if d is not None:
         lines += server_config_lines(d)
+        alpha = float(result.settings.get("alpha") or DEFAULT_ALPHA)
         nb, nc = len(d.step.base_samples or []), len(d.step.cand_samples or [])
-        need = samples_needed(float(result.settings.get("alpha") or DEFAULT_ALPHA))
-        if min(nb, nc) < need:
+        if min(nb, nc) < samples_needed(alpha):
             lines.append(f"  note: the step-time noise test has {nb} baseline and {nc} candidate per-step samples; "
-                         f"{needs_text(float(result.settings.get('alpha') or DEFAULT_ALPHA))}")
-    shown = [c for c in result.checks if verbose or c.status != "pass" or c.kind == "regression"
-             and c.id == "step"]
-    for c in shown:
-        lines.append(f"  {c.status.upper():5}  {plain(c.id)}: {plain(c.message)}")
-    hidden = len(result.checks) - len(shown)
+                         f"{needs_text(alpha)}")
+        if d.throughput is None:
+            lines.append(f"  note: {throughput_text(d)}")
+    shown = 0
+    compat = [c for c in result.checks if c.kind == "compat" and (verbose or c.status != "pass")]
+    metrics = [c for c in result.checks if c.kind == "regression"]
+    classes = [c for c in result.checks if c.kind == "class"]
+    findings = [c for c in result.checks if c.kind not in ("compat", "regression", "class")
+                and (verbose or c.status != "pass")]
+    if not verbose:  # the class changes that explain the verdict: those not passing, then the largest changes
+        floor = float(result.settings.get("floor_us") or 0.0)
+        big = sorted((c for c in classes if c.status == "pass" and abs(c.data.get("delta") or 0.0) > floor),
+                     key=lambda c: -abs(c.data.get("delta") or 0.0))
+        classes = [c for c in classes if c.status != "pass"] + big[:CLASSES_SHOWN]
+    lines += [_check_line(c) for c in compat + metrics]
+    if classes:
+        per = "token" if any(c.data.get("per_token") for c in classes) else "step"
+        lines.append(f"         explained by (GPU time per {per} by class, largest growth first):")
+        lines += [_check_line(c, "    ") for c in classes]
+    lines += [_check_line(c) for c in findings]
+    shown = len(compat) + len(metrics) + len(classes) + len(findings)
+    hidden = len(result.checks) - shown
     if hidden:
         lines.append(f"  ({hidden} more passing check(s); --verbose lists them)")
     lines.append(plain(result.verdict()))

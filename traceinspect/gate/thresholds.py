@@ -1,11 +1,15 @@
 """Regression thresholds in the pytest-benchmark ``--benchmark-compare-fail`` style: ``METRIC:LIMIT``.
 
 METRIC  ``step``          median decode-step time (the slowest rank's GPU span per step)
+        ``throughput``    tokens/s (batch x 1e6 / step us), where both runs' batch is known; a % only
         ``class.NAME``    GPU time per step of one kernel class (e.g. ``class.kv_cast``)
         ``class.*``       every class that has no threshold of its own
-LIMIT   ``5%``            the candidate may be at most 5 % slower than the baseline
+LIMIT   ``5%``            the candidate may be at most 5 % slower than the baseline (tokens/s: 5 % lower)
         ``200us``         ... at most 200 us slower (units: us, ms, s)
         ``off``           remove the thresholds of this metric (e.g. a default)
+
+``step`` and ``throughput`` decide the verdict; class thresholds say which class changes explain it (a class
+fails the gate on its own only with a ``class.NAME`` threshold the user wrote).
 """
 
 from __future__ import annotations
@@ -16,10 +20,10 @@ from dataclasses import dataclass
 
 from traceinspect.errors import ConfigError
 
-DEFAULT_THRESHOLDS: tuple[str, ...] = ("step:5%", "class.*:10%")
+DEFAULT_THRESHOLDS: tuple[str, ...] = ("step:5%", "throughput:5%", "class.*:10%")
 DEFAULT_FLOOR = "10us"
 
-_METRIC = re.compile(r"^(step|class\.(\*|[A-Za-z_][A-Za-z0-9_.\-]*))$")
+_METRIC = re.compile(r"^(step|throughput|class\.(\*|[A-Za-z_][A-Za-z0-9_.\-]*))$")
 _LIMIT = re.compile(r"^(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>%|us|µs|ms|s)$")
 _UNIT_US = {"us": 1.0, "µs": 1.0, "ms": 1e3, "s": 1e6}
 
@@ -28,7 +32,7 @@ _UNIT_US = {"us": 1.0, "µs": 1.0, "ms": 1e3, "s": 1e6}
 class Threshold:
     """One ``METRIC:LIMIT`` expression."""
 
-    metric: str  # 'step' | 'class.NAME' | 'class.*'
+    metric: str  # 'step' | 'throughput' | 'class.NAME' | 'class.*'
     kind: str  # 'pct' | 'abs' | 'off'
     value: float  # percent for 'pct', microseconds for 'abs'
     expr: str
@@ -69,10 +73,13 @@ def parse_threshold(expr: str) -> Threshold:
         raise ConfigError(f"{what}: expected METRIC:LIMIT, e.g. step:5%, class.kv_cast:10%, step:200us")
     metric = metric.strip()
     if not _METRIC.match(metric):
-        raise ConfigError(f"{what}: unknown metric {metric!r} (expected step, class.NAME or class.*)")
+        raise ConfigError(f"{what}: unknown metric {metric!r} (expected step, throughput, class.NAME or class.*)")
     if limit.strip().lower() == "off":
         return Threshold(metric, "off", 0.0, text)
     kind, value = _limit(limit, what)
+    if metric == "throughput" and kind != "pct":
+        raise ConfigError(f"{what}: a throughput limit is a percentage (e.g. throughput:5%: tokens/s may drop "
+                          "by at most 5%)")
     return Threshold(metric, kind, value, text)
 
 
