@@ -476,7 +476,7 @@ def test_file_hash_through_mappings_is_the_files(tmp_path: Path, monkeypatch: py
         assert raw._hash_file(f, 1000) == hashlib.sha256(data[:4096]).hexdigest()
 
 
-def _beside_ready(timeout: float = 60.0) -> None:
+def _beside_ready(timeout: float = 300.0) -> None:
     """Wait until the early-read process's beside results can be read (without taking them): the last
     part's (the parts are made in turn)."""
     import time
@@ -611,7 +611,7 @@ def test_beside_parts_come_in_turn_each_when_made(tmp_path: Path) -> None:
     flag = tmp_path / "go"
 
     def second(names: list[str]) -> str:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 300  # a bound on a hung wait, not a speed
         while not flag.exists():
             if time.monotonic() > deadline:
                 return "timed out"
@@ -621,7 +621,7 @@ def test_beside_parts_come_in_turn_each_when_made(tmp_path: Path) -> None:
     early.start([fixture_dir("kv-full-cast-eager")], use_cache=False, jobs=None, executor="local",
                 beside=(lambda names: os.getpid(), second))
     first = early._later[0]
-    end = time.monotonic() + 60
+    end = time.monotonic() + 300
     while not select.select([first.fd], [], [], 0.05)[0]:
         assert time.monotonic() < end, "the first part did not come"
     status, pid = early.beside_result()
