@@ -215,7 +215,7 @@ def _held_hash(monkeypatch, gate) -> None:
     real = raw._hash_file
 
     def held(f, size: int = 1 << 20) -> str:
-        assert gate.wait(60)
+        assert gate.wait(300)
         return real(f, size)
 
     monkeypatch.setattr(raw, "_hash_file", held)
