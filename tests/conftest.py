@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,6 +48,20 @@ else:
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["TRACEINSPECT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@functools.cache
+def _analysed(path: str, phase: str) -> Any:
+    from traceinspect.pipeline import analyze
+
+    return analyze(path, phase=phase)
+
+
+def analysed(path: str | Path, phase: str = "decode") -> Any:
+    """The analysis of the trace set at ``path`` with the default options and ``phase``, made once per test
+    session and shared by the modules that check the committed fixtures (each set is analysed once, not
+    once per module): read it, never change it."""
+    return _analysed(str(Path(path).resolve()), phase)
 
 
 def fixture_dir(name: str) -> Path:

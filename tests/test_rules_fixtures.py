@@ -7,10 +7,10 @@ import json
 import re
 import subprocess
 import sys
-from functools import cache
 from pathlib import Path
 
 import pytest
+from conftest import analysed
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "fixtures"
@@ -23,11 +23,8 @@ def _need(name: str) -> Path:
     return d
 
 
-@cache
 def _analysis(name: str):
-    from traceinspect.pipeline import analyze
-
-    return analyze(str(FIX / name))
+    return analysed(FIX / name, "decode")  # as `rules test` analyses a set for the decode-phase rules
 
 
 def _findings(name: str, rule: str) -> list[dict]:
