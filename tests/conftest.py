@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import os
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,9 +22,46 @@ SHARED = Path(os.environ.get("TRACEINSPECT_SHARED", ROOT.parent / "shared"))
 REAL_TRACES = SHARED / "real-traces"
 
 
+# Property tests (hypothesis): by default the same examples every run, a fixed number of them, no example
+# database, no deadline (timings vary with machine load) and no shrinking (a failure reports the example
+# as found, at once, instead of minutes of shrinking on a loaded machine): the "ci" profile. Open-ended
+# fuzzing (new examples each run, failures shrunk and kept in .hypothesis/) is the opt-in "fuzz" profile:
+#     TRACEINSPECT_FUZZ_RANDOM=1 python -m pytest -q tests/test_fuzz.py tests/test_native.py tests/test_classify.py
+# (TRACEINSPECT_FUZZ_SCALE=N multiplies the examples of tests/test_fuzz.py.)
+FUZZ_RANDOM = os.environ.get("TRACEINSPECT_FUZZ_RANDOM") == "1"
+try:
+    from hypothesis import HealthCheck, Phase, settings
+except ImportError:  # the property tests skip themselves without hypothesis
+    pass
+else:
+    _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+    settings.register_profile(
+        "ci", derandomize=True, database=None, deadline=None, max_examples=100, print_blob=True,
+        phases=(Phase.explicit, Phase.generate), suppress_health_check=_QUIET)
+    settings.register_profile(
+        "fuzz", derandomize=False, deadline=None, max_examples=100, print_blob=True,
+        phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
+        suppress_health_check=_QUIET)
+    settings.load_profile("fuzz" if FUZZ_RANDOM else "ci")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["TRACEINSPECT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@functools.cache
+def _analysed(path: str, phase: str) -> Any:
+    from traceinspect.pipeline import analyze
+
+    return analyze(path, phase=phase)
+
+
+def analysed(path: str | Path, phase: str = "decode") -> Any:
+    """The analysis of the trace set at ``path`` with the default options and ``phase``, made once per test
+    session and shared by the modules that check the committed fixtures (each set is analysed once, not
+    once per module): read it, never change it."""
+    return _analysed(str(Path(path).resolve()), phase)
 
 
 def fixture_dir(name: str) -> Path:

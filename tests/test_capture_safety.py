@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 from test_capture import (
     ADMIN_SECRET,
+    CAPTURE_TIMEOUT,
     GPU_FIXTURE,
     HAS_AIOHTTP,
     HAS_TORCH,
+    SAFETY_S,
     SECRET,
     Standin,
     capture_args,
@@ -33,7 +35,7 @@ def keyed_gpu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standin]:
     s = Standin("keyed-gpu", ["--gpu-trace-from", str(GPU_FIXTURE), "--api-key", SECRET,
                               "--admin-api-key", ADMIN_SECRET], tmp_path_factory.mktemp("standin-keyed"))
     try:
-        s.wait_ready(time.monotonic() + 90)
+        s.wait_ready(time.monotonic() + 300)
         yield s
     finally:
         s.stop()
@@ -50,14 +52,14 @@ def _files(d: Path) -> dict[Path, bytes]:
     return out
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(SAFETY_S)
 def test_keys_never_reach_the_analysis_or_the_report(keyed_gpu: Standin, tmp_path: Path) -> None:
     parent = tmp_path / "parent"
     parent.mkdir()
     (parent / "neighbour.txt").write_text("unchanged")
     out = parent / "cap"
-    p = run_cli(*capture_args(keyed_gpu.url, out, "--analyze", "--timeout", "30", "--api-key", SECRET),
-                env={"TRACEINSPECT_ADMIN_API_KEY": ADMIN_SECRET}, timeout=150)
+    p = run_cli(*capture_args(keyed_gpu.url, out, "--analyze", "--timeout", CAPTURE_TIMEOUT, "--api-key", SECRET),
+                env={"TRACEINSPECT_ADMIN_API_KEY": ADMIN_SECRET}, timeout=SAFETY_S - 60)
     assert p.returncode == 0, p.stderr
     for key in (SECRET, ADMIN_SECRET):
         assert key not in p.stdout + p.stderr

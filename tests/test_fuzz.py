@@ -8,9 +8,14 @@ and HTML renderings also succeed) or a clean :class:`TraceInspectError`, which t
 line with exit 2. Any other exception is a crash and fails the test with the input that caused it.
 
 The number of mutated inputs tried is written to ``test-artifacts/fuzz-summary.json`` and printed at
-the end of the session. ``TRACEINSPECT_FUZZ_SCALE=N`` multiplies the number of examples (longer local
-runs) and ``TRACEINSPECT_FUZZ_RANDOM=1`` draws new inputs each run; CI runs the default, derandomized
-(the same inputs every run), in under a minute.
+the end of the session. By default (and in CI) the hypothesis profile of tests/conftest.py tries the same
+inputs every run, a fixed number of them, without shrinking: a failure shows the input as found. Open-ended
+fuzzing draws new inputs each run and shrinks what fails (the "fuzz" profile):
+
+    TRACEINSPECT_FUZZ_RANDOM=1 TRACEINSPECT_FUZZ_SCALE=10 python -m pytest -q tests/test_fuzz.py
+
+``TRACEINSPECT_FUZZ_SCALE=N`` multiplies the number of examples. No assertion here reads a clock: a hang
+is ended by pytest's timeout, and the speed of hostile inputs is measured in benchmarks/.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import copy
 import gzip
 import io
 import json
+import math
 import os
 import random
 import re
@@ -26,7 +32,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +52,6 @@ SUMMARY = ARTIFACTS / "fuzz-summary.json"
 EAGER = "kv-full-cast-eager"
 GRAPH = "kv-full-cast-graph"
 SCALE = max(1, int(os.environ.get("TRACEINSPECT_FUZZ_SCALE", "1") or 1))
-MAX_SECONDS_PER_INPUT = 30.0  # a slower input is a hang for our purposes
 # Each fuzz test sets this many examples; the session must try at least MIN_TRIED inputs in all.
 N_BYTES = 160 * SCALE
 N_STRUCT = 50 * SCALE
@@ -58,13 +62,26 @@ MIN_TRIED = 200
 COUNTS: dict[str, Counter] = {}
 ERRORS: Counter = Counter()  # first words of clean error reasons, for the summary
 
-SETTINGS = dict(
-    deadline=None,  # timings vary with machine load; MAX_SECONDS_PER_INPUT bounds each input instead
-    derandomize=os.environ.get("TRACEINSPECT_FUZZ_RANDOM") != "1",  # CI tries the same inputs every run
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-    print_blob=True,
-)
+# derandomizing, deadline, database and shrinking: the profile of tests/conftest.py ("ci", or "fuzz")
+SETTINGS = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+
+
+def test_property_tests_try_the_same_inputs_every_run(request: pytest.FixtureRequest) -> None:
+    """Every collected hypothesis test runs under the "ci" profile of tests/conftest.py unless the
+    open-ended run is asked for: derandomized, no database, no deadline, no shrinking."""
+    from hypothesis import Phase
+    from hypothesis import settings as current
+
+    if os.environ.get("TRACEINSPECT_FUZZ_RANDOM") == "1":
+        pytest.skip("the open-ended (fuzz) profile was asked for")
+    tests = [item.obj for item in request.session.items if hasattr(item, "obj")]
+    here = [v for k, v in globals().items() if k.startswith("test_")]
+    found = [current.default] + [s for t in tests + here
+                                 if (s := getattr(t, "_hypothesis_internal_use_settings", None)) is not None]
+    assert len(found) >= 4  # the profile and this module's property tests at least
+    for s in found:
+        assert s.derandomize and s.database is None and s.deadline is None, s
+        assert Phase.shrink not in s.phases and s.max_examples <= 1000, s
 
 
 # ============================================================================= base trace sets
@@ -232,15 +249,15 @@ def run_pipeline(d: Path, test: str, *, cache: bool = False, html: bool = False,
     Any other exception propagates: that is a crash. ``d`` is removed afterwards unless ``keep``."""
     from rich.console import Console
 
+    from traceinspect.document import dumps
     from traceinspect.pipeline import analyze
     from traceinspect.render.markdown import render_markdown
     from traceinspect.render.terminal import render
 
-    t0 = time.perf_counter()
     try:
         a = analyze(str(d), jobs=1, use_cache=cache, command="traceinspect analyze fuzz")
         doc = a.to_json()
-        json.dumps(doc, allow_nan=False)  # what --json writes
+        dumps(doc)  # what --json writes (a non-finite number fails here, naming its JSON path)
         render_markdown(doc)
         render(doc, console=Console(file=io.StringIO(), width=120))
         if html:  # the report command's outputs
@@ -256,10 +273,8 @@ def run_pipeline(d: Path, test: str, *, cache: bool = False, html: bool = False,
         ERRORS[" ".join(e.reason.split()[:4])] += 1
         outcome = "error"
     finally:
-        elapsed = time.perf_counter() - t0
         if not keep:
             shutil.rmtree(d, ignore_errors=True)
-    assert elapsed < MAX_SECONDS_PER_INPUT, f"{d}: took {elapsed:.1f} s"
     COUNTS.setdefault(test, Counter())[outcome] += 1
     return outcome
 
@@ -853,7 +868,6 @@ def test_huge_inputs_stay_within_memory_and_time(bases: dict[str, Base], tmp_pat
         print(f"{label}: exit {code}, max RSS {rss / 2**20:.0f} MiB, {secs:.1f} s, input {big / 1e6:.0f} MB")
         assert code == 0, (label, err)
         assert rss < RSS_LIMIT, (label, rss)
-        assert secs < 120, (label, secs)
         doc = json.loads(out.read_text())
         if label == "absurd durations":
             assert any("dropped 2 of" in w and "over a day" in w for w in doc["warnings"]), doc["warnings"]
@@ -861,18 +875,79 @@ def test_huge_inputs_stay_within_memory_and_time(bases: dict[str, Base], tmp_pat
         shutil.rmtree(d, ignore_errors=True)
 
 
+# ============================================================================= times far from the trace's
+
+# (base, field, value, which kernels of rank 1): a ts far outside the profile (at 1e18 us float64 keeps no
+# microseconds) is dropped as unusable; an absurd dur too; a kernel an hour or ten seconds away from the
+# others (before its own launch: the replay cannot place it in measured order) is kept, and the analysis
+# stays finite
+FAR: dict[str, tuple[str, str, float, str]] = {
+    "graph, first kernel at ts -1e18": ("graph", "ts", -1e18, "first"),
+    "graph, first kernel at ts 1e18": ("graph", "ts", 1e18, "first"),
+    "eager, a middle kernel at ts -1e18": ("eager", "ts", -1e18, "middle"),
+    "eager, a middle kernel at ts 1e18": ("eager", "ts", 1e18, "middle"),
+    "graph, a middle kernel lasting 1e18 us": ("graph", "dur", 1e18, "middle"),
+    "graph, first kernel 10 s before the others": ("graph", "ts+", -1e7, "first"),
+    "graph, ten kernels an hour early": ("graph", "ts+", -3.6e9, "ten"),
+    "eager, first kernel an hour late": ("eager", "ts+", 3.6e9, "first"),
+    "eager, a middle kernel lasting an hour": ("eager", "dur", 3.6e9, "middle"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAR))
+def test_times_far_from_the_trace_give_a_finite_analysis(bases: dict[str, Base], case: str) -> None:
+    from traceinspect.document import dumps, nonfinite_path
+    from traceinspect.pipeline import analyze
+
+    name, field, value, which = FAR[case]
+    base = bases[name]
+    docs = base.fresh_docs()
+    kernels = [e for e in docs[1]["traceEvents"] if e.get("cat") == "kernel"]
+    picked = {"first": kernels[:1], "middle": [kernels[len(kernels) // 2]],
+              "ten": kernels[::len(kernels) // 10][:10]}[which]
+    for e in picked:
+        if field == "ts+":
+            e["ts"] += value
+        else:
+            e[field] = value
+    d = _write_case(base, docs, base.server_info)
+    try:
+        doc = analyze(str(d), jobs=1, use_cache=False, command="traceinspect analyze far").to_json()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    assert nonfinite_path(doc) is None, nonfinite_path(doc)
+    dumps(doc)
+    dropped = [w for w in doc["warnings"] if "dropped 1 of" in w and "unusable" in w]
+    assert len(dropped) == (field != "ts+" and abs(value) >= 1e12), doc["warnings"]  # else nothing dropped
+    assert doc["steps"]["count"] >= 2 and all(math.isfinite(x) for x in (doc["steps"]["median_us"],))
+
+
+def test_the_document_refuses_a_non_finite_number_naming_its_path(tmp_path: Path) -> None:
+    from traceinspect.document import NonFiniteNumber, write_document
+
+    doc = {"schema": "x", "findings": [{"fixes": [{"saving_share": 0.5}, {"saving_share": float("nan")}]}],
+           "report": {"timeline": {"span": 1.0, "lanes": [{"ts": [0.0, float("-inf")]}]}}}
+    with pytest.raises(NonFiniteNumber, match=r"non-finite number nan at \$\.findings\[0\]\.fixes\[1\]\.saving_share"):
+        write_document(tmp_path / "a.json", doc)
+    doc["findings"] = []
+    with pytest.raises(NonFiniteNumber, match=r"-inf at \$\.report\.timeline\.lanes\[0\]\.ts\[1\]"):
+        write_document(tmp_path / "a.json", doc)
+    assert not (tmp_path / "a.json").exists()
+    doc["report"]["timeline"]["lanes"] = []
+    assert json.loads(write_document(tmp_path / "a.json", doc).read_text()) == doc
+
+
+@pytest.mark.timeout(300)
 def test_hostile_long_names_cost_bounded_time(bases: dict[str, Base]) -> None:
-    """Two hundred distinct 100 kB kernel names (20 MB of names): the analysis still takes seconds, not
-    the minutes that matching every class pattern against every full name would."""
+    """Two hundred distinct 100 kB kernel names (20 MB of names) analyse (in seconds; matching every class
+    pattern against every full name would take many minutes, past this test's timeout)."""
     base = bases["eager"]
     docs = base.fresh_docs()
     kernels = [e for e in docs[1]["traceEvents"] if e.get("cat") == "kernel"]
     for i, e in enumerate(kernels):
         e["name"] = f"k{i % 200}_" + "x" * 100_000
     d = _write_case(base, docs, base.server_info)
-    t0 = time.perf_counter()
     assert run_pipeline(d, "bounded") == "result"
-    assert time.perf_counter() - t0 < 30
 
 
 # ============================================================================= atheris (optional)

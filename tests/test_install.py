@@ -1,5 +1,6 @@
-"""A real (non-editable) ``pip install .``: the installed package finds its shipped rules, data tables and
-rule fixtures from any directory, and ``traceinspect rules test`` passes there."""
+"""A real (non-editable) install of the wheel ``pip wheel .`` builds: the installed package finds its shipped
+rules, data tables and rule fixtures from any directory, and ``traceinspect rules test`` passes there. The
+wheel ships exactly the fixture sets the shipped rules name, and stays small."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -15,17 +17,52 @@ ROOT = Path(__file__).resolve().parent.parent
 SKIP = shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "*.so", ".pytest_cache", ".ruff_cache")
 
 
+MAX_WHEEL_BYTES = 5_000_000
+
+
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("src") / "traceinspect"
     shutil.copytree(ROOT, src, ignore=SKIP)
-    target = tmp_path_factory.mktemp("site")
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                        "--no-compile", "--target", str(target), str(src)], capture_output=True, text=True,
-                       timeout=600)
+    out = tmp_path_factory.mktemp("wheel")
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                        str(out), str(src)], capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
-        pytest.fail(f"pip install . failed: {r.stderr[-2000:]}")
+        pytest.fail(f"pip wheel . failed: {r.stderr[-2000:]}")
+    (whl,) = out.glob("traceinspect-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
+                        str(target), str(wheel)], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.fail(f"pip install of the wheel failed: {r.stderr[-2000:]}")
     return target
+
+
+def _named_sets() -> set[str]:
+    """The fixture sets (``fixtures/...``) the shipped rules name in their ``tests``."""
+    from traceinspect.judge import load_rule_set
+
+    return {w for r in load_rule_set() for kind in ("fires", "silent", "undecided") for w in r.tests.get(kind, [])}
+
+
+def test_the_wheel_ships_the_rules_fixture_sets_and_nothing_else(wheel: Path) -> None:
+    assert wheel.stat().st_size < MAX_WHEEL_BYTES, f"{wheel.name}: {wheel.stat().st_size / 1e6:.1f} MB"
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+    shipped = {"fixtures/" + n.split("traceinspect/fixtures/", 1)[1].rsplit("/", 1)[0].removesuffix(
+        "/graph_capture_profile") for n in names if n.startswith("traceinspect/fixtures/")}
+    assert shipped == _named_sets()
+    for d in shipped:  # whole sets: every rank file, server_info, manifest, capture traces
+        here = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / d).rglob("*") if p.is_file())
+        assert sorted(n.removeprefix("traceinspect/") for n in names
+                      if n.startswith(f"traceinspect/{d}/")) == here, d
+    assert not [n for n in names if n.endswith((".c", ".pyc", ".md", ".py")) and "/fixtures/" in n]
+    assert "traceinspect/rules/tables/kernel_classes.yaml" in names
 
 
 def _run(target: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -47,9 +84,11 @@ def test_installed_package_is_the_one_run(installed: Path, tmp_path: Path) -> No
 
 
 def test_rules_test_runs_from_any_directory(installed: Path, tmp_path: Path) -> None:
-    r = _run(installed, tmp_path, "rules", "test", "--only", "small-m-gemm", "--only", "kv-full-pool-cast")
+    r = _run(installed, tmp_path, "rules", "test")  # no --allow-missing: every named set is there
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "0 failed" in r.stdout and "fires on fixtures/" in r.stdout
+    assert " 0 failed, 0 skipped" in r.stdout and "fires on fixtures/" in r.stdout
+    for d in _named_sets():
+        assert f"on {d}" in r.stdout, d
 
 
 def test_installed_analyze_of_a_shipped_fixture(installed: Path, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, raw_cast_share, raw_cast_shares
+from conftest import FIXTURES, analysed, raw_cast_share, raw_cast_shares
 
 
 def _sets() -> list[str]:
@@ -36,10 +36,8 @@ def _has_capture(name: str) -> bool:
 
 @cache
 def _doc(name: str) -> dict:
-    from traceinspect.pipeline import Options, analyze
-
     # decode workloads; sets whose steps carry no phase marker (ProfilerStep#N) are analysed as decode
-    return analyze(str(FIXTURES / name), Options(phase="decode", command="test")).to_json()
+    return analysed(FIXTURES / name, "decode").to_json()
 
 
 @pytest.mark.parametrize("name", SETS)

@@ -379,8 +379,8 @@ def _outcome(fn: Any, data: bytes) -> Any:
         return None
 
 
-@settings(max_examples=int(os.environ.get("TRACEINSPECT_NATIVE_EXAMPLES", "150")), derandomize=True,
-          deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=int(os.environ.get("TRACEINSPECT_NATIVE_EXAMPLES", "150")),
+          suppress_health_check=list(HealthCheck))  # derandomized, no deadline: tests/conftest.py's profile
 @given(data=_mutated(), size=st.sampled_from([1 << 30, 4096, 97]))
 def test_differential_mutated_traces(data: bytes, size: int) -> None:
     want = _outcome(lambda d: parse.parse_bytes_whole(d, Path("x.json")), data)

@@ -4,24 +4,22 @@ come from replays; the whatif CLI. The before/after pairs: ``test_replay_pairs.p
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURES, fixture_dir, real_trace, run_cli
+from conftest import FIXTURES, analysed, fixture_dir, real_trace, run_cli
 
 from traceinspect.measure.replay import EditError, Replayer, parse_edit, replayer
-from traceinspect.pipeline import Analysis, analyze
+from traceinspect.pipeline import Analysis
 
 SETS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json")) + sorted(
     str(p.parent.relative_to(FIXTURES)) for p in FIXTURES.glob("drift/*/manifest.json"))
 TOL = 0.03
 
 
-@lru_cache(maxsize=16)
 def _analysis(path: str, phase: str = "decode") -> Analysis:
-    return analyze(path, phase=phase)
+    return analysed(path, phase)
 
 
 def _fixture(name: str) -> Analysis:

@@ -20,12 +20,12 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import FIXTURES, ROOT, fixture_dir, real_trace  # noqa: E402
+from conftest import FIXTURES, ROOT, analysed, fixture_dir, real_trace  # noqa: E402
 
 from traceinspect.judge.fixes import fix_edits  # noqa: E402
 from traceinspect.measure.replay import Edit, parse_edit, replayer  # noqa: E402
 from traceinspect.measure.replay.hostspeed import HostSpeed, host_speed_ratio  # noqa: E402
-from traceinspect.pipeline import Analysis, analyze  # noqa: E402
+from traceinspect.pipeline import Analysis  # noqa: E402
 
 PAIRS = yaml.safe_load((ROOT / "tests" / "data" / "replay_pairs.yaml").read_text())
 TOL = float(PAIRS["tolerance"])
@@ -45,9 +45,8 @@ CROSS = [
 ]
 
 
-@lru_cache(maxsize=32)
 def _analysis(path: str) -> Analysis:
-    return analyze(path, phase="decode")
+    return analysed(path, "decode")
 
 
 def _fixture(name: str) -> Analysis:
@@ -267,9 +266,8 @@ def test_host_speed_on_real_traces(name: str, host_bound: bool | None) -> None:
         assert share < 1.0
 
 
-@lru_cache(maxsize=4)
 def _analysis_all(path: str) -> Analysis:
-    return analyze(path, phase="all")
+    return analysed(path, "all")
 
 
 def drift_rows() -> list[tuple[str, str, float, float, float, float]]:

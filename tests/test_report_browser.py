@@ -253,7 +253,9 @@ def test_timeline_zoom_hover_table_sort_filter_and_csv_download(browser, eager_r
         box = root.locator("canvas").bounding_box()
         page.mouse.move(box["x"] + box["width"] / 2, box["y"] + 30)
         page.mouse.wheel(0, -300)
-        page.wait_for_timeout(50)
+        # the wheel event is handled when the page gets to it: wait for the zoom (30 s only bounds a hang)
+        page.wait_for_function("w => { const d = document.getElementById('timeline-main').dataset; "
+                               "return parseFloat(d.v1) - parseFloat(d.v0) < w; }", arg=v1 - v0, timeout=30_000)
         assert float(root.get_attribute("data-v1")) - float(root.get_attribute("data-v0")) < (v1 - v0)
         root.locator("canvas").dblclick()
         assert float(root.get_attribute("data-v1")) == pytest.approx(span)

@@ -1,4 +1,5 @@
-"""Scale-out: a 64-rank trace set analysed with the dask executor gives the same JSON as the local run."""
+"""Scale-out: a 16-rank trace set (rank numbers past 9: ordered as numbers, not text) analysed with the dask
+executor gives the same JSON as the local run."""
 
 from __future__ import annotations
 
@@ -12,16 +13,16 @@ from conftest import fixture_dir
 from traceinspect.pipeline import analyze
 
 FIXTURE = "kv-gather-cast-graph"
-RANKS = 64
+RANKS = 16
 
 
 def _set(tmp: Path) -> Path:
-    """64 rank files: the fixture's two ranks copied round-robin as -TP-0..63, with its server_info
+    """RANKS rank files: the fixture's two ranks copied round-robin as -TP-0..RANKS-1, with its server_info
     and graph-capture traces."""
     src = fixture_dir(FIXTURE)
     files = sorted(src.glob("*-TP-*.trace.json.gz"))
     assert len(files) == 2
-    d = tmp / "set64"
+    d = tmp / f"set{RANKS}"
     d.mkdir()
     for r in range(RANKS):
         shutil.copyfile(files[r % 2], d / f"fixture-TP-{r}.trace.json.gz")
@@ -39,7 +40,7 @@ def _comparable(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(900)
-def test_dask_executor_matches_local_on_64_ranks(tmp_path: Path) -> None:
+def test_dask_executor_matches_local_on_many_ranks(tmp_path: Path) -> None:
     pytest.importorskip("dask.distributed")
     d = _set(tmp_path)
     # no cache: each executor must parse every file itself

@@ -77,7 +77,9 @@ def test_the_command_list_is_what_the_commands_say(width: str) -> None:
     the summaries kept beside the command names, at any terminal width."""
     from traceinspect import cli
 
-    lazy = _cli("-m", "traceinspect", "--help", env={"COLUMNS": width}).stdout
+    r = _cli("-W", "error::DeprecationWarning", "-m", "traceinspect", "--help", env={"COLUMNS": width})
+    lazy = r.stdout
+    assert "Warning" not in r.stderr, r.stderr  # nothing deprecated is used (click warns on such imports)
     # the same group with every command imported, listed by click itself
     code = ("import click; from traceinspect import cli; g = click.Group(name='traceinspect', help=cli.cli.help, "
             "params=cli.cli.params, context_settings=cli.cli.context_settings, commands={n: "

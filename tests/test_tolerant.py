@@ -207,6 +207,15 @@ def test_rules_on_single_values() -> None:
                        ({"dur": 1e17}, "dur"), ({"dur": "1e400"}, "dur"), ({"name": 3}, "name")):
         p = one(**kw)
         assert p.drops == {reason: 1} and p.gpu_dropped == 1, (kw, p.drops)
+    # a ts more than a day from the file's median ts is no time of this profile (at 1e18 us float64 keeps
+    # no microseconds): dropped; an hour away is a (late) time of the profile: kept
+    for far in (-1e18, 1e18, -1e300, 10.0 + 86_400e6 + 1e3, 1.0 - 86_400e6 - 1e3):
+        p = one(ts=far)
+        assert p.drops == {"ts": 1} and p.gpu_dropped == 1 and len(p.kernels) == 200, (far, p.drops)
+    for near in (1.0 + 3.6e9, 1.0 - 3.6e9, 1e15):
+        p = one(ts=near) if near != 1e15 else parse.parse_bytes(json.dumps({"traceEvents": [
+            {**k, "ts": 1e15 + i} for i in range(201)]}).encode(), Path("x.json"))
+        assert p.dropped == 0 and len(p.kernels) == 201, (near, p.drops)
     ev = {k2: v for k2, v in k.items() if k2 != "ts"}
     assert parse.parse_bytes(json.dumps({"traceEvents": [ev, 5] + [k] * 200}).encode(),
                              Path("x")).drops == {"not_object": 1, "ts": 1}

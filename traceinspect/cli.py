@@ -15,7 +15,6 @@ import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
 import click  # noqa: E402
-from click.utils import make_default_short_help  # noqa: E402
 
 from traceinspect.errors import TraceInspectError  # noqa: E402
 from traceinspect.version import __version__  # noqa: E402
@@ -82,7 +81,9 @@ class LazyGroup(click.Group):
                     continue
                 rows.append((name, cmd.get_short_help_str(limit)))
             else:
-                rows.append((name, make_default_short_help(text, limit)))
+                # click's own shortening, through the public Command API (its helper in click.utils is
+                # deprecated and warns on import)
+                rows.append((name, click.Command(name, help=text).get_short_help_str(limit)))
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 

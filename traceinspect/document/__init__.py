@@ -9,6 +9,7 @@ validates a stored one. This module holds what they share, and how the document 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,48 @@ SCHEMA_VERSION = 1
 SCHEMA = f"{SCHEMA_NAME}/{SCHEMA_VERSION}"
 REPORT = "report"  # the section of what only the reports draw (timelines, tables, rule texts)
 
-__all__ = ["REPORT", "SCHEMA", "SCHEMA_NAME", "SCHEMA_VERSION", "dumps", "write_document"]
+__all__ = ["REPORT", "SCHEMA", "SCHEMA_NAME", "SCHEMA_VERSION", "NonFiniteNumber", "dumps", "nonfinite_path",
+           "write_document"]
+
+
+class NonFiniteNumber(ValueError):
+    """A NaN or infinity in a document about to be written: an internal error of the stage that computed it
+    (every number of the document is finite), not a property of the input."""
+
+
+def nonfinite_path(obj: Any, path: str = "$") -> tuple[str, float] | None:
+    """The JSON path (``$.report.timeline.span``, ``$.findings[2].fixes[0].saving_share``) and value of the
+    first non-finite float in ``obj`` (dicts, lists and tuples walked in order), or None."""
+    stack: list[tuple[Any, str]] = [(obj, path)]
+    while stack:
+        o, p = stack.pop()
+        if isinstance(o, float):
+            if not math.isfinite(o):
+                return p, o
+        elif isinstance(o, dict):
+            stack.extend((v, f"{p}.{k}") for k, v in reversed(list(o.items())))
+        elif isinstance(o, (list, tuple)):
+            stack.extend((v, f"{p}[{i}]") for i, v in reversed(list(enumerate(o))))
+    return None
 
 
 def dumps(doc: dict[str, Any]) -> str:
     """The document as JSON text: indented two spaces, but its ``report`` section (bulk arrays: timeline
-    lanes, table columns) written last, on one line, so the file stays small and the rest readable."""
+    lanes, table columns) written last, on one line, so the file stays small and the rest readable.
+    A NaN or infinity anywhere raises :class:`NonFiniteNumber` naming its JSON path (JSON has no such
+    numbers, and a reader would take ``NaN`` for a measurement)."""
+    try:
+        return _dumps(doc)
+    except ValueError as e:
+        found = nonfinite_path(doc)
+        if found is None:
+            raise
+        where, value = found
+        raise NonFiniteNumber(f"internal error: the analysis document holds the non-finite number {value} at "
+                              f"{where}; it was not written") from e
+
+
+def _dumps(doc: dict[str, Any]) -> str:
     body = {k: v for k, v in doc.items() if k != REPORT}
     text = json.dumps(body, indent=2, allow_nan=False)
     if REPORT not in doc or not body:

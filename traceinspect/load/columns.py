@@ -3,6 +3,7 @@ the native scanner fills the same columns). The tolerance rules are in :mod:`tra
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import zlib
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
 _I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 # no real event lasts a day: Kineto writes ~1.8e16 when an end time underflows; such events are dropped
 MAX_DUR_US = 86_400e6
+# nor does a profile span a day: an event whose ts lies further than this from the file's median ts is
+# unusable (a ts of -1e18 or 1e18 would otherwise stretch its step to ~1e18 us, where float64 keeps
+# no microseconds and differences of such times overflow or lose the step's own durations)
+MAX_TS_FROM_MEDIAN_US = 86_400e6
 MAX_BAD_GPU_SHARE = 0.01  # more dropped GPU events than this share: the file is not read
 _NAN = float("nan")
 
@@ -109,7 +114,7 @@ _REASON_TEXT = {
     "dur": "with an unusable dur (not a number, negative or over a day)",
     "name": "with a name that is not a string",
     "not_object": "that are not JSON objects",
-    "ts": "with no usable ts",
+    "ts": "with no usable ts (not a number, or over a day from the file's median ts)",
 }
 
 
@@ -393,6 +398,24 @@ class _Builder:
         c.add("ts", _floats(ts))
         c.add("dur", _floats(dur))
 
+    def _ts_range(self) -> tuple[float, float] | None:
+        """The usable timestamps, [median - MAX_TS_FROM_MEDIAN_US, median + MAX_TS_FROM_MEDIAN_US] over the
+        finite ts of every used event of the file; None (any finite ts) when they all lie within a day of
+        each other (the usual case: the median is then not needed)."""
+        parts = [a for c in self.kinds.values() for a in c.cols.get("ts", []) if len(a)]
+        with np.errstate(invalid="ignore"):
+            lows = [float(np.nanmin(a)) for a in parts if not np.isnan(a).all()]
+            highs = [float(np.nanmax(a)) for a in parts if not np.isnan(a).all()]
+        lo, hi = min(lows, default=0.0), max(highs, default=0.0)
+        if math.isfinite(lo) and math.isfinite(hi) and hi - lo <= MAX_TS_FROM_MEDIAN_US:
+            return None
+        ts = np.concatenate(parts)
+        ts = ts[np.isfinite(ts)]
+        if not len(ts):
+            return None
+        mid = float(np.median(ts))
+        return mid - MAX_TS_FROM_MEDIAN_US, mid + MAX_TS_FROM_MEDIAN_US
+
     def frames(self) -> tuple[dict[str, pd.DataFrame], dict[str, int], int]:
         """The five tables, the events dropped by reason, and how many of those were GPU events."""
         import pandas as pd
@@ -400,6 +423,7 @@ class _Builder:
         drops = dict(self.drops)
         gpu_dropped = self.gpu_dropped
         out: dict[str, pd.DataFrame] = {}
+        ts_range = self._ts_range()
 
         def frame(table: str, columns: list[str], kinds: list[str], by_ts: bool = False) -> pd.DataFrame:
             """The table of ``kinds`` (in order; ``by_ts``: rows sorted by ts, ties in that order)."""
@@ -420,7 +444,7 @@ class _Builder:
                 codes = np.repeat(np.arange(len(kinds), dtype=np.int8), sizes)
                 data["kind"] = pd.Categorical.from_codes(codes, categories=GPU_KINDS)
             ts, dur = data["ts"], data["dur"]
-            ts_ok = np.isfinite(ts)
+            ts_ok = np.isfinite(ts) if ts_range is None else (ts >= ts_range[0]) & (ts <= ts_range[1])
             ok = ts_ok & np.isfinite(dur) & (dur >= 0) & (dur <= MAX_DUR_US)
             if not ok.all():
                 n_ts = int(n - ts_ok.sum())

@@ -47,7 +47,8 @@ same values as the fast path wherever that one succeeds:
   other string is CRC-32 of its UTF-8 bytes & 0x7FFFFFFF; any other value (or none) is 0.
 * Needed fields of a used event, else the event is dropped and counted by reason: ``name`` a
   string (absent: ``""``; any other value: reason ``name``); ``ts`` present, a number, finite
-  (reason ``ts``); ``dur`` a number (absent: 0), finite, >= 0 and at most a day (``MAX_DUR_US``:
+  and within a day (``MAX_TS_FROM_MEDIAN_US``) of the median of the file's finite ``ts`` over all used
+  events (a kernel at ``ts = -1e18`` is no time of this profile) (reason ``ts``); ``dur`` a number (absent: 0), finite, >= 0 and at most a day (``MAX_DUR_US``:
   Kineto writes ~1.8e16 when an end time underflows) (reason ``dur``).
 * Reporting. ``ParsedRank.drops`` maps reason -> count (``gpu_dropped``: how many of those were
   GPU events); the load stage turns them into one warning per file naming the counts.

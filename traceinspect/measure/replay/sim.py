@@ -96,6 +96,8 @@ def simulate_events(m: Model, p: Params) -> Run:
     lA, lS, lX = p.lA.tolist(), p.lS.tolist(), m.g_lX.tolist()
     dur, res = p.dur.tolist(), p.res.tolist()
     g_inst = m.g_inst.tolist()
+    g_t = m.g_t.tolist()
+    inf_ = float("inf")
     members = m.i_members
     conflicts = 0
     inst_done = [False] * len(members)
@@ -157,6 +159,9 @@ def simulate_events(m: Model, p: Params) -> Run:
                 xe = ge[x]
                 if xe == xe and xe + lX[i] > s:
                     s, how = xe + lX[i], BY_XSTREAM
+            if not -inf_ < s < inf_:  # neither launch nor stream known yet (it was measured before its launch)
+                conflicts += 1
+                s, how = g_t[i], BY_ANCHOR
             gs[i] = s
             bind[i] = how
             if g_inst[i] < 0:
@@ -248,6 +253,7 @@ def simulate(m: Model, p: Params) -> Run:
     h_c, h_gh, h_prev = c[hd].tolist(), gh[hd].tolist(), gprev[hd].tolist()
     h_lS, h_anchor = p.lS[hd].tolist(), m.g_anchor[hd].tolist()
     h_x, h_lX = m.g_xprev[hd].tolist(), m.g_lX[hd].tolist()
+    h_t0, pinf = m.g_t[hd].tolist(), np.inf
     l_op, l_P, l_M, l_dur = lt.tolist(), P[lt].tolist(), M[lt].tolist(), p.dur[lt].tolist()
     l_coll = (inst[lt] >= 0).tolist()
     op_inst = {int(q): int(inst[q]) for q in np.nonzero(inst >= 0)[0]}
@@ -310,6 +316,9 @@ def simulate(m: Model, p: Params) -> Run:
                 xe = ge_d.get(x)
                 if xe is not None and xe + h_lX[i] > s0:
                     s0, hw = xe + h_lX[i], BY_XSTREAM
+            if not ninf < s0 < pinf:  # as in simulate_events: the op's measured start
+                conflicts += 1
+                s0, hw = h_t0[i], BY_ANCHOR
             S0_l[i], B_l[i], how_l[i] = s0, B, hw
             if not l_coll[i]:
                 mk = l_M[i]
