@@ -190,3 +190,50 @@ def test_step_samples_are_the_named_aggregations_value_for_value(trace) -> None:
     got = a._step_samples()
     pd.testing.assert_frame_equal(got, _samples_by_named_aggregation(a), check_exact=True)
     assert len(got) == a.steps_per_rank() and got.filter(like="class.").shape[1]
+
+
+def _capture_phase_trace(path: Path, pieces: int = 3, per: int = 33, capture: bool = True) -> None:
+    """A vLLM CUDA-graph capture phase as the profiler records it: python_function events all along, no
+    step marker, ``pieces`` alike bursts of ``per`` kernels (one per captured batch size) apart by idle gaps."""
+    import gzip
+    import json
+
+    ev: list[dict] = [{"ph": "X", "cat": "python_function", "name": "vllm/v1/worker/gpu_model_runner.py(2001): "
+                       "capture_model", "pid": 1, "tid": 1, "ts": 0.0, "dur": pieces * 10_000.0}]
+    corr = 0
+    for p in range(pieces):
+        t = 100.0 + p * 10_000.0
+        ev.append({"ph": "X", "cat": "python_function", "name": "vllm/v1/worker/gpu_model_runner.py(1900): _dummy_run",
+                   "pid": 1, "tid": 1, "ts": t - 50, "dur": per * 20.0 + 100})
+        for i in range(per):
+            corr += 1
+            at = t + i * 20.0
+            ev.append({"ph": "X", "cat": "python_function", "name": f"torch/nn/modules/module.py({i}): _call_impl",
+                       "pid": 1, "tid": 1, "ts": at, "dur": 15.0})
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": at + 1,
+                       "dur": 4.0, "args": {"correlation": corr, "External id": corr}})
+            ev.append({"ph": "X", "cat": "kernel", "name": f"kernel_{i % 11}", "pid": 0, "tid": 7, "ts": at + 10,
+                       "dur": 8.0, "args": {"correlation": corr, "External id": corr, "device": 0, "stream": 7}})
+        if capture:  # then the same forward captured into a graph (its kernels do not run)
+            for j, call in enumerate(("cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaGraphInstantiate")):
+                ev.append({"ph": "X", "cat": "cuda_runtime", "name": call, "pid": 1, "tid": 1,
+                           "ts": t + per * 20.0 + 200 + 100 * j, "dur": 20.0, "args": {"correlation": 10_000 + corr + j}})
+    doc = {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}], "traceEvents": ev}
+    with gzip.open(path, "wt") as f:
+        json.dump(doc, f)
+
+
+def test_a_capture_phase_with_python_functions_and_no_marker_is_analysed(tmp_path: Path) -> None:
+    """Periodic alike bursts and no marker: the gaps are compared by kernel names (read for the rank, not
+    left out of the columns the steps stage reads), and the capture analyses."""
+    bare = tmp_path / "bare.pt.trace.json.gz"
+    _capture_phase_trace(bare, capture=False)
+    st = _steps(bare)
+    assert st["source"].tolist() == ["gpu_gaps"] * 3 and int(st["n_kernels"].sum()) == 99
+    # with the capture calls, the bursts are the captured batch sizes' warm-up runs: one whole-capture step
+    path = tmp_path / "capture.pt.trace.json.gz"
+    _capture_phase_trace(path)
+    st = _steps(path)
+    assert st["source"].tolist() == ["whole_capture"] and st["n_kernels"].tolist() == [99]
+    doc = analyze([path], jobs=1).to_json()
+    assert doc["steps"]["count"] == 1 and doc["coverage"]["kernels_analysed"] == 99

@@ -69,6 +69,7 @@ class StepRules:
     gap_count_spread: float
     gap_name_overlap: float
     gap_period_spread: float
+    capture_calls: re.Pattern[str]
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -83,7 +84,8 @@ def step_rules() -> StepRules:
         iteration_min_repeats=int(it["min_repeats"]), iteration_min_share=float(it["min_kernel_share"]),
         iteration_ignore=re.compile(it["ignore"]), gap_min_pieces=int(gaps["min_pieces"]),
         gap_count_spread=float(gaps["max_kernel_count_spread"]), gap_name_overlap=float(gaps["min_name_overlap"]),
-        gap_period_spread=float(gaps["max_period_spread"]), raw=doc)
+        gap_period_spread=float(gaps["max_period_spread"]), capture_calls=re.compile(gaps["not_in_capture"]),
+        raw=doc)
 
 
 def phase_of(name: str) -> str:
@@ -319,9 +321,21 @@ def _graph_windows(ts: TraceSet, rank: int) -> _Windows | None:
     return _Windows(start, end, ["cudaGraphLaunch"] * len(start), "graph_launch")
 
 
+def _captures_graphs(ts: TraceSet, rank: int) -> bool:
+    """Whether the rank captures CUDA graphs (stream capture / graph instantiation calls): its bursts of
+    kernels are the warm-up runs of the captured batch sizes, not steps."""
+    rt = _rank_rows(ts.runtime, rank)
+    if not len(rt):
+        return False
+    names = pd.unique(rt["name"].to_numpy(dtype=object))
+    pat = step_rules().capture_calls
+    return any(pat.search(str(n)) for n in names)
+
+
 def _gap_steps(k: pd.DataFrame) -> np.ndarray | None:
-    """Step number per kernel from idle gaps on the GPU timeline (no CPU evidence), or None unless
-    the gaps are periodic and the pieces alike (``gaps`` in rules/tables/steps.yaml)."""
+    """Step number per kernel (``k``: the rank's kernels, with ``ts``, ``end`` and ``name``) from idle gaps
+    on the GPU timeline (no CPU evidence), or None unless the gaps are periodic and the pieces alike
+    (``gaps`` in rules/tables/steps.yaml)."""
     rules = step_rules()
     order = np.argsort(k["ts"].to_numpy(), kind="stable")
     ts, end = k["ts"].to_numpy()[order], k["end"].to_numpy()[order]
@@ -379,7 +393,7 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
             names, source, phases = win.name, win.source, win.phase
             cpu = [(np.nan, np.nan)] * len(names) if win.gpu else list(zip(win.start, win.end, strict=True))
         else:
-            gap = _gap_steps(kr)
+            gap = None if _captures_graphs(ts, rank) else _gap_steps(k.loc[kmask, ["ts", "end", "name"]])
             if gap is not None:
                 local = gap
                 n = int(local.max()) + 1
