@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.link import GRAPH_LAUNCH
+from traceinspect.load.consistency import training_ops
 from traceinspect.model import TraceSet
 from traceinspect.tables import factorize_text
 
@@ -494,7 +495,6 @@ def select_steps(steps: pd.DataFrame, phase: str) -> pd.DataFrame:
     return s[(s["phase"] == phase) | (s["phase"] == "unknown")]
 
 
-TRAINING_OPS = re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^Optimizer\.step#|^## backward ##$")
 
 
 class RunKind(msgspec.Struct):
@@ -516,7 +516,7 @@ def run_kind(ts: TraceSet, steps: pd.DataFrame) -> RunKind:
     for codes, texts in (ts.op_names(), (ann_codes, ann_names)):
         if not len(codes):
             continue
-        hit = pd.Series(texts, dtype=object).str.contains(TRAINING_OPS, na=False).to_numpy(dtype=bool)
+        hit = pd.Series(texts, dtype=object).str.contains(training_ops(), na=False).to_numpy(dtype=bool)
         if hit.any():
             found = set(texts[hit].tolist())
             hits[", ".join(sorted(found)[:3])] = int(np.count_nonzero(hit[codes]))
