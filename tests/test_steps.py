@@ -80,7 +80,9 @@ def test_profiler_step_as_an_operator(tmp_path: Path) -> None:
                 e["name"] = "x"
 
     st = _steps(_rewrite(tmp_path, "op", op))
-    assert set(st["source"]) == {"profiler_step"} and len(st) == 12 and st["edge"].sum() == 2
+    assert set(st["source"]) == {"profiler_step"} and len(st) == 12
+    # (the spans are whole: the recording cuts none of them)
+    assert st["edge"].sum() == 0 and st["included"].all()
 
 
 def test_idle_gaps_cut_only_periodic_alike_pieces(tmp_path: Path) -> None:
@@ -110,6 +112,41 @@ def test_idle_gaps_cut_only_periodic_alike_pieces(tmp_path: Path) -> None:
         assert gaps["source"].tolist() == ["whole_capture"]
     one = _steps(_rewrite(tmp_path, "unalike", unalike))
     assert one["source"].tolist() == ["whole_capture"] and one["n_kernels"].iloc[0] > 1000
+
+
+def test_only_steps_the_recording_cut_are_partial(tmp_path: Path) -> None:
+    """Complete first and last steps are analysed; a first step whose CPU window begins with the recording
+    (the profiler started inside it: its earlier events are not in the trace), and a last step whose
+    launches have no GPU work in the trace (the recording stopped first), are partial, each with why."""
+    whole = _steps(fixture_dir(SRC) / "fixture-TP-0.trace.json.gz")
+    assert not whole["edge"].any() and whole["included"].all() and (whole["excluded_why"] == "").all()
+    first, last = whole.iloc[0], whole.iloc[-1]
+    gpu_cut = (last["gpu_start"] + last["gpu_end"]) / 2
+    gpu = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
+
+    def cut(doc: dict) -> None:
+        ev = []
+        for e in doc["traceEvents"]:
+            ts = e.get("ts")
+            if e.get("ph") != "X" or not isinstance(ts, (int, float)):
+                ev.append(e)
+            elif e.get("cat") == "Trace":  # the profiler started just before the first step's span
+                e["dur"] = ts + e.get("dur", 0) - (first["cpu_start"] - 10)
+                e["ts"] = first["cpu_start"] - 10
+                ev.append(e)
+            elif e.get("cat") in gpu:
+                if e.get("cat") != "kernel" or ts <= gpu_cut:  # the recording stopped while the GPU ran
+                    ev.append(e)
+            elif ts >= first["cpu_start"]:  # what began before the profiler started is not recorded
+                ev.append(e)
+        doc["traceEvents"] = ev
+
+    st = _steps(_rewrite(tmp_path, "cut", cut))
+    r0 = st[st["rank"] == 0]
+    assert r0["edge"].tolist() == [True] + [False] * (len(r0) - 2) + [True]
+    assert r0["excluded_why"].iloc[0] == "partial: its CPU window begins with the recording"
+    assert r0["excluded_why"].iloc[-1].startswith("partial: ") and "have no GPU work in the trace" in \
+        r0["excluded_why"].iloc[-1]
 
 
 def test_phase_resolution_says_what_it_did() -> None:

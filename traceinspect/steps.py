@@ -15,7 +15,15 @@ GPU time. Steps whose phase no marker states are ``unknown``; they are never rel
 
 ``steps`` table columns: rank, idx (order within the rank), phase, bs, toks, name, source,
 cpu_start, cpu_end, gpu_start, gpu_end, n_kernels, kernel_us, busy_us, span_us, idle_us,
-edge (first/last step of the rank), included (analysed).
+edge (a partial step: the recording cut it), included (analysed), excluded_why (why a step is not
+analysed: what cut it, or that it has no kernels; empty for an analysed step).
+
+A step is partial (``edge``, excluded) only on evidence, and only the first or last of a rank of three or
+more: its CPU window begins or ends with the recording (no CPU event of the rank before or after it, and
+the profiler's own span, where the trace has one, starts or stops within ``edges.recording_settle_us`` of
+it), or kernel launches in it have no GPU work in the trace. A complete first or last step is analysed.
+Windows drawn on the GPU timeline (GPU annotations, idle gaps) and one ``cudaGraphLaunch`` per step
+reach the recording's ends by construction: their first and last steps are partial.
 """
 
 from __future__ import annotations
@@ -42,10 +50,14 @@ PHASES = {"decode": "decode", "extend": "prefill", "prefill": "prefill", "mixed"
 SOURCES_TRIED = ("step[...] spans, ProfilerStep#N, forward markers, iteration annotations, cudaGraphLaunch "
                  "per step, periodic GPU idle gaps")
 WHOLE_CAPTURE = "whole capture (no step marker)"
+PROFILER_SPAN = re.compile(r"^PyTorch Profiler \(\d+\)$")  # Kineto's own span: the recording itself
+# sources whose windows are CPU spans the trace records (a partial step shows against the recording's bounds)
+CPU_SOURCES = ("step_span", "profiler_step", "forward_marker", "iteration")
 
 STEP_COLUMNS = [
     "rank", "idx", "phase", "bs", "toks", "name", "source", "cpu_start", "cpu_end",
     "gpu_start", "gpu_end", "n_kernels", "kernel_us", "busy_us", "span_us", "idle_us", "edge", "included",
+    "excluded_why",
 ]
 
 
@@ -71,6 +83,7 @@ class StepRules:
     gap_name_overlap: float
     gap_period_spread: float
     capture_calls: re.Pattern[str]
+    settle_us: float
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -86,7 +99,7 @@ def step_rules() -> StepRules:
         iteration_ignore=re.compile(it["ignore"]), gap_min_pieces=int(gaps["min_pieces"]),
         gap_count_spread=float(gaps["max_kernel_count_spread"]), gap_name_overlap=float(gaps["min_name_overlap"]),
         gap_period_spread=float(gaps["max_period_spread"]), capture_calls=re.compile(gaps["not_in_capture"]),
-        raw=doc)
+        settle_us=float(doc["edges"]["recording_settle_us"]), raw=doc)
 
 
 def phase_of(name: str) -> str:
@@ -370,6 +383,67 @@ def _gap_steps(k: pd.DataFrame) -> np.ndarray | None:
     return out
 
 
+class _Recording(msgspec.Struct):
+    """What a rank's trace recorded on the CPU: its first and last CPU event (ops, runtime calls,
+    annotations), the profiler's own span where the trace has one, and the runtime calls whose GPU work
+    is in the trace."""
+
+    first: float
+    last: float
+    profiler: tuple[float, float] | None
+    launches: np.ndarray  # ts of kernel launches (runtime calls) with no GPU work in the trace
+
+
+LAUNCH_CALLS = re.compile(r"Launch(?!HostFunc)", re.IGNORECASE)
+
+
+def _recording(ts: TraceSet, rank: int, linked: np.ndarray) -> _Recording:
+    lo, hi = np.inf, -np.inf
+    prof: tuple[float, float] | None = None
+    for df in (ts.cpu_ops, ts.runtime, ts.annotations):
+        r = _rank_rows(df, rank)
+        if not len(r):
+            continue
+        if df is ts.annotations:
+            own = r["name"].str.match(PROFILER_SPAN).to_numpy(dtype=bool)
+            if own.any():
+                prof = (float(r["ts"].to_numpy()[own].min()), float(r["end"].to_numpy()[own].max()))
+                r = r[~own]
+                if not len(r):
+                    continue
+        lo, hi = min(lo, float(r["ts"].min())), max(hi, float(r["end"].max()))
+    rt = ts.runtime
+    rows = np.nonzero((rt["rank"] == rank).to_numpy())[0] if len(rt) else np.zeros(0, dtype=np.int64)
+    launches = np.zeros(0)
+    if len(rows):
+        names = rt["name"].to_numpy(dtype=object)[rows]
+        uniq = pd.unique(names)
+        is_launch = {n for n in uniq if LAUNCH_CALLS.search(str(n))}
+        cand = rows[np.isin(names, list(is_launch))] if is_launch else rows[:0]
+        if "correlation" in rt.columns:
+            cand = cand[rt["correlation"].to_numpy()[cand] > 0]
+        missing = cand[~np.isin(cand, linked)]
+        launches = np.sort(rt["ts"].to_numpy(dtype=float)[missing])
+    return _Recording(lo, hi, prof, launches)
+
+
+def _partial(row: dict[str, Any], first: bool, rec: _Recording, settle: float) -> str:
+    """Why the first or last step ``row`` of a rank is partial (the recording cut it), or ''."""
+    if row["source"] not in CPU_SOURCES:
+        return ("its window is drawn on the GPU timeline or from launches, and the recording's "
+                + ("start" if first else "end") + " bounds it")
+    c0, c1 = float(row["cpu_start"]), float(row["cpu_end"])
+    why = []
+    if first and c0 <= rec.first and (rec.profiler is None or c0 - rec.profiler[0] <= settle):
+        why.append("its CPU window begins with the recording")
+    if not first and c1 >= rec.last and (rec.profiler is None or rec.profiler[1] - c1 <= settle):
+        why.append("its CPU window ends with the recording")
+    n = int(np.count_nonzero((rec.launches >= c0) & (rec.launches <= c1)))
+    if n:
+        why.append(f"{n} kernel launch(es) in it have no GPU work in the trace")
+    return "; ".join(why)
+
+
 def build_steps(ts: TraceSet) -> pd.DataFrame:
     """Segment every rank into steps, set ``kernels.step`` and return the steps table."""
     k = ts.kernels
@@ -439,14 +513,19 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
                 "name": name, "source": source, "cpu_start": cpu[i][0], "cpu_end": cpu[i][1],
                 "gpu_start": g0, "gpu_end": g1, "n_kernels": b - a,
                 "kernel_us": float(g_dur[a:b].sum()), "busy_us": busy, "span_us": span,
-                "idle_us": max(span - busy, 0.0), "edge": False, "included": True,
+                "idle_us": max(span - busy, 0.0), "edge": False, "included": True, "excluded_why": "",
             })
         if n_steps >= 3:
-            rows[base]["edge"] = rows[base + n_steps - 1]["edge"] = True
-            rows[base]["included"] = rows[base + n_steps - 1]["included"] = False
+            rec = _recording(ts, rank, rt_idx[rt_idx >= 0])
+            settle = step_rules().settle_us
+            for j, first in ((base, True), (base + n_steps - 1, False)):
+                why = _partial(rows[j], first, rec, settle)
+                if why:
+                    rows[j].update(edge=True, included=False, excluded_why="partial: " + why)
         for r in rows[base:base + n_steps]:
             if r["n_kernels"] == 0:
                 r["included"] = False
+                r["excluded_why"] = r["excluded_why"] or "no kernels"
     k["step"] = step_col
     return pd.DataFrame(rows, columns=STEP_COLUMNS)
 

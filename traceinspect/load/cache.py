@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from traceinspect.load.columns import ParsedRank
 
-PARSER_VERSION = "4"
+PARSER_VERSION = "5"
 TABLES = ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations")
 # columns of Python objects (str or bytes or None): read back as dictionaries so that equal values
 # share one object, as they do after a parse
