@@ -35,7 +35,7 @@ TRACES = [
     "hta/trace_file_list",
     "hta/trace_filter",
 ]
-FP32_GEMM_NAME = re.compile(r"(?<![a-z])sgemm|f32f32|tf32|<float, float, float\b|(gemm|gemv)\w*_kernel<(int, )?float\b",
+FP32_GEMM_NAME = re.compile(r"(?<![a-z])sgemm|f32f32|tf32|<float, float, float\b|(?:gemm|gemv)\w*_kernel<(?:int, )?float\b",
                             re.IGNORECASE)
 _DONE: dict[str, tuple[Analysis, dict[str, Any]]] = {}
 

@@ -112,7 +112,7 @@ def discover(paths: list[str | Path], phase: str = "decode") -> Discovery:
         if p.is_dir():
             dirs.append(p)
             found = sorted(c for c in p.iterdir() if c.is_file() and _is_trace_name(c))
-            ranked = [c for c in found if SGLANG_NAME.match(c.name)]
+            ranked = [c for c in found if SGLANG_NAME.match(c.name) or c.name.startswith("merged-")]
             if ranked and len(ranked) < len(found):  # SGLang's layout: the -TP-<r> files are the ranks
                 others = [c.name for c in found if c not in ranked]
                 notes.append(f"not loaded from {p}: {', '.join(others[:5])}{'…' if len(others) > 5 else ''} "
