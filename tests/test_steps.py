@@ -115,22 +115,25 @@ def test_idle_gaps_cut_only_periodic_alike_pieces(tmp_path: Path) -> None:
 
 
 def test_only_steps_the_recording_cut_are_partial(tmp_path: Path) -> None:
-    """Complete first and last steps are analysed; a first step whose CPU window begins with the recording
-    (the profiler started inside it: its earlier events are not in the trace), and a last step whose
-    launches have no GPU work in the trace (the recording stopped first), are partial, each with why."""
+    """Complete first and last steps are analysed. Cut by the recording: a last step whose launches have no
+    GPU work in the trace (the recording stopped first); a first step whose Python-tracer forward marker
+    begins with the recording (the profiler started inside it). A step[...] span (record_function) is
+    recorded whole: beginning with the recording does not make it partial. Each excluded step says why."""
     whole = _steps(fixture_dir(SRC) / "fixture-TP-0.trace.json.gz")
     assert not whole["edge"].any() and whole["included"].all() and (whole["excluded_why"] == "").all()
     first, last = whole.iloc[0], whole.iloc[-1]
     gpu_cut = (last["gpu_start"] + last["gpu_end"]) / 2
     gpu = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 
-    def cut(doc: dict) -> None:
+    def cut(doc: dict, python: bool) -> None:
         ev = []
         for e in doc["traceEvents"]:
             ts = e.get("ts")
+            if python and str(e.get("name", "")).startswith("step["):
+                e["cat"], e["name"] = "python_function", "vllm/v1/worker/gpu_worker.py(263): execute_model"
             if e.get("ph") != "X" or not isinstance(ts, (int, float)):
                 ev.append(e)
-            elif e.get("cat") == "Trace":  # the profiler started just before the first step's span
+            elif e.get("cat") == "Trace":  # the profiler started just before the first step's window
                 e["dur"] = ts + e.get("dur", 0) - (first["cpu_start"] - 10)
                 e["ts"] = first["cpu_start"] - 10
                 ev.append(e)
@@ -141,12 +144,14 @@ def test_only_steps_the_recording_cut_are_partial(tmp_path: Path) -> None:
                 ev.append(e)
         doc["traceEvents"] = ev
 
-    st = _steps(_rewrite(tmp_path, "cut", cut))
-    r0 = st[st["rank"] == 0]
-    assert r0["edge"].tolist() == [True] + [False] * (len(r0) - 2) + [True]
-    assert r0["excluded_why"].iloc[0] == "partial: its CPU window begins with the recording"
-    assert r0["excluded_why"].iloc[-1].startswith("partial: ") and "have no GPU work in the trace" in \
-        r0["excluded_why"].iloc[-1]
+    launches = "partial: " + "{} kernel launch(es) in it have no GPU work in the trace"
+    for python in (False, True):
+        st = _steps(_rewrite(tmp_path, f"cut{int(python)}", lambda doc, p=python: cut(doc, p)))
+        assert set(st["source"]) == {"forward_marker" if python else "step_span"}
+        assert st["edge"].tolist() == [python] + [False] * (len(st) - 2) + [True]
+        assert st["excluded_why"].iloc[0] == ("partial: its CPU window begins with the recording" if python else "")
+        n = int(st["excluded_why"].iloc[-1].split("partial: ")[1].split()[0])
+        assert n > 0 and st["excluded_why"].iloc[-1] == launches.format(n)
 
 
 def test_phase_resolution_says_what_it_did() -> None:

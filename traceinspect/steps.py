@@ -19,9 +19,12 @@ edge (a partial step: the recording cut it), included (analysed), excluded_why (
 analysed: what cut it, or that it has no kernels; empty for an analysed step).
 
 A step is partial (``edge``, excluded) only on evidence, and only the first or last of a rank of three or
-more: its CPU window begins or ends with the recording (no CPU event of the rank before or after it, and
-the profiler's own span, where the trace has one, starts or stops within ``edges.recording_settle_us`` of
-it), or kernel launches in it have no GPU work in the trace. A complete first or last step is analysed.
+more: kernel launches in it have no GPU work in the trace (the recording stopped first), or its CPU window
+begins or ends with the recording (no CPU event of the rank before or after it, and the profiler's own
+span, where the trace has one, starts or stops within ``edges.recording_settle_us`` of it) where the
+profiler itself opens or closes the span: a Python-tracer frame (a python_function forward marker) at
+either end, the last ProfilerStep#N at the end. A record_function span (step[...], iteration
+annotations) is recorded whole or not at all. A complete first or last step is analysed.
 Windows drawn on the GPU timeline (GPU annotations, idle gaps) and one ``cudaGraphLaunch`` per step
 reach the recording's ends by construction: their first and last steps are partial.
 """
@@ -51,9 +54,11 @@ SOURCES_TRIED = ("step[...] spans, ProfilerStep#N, forward markers, iteration an
                  "per step, periodic GPU idle gaps")
 WHOLE_CAPTURE = "whole capture (no step marker)"
 PROFILER_SPAN = re.compile(r"^PyTorch Profiler \(\d+\)$")  # Kineto's own span: the recording itself
-# sources whose windows are CPU spans the trace records (a partial step shows against the recording's bounds)
+# sources whose windows are CPU spans the trace records: a partial step shows in its launches, and, where
+# the profiler itself opens or closes the span, against the recording's bounds
 CPU_SOURCES = ("step_span", "profiler_step", "forward_marker", "iteration")
-
+PY_FRAME = re.compile(r"\.py\(\d+\): ")  # a python_function event (with_stack): the tracer opens the frames
+# active when it starts and closes those open when it stops
 STEP_COLUMNS = [
     "rank", "idx", "phase", "bs", "toks", "name", "source", "cpu_start", "cpu_end",
     "gpu_start", "gpu_end", "n_kernels", "kernel_us", "busy_us", "span_us", "idle_us", "edge", "included",
@@ -433,10 +438,14 @@ def _partial(row: dict[str, Any], first: bool, rec: _Recording, settle: float) -
         return ("its window is drawn on the GPU timeline or from launches, and the recording's "
                 + ("start" if first else "end") + " bounds it")
     c0, c1 = float(row["cpu_start"]), float(row["cpu_end"])
+    # a record_function span is recorded whole or not at all; the profiler's Python tracer opens the frames
+    # active at its start and closes those open at its stop; the profiler's stop closes the open ProfilerStep
+    py = row["source"] == "forward_marker" and bool(PY_FRAME.search(str(row["name"])))
     why = []
-    if first and c0 <= rec.first and (rec.profiler is None or c0 - rec.profiler[0] <= settle):
+    if first and py and c0 <= rec.first and (rec.profiler is None or c0 - rec.profiler[0] <= settle):
         why.append("its CPU window begins with the recording")
-    if not first and c1 >= rec.last and (rec.profiler is None or rec.profiler[1] - c1 <= settle):
+    if not first and (py or row["source"] == "profiler_step") and c1 >= rec.last and (
+            rec.profiler is None or rec.profiler[1] - c1 <= settle):
         why.append("its CPU window ends with the recording")
     n = int(np.count_nonzero((rec.launches >= c0) & (rec.launches <= c1)))
     if n:
