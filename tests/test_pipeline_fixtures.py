@@ -102,8 +102,9 @@ def test_json_contract() -> None:
     for key in ("source", "ranks", "steps", "classes", "findings", "coverage"):
         assert key in doc
     assert set(doc["steps"]) >= {"phase", "count", "median_us"}
-    # the eager set's first and last steps are whole (nothing of theirs is cut by the recording): analysed
-    assert doc["steps"]["count"] == manifest(EAGER)["steps_profiled"] and doc["steps"]["excluded_edge"] == 0
+    # the recording began and ended within a step of the first and last steps: partial, excluded, with why
+    assert doc["steps"]["count"] == manifest(EAGER)["steps_profiled"] - 2
+    assert [x["why"].split(":")[0] for x in doc["steps"]["excluded"]] == ["partial"] * 4
     assert set(doc["classes"]) <= set(CLASSES)
     assert math.isclose(sum(v["share"] for v in doc["classes"].values()), 1.0, abs_tol=1e-3)
     for r in doc["ranks"]:

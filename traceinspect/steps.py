@@ -19,18 +19,20 @@ edge (a partial step: the recording cut it), included (analysed), excluded_why (
 analysed: what cut it, or that it has no kernels; empty for an analysed step).
 
 A step is partial (``edge``, excluded) only on evidence, and only the first or last of a rank of three or
-more: kernel launches in it have no GPU work in the trace (the recording stopped first), or its CPU window
-begins or ends with the recording (no CPU event of the rank before or after it, and the profiler's own
-span, where the trace has one, starts or stops within ``edges.recording_settle_us`` of it) where the
-profiler itself opens or closes the span: a Python-tracer frame (a python_function forward marker) at
-either end, the last ProfilerStep#N at the end. A record_function span (step[...], iteration
-annotations) is recorded whole or not at all. A complete first or last step is analysed.
+more: the recording began less than ``edges.max_gap_steps`` of a step period (the median start-to-start
+interval of the rank's steps) before it, or ended less than that after it (the profiler started or
+stopped while the step before or after it ran: its start-up or flush, and GPU work not in the trace, fall
+into this step; a Python-tracer frame or the last ProfilerStep#N, which the profiler itself opens or
+closes, is cut outright); or kernel launches in it have no GPU work in the trace (the recording stopped
+first). The recording's bounds are the profiler's own span where the trace has one, else the rank's
+first and last CPU events. A complete first or last step (the recording idle around it) is analysed.
 Windows drawn on the GPU timeline (GPU annotations, idle gaps) and one ``cudaGraphLaunch`` per step
 reach the recording's ends by construction: their first and last steps are partial.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -57,8 +59,7 @@ PROFILER_SPAN = re.compile(r"^PyTorch Profiler \(\d+\)$")  # Kineto's own span: 
 # sources whose windows are CPU spans the trace records: a partial step shows in its launches, and, where
 # the profiler itself opens or closes the span, against the recording's bounds
 CPU_SOURCES = ("step_span", "profiler_step", "forward_marker", "iteration")
-PY_FRAME = re.compile(r"\.py\(\d+\): ")  # a python_function event (with_stack): the tracer opens the frames
-# active when it starts and closes those open when it stops
+
 STEP_COLUMNS = [
     "rank", "idx", "phase", "bs", "toks", "name", "source", "cpu_start", "cpu_end",
     "gpu_start", "gpu_end", "n_kernels", "kernel_us", "busy_us", "span_us", "idle_us", "edge", "included",
@@ -88,7 +89,7 @@ class StepRules:
     gap_name_overlap: float
     gap_period_spread: float
     capture_calls: re.Pattern[str]
-    settle_us: float
+    max_gap_steps: float
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -104,7 +105,7 @@ def step_rules() -> StepRules:
         iteration_ignore=re.compile(it["ignore"]), gap_min_pieces=int(gaps["min_pieces"]),
         gap_count_spread=float(gaps["max_kernel_count_spread"]), gap_name_overlap=float(gaps["min_name_overlap"]),
         gap_period_spread=float(gaps["max_period_spread"]), capture_calls=re.compile(gaps["not_in_capture"]),
-        settle_us=float(doc["edges"]["recording_settle_us"]), raw=doc)
+        max_gap_steps=float(doc["edges"]["max_gap_steps"]), raw=doc)
 
 
 def phase_of(name: str) -> str:
@@ -432,25 +433,31 @@ def _recording(ts: TraceSet, rank: int, linked: np.ndarray) -> _Recording:
     return _Recording(lo, hi, prof, launches)
 
 
-def _partial(row: dict[str, Any], first: bool, rec: _Recording, settle: float) -> str:
+def _partial(row: dict[str, Any], first: bool, rec: _Recording, period: float, max_gap: float) -> str:
     """Why the first or last step ``row`` of a rank is partial (the recording cut it), or ''."""
     if row["source"] not in CPU_SOURCES:
         return ("its window is drawn on the GPU timeline or from launches, and the recording's "
                 + ("start" if first else "end") + " bounds it")
     c0, c1 = float(row["cpu_start"]), float(row["cpu_end"])
-    # a record_function span is recorded whole or not at all; the profiler's Python tracer opens the frames
-    # active at its start and closes those open at its stop; the profiler's stop closes the open ProfilerStep
-    py = row["source"] == "forward_marker" and bool(PY_FRAME.search(str(row["name"])))
+    lo, hi = rec.profiler if rec.profiler is not None else (rec.first, rec.last)
+    what = "the profiler's span" if rec.profiler is not None else "the rank's CPU events"
     why = []
-    if first and py and c0 <= rec.first and (rec.profiler is None or c0 - rec.profiler[0] <= settle):
-        why.append("its CPU window begins with the recording")
-    if not first and (py or row["source"] == "profiler_step") and c1 >= rec.last and (
-            rec.profiler is None or rec.profiler[1] - c1 <= settle):
-        why.append("its CPU window ends with the recording")
+    if first and math.isfinite(lo) and c0 - lo < max_gap * period:
+        why.append(f"the recording ({what}) began {fmt_gap(c0 - lo, period)} before it: the profiler started "
+                   "while the step before it ran")
+    end = max(c1, float(row["gpu_end"])) if math.isfinite(float(row["gpu_end"])) else c1
+    if not first and math.isfinite(hi) and hi - end < max_gap * period:
+        why.append(f"the recording ({what}) ended {fmt_gap(hi - end, period)} after it: the profiler stopped "
+                   "while the step after it ran")
     n = int(np.count_nonzero((rec.launches >= c0) & (rec.launches <= c1)))
     if n:
         why.append(f"{n} kernel launch(es) in it have no GPU work in the trace")
     return "; ".join(why)
+
+
+def fmt_gap(us: float, period: float) -> str:
+    """A gap in microseconds and as a share of the step period."""
+    return f"{max(us, 0.0):,.0f} us ({max(us, 0.0) / period:.2f} of a step)"
 
 
 def build_steps(ts: TraceSet) -> pd.DataFrame:
@@ -526,9 +533,11 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
             })
         if n_steps >= 3:
             rec = _recording(ts, rank, rt_idx[rt_idx >= 0])
-            settle = step_rules().settle_us
+            starts = np.asarray([r["cpu_start"] for r in rows[base:]], dtype=float)
+            steps_apart = np.diff(starts[np.isfinite(starts)])
+            period = float(np.median(steps_apart)) if len(steps_apart) else math.inf
             for j, first in ((base, True), (base + n_steps - 1, False)):
-                why = _partial(rows[j], first, rec, settle)
+                why = _partial(rows[j], first, rec, period, step_rules().max_gap_steps)
                 if why:
                     rows[j].update(edge=True, included=False, excluded_why="partial: " + why)
         for r in rows[base:base + n_steps]:
