@@ -97,20 +97,23 @@ STEP_SPAN = re.compile(r"^step\[", re.IGNORECASE)
 PROFILER_STEP = re.compile(r"^ProfilerStep#\d+$")
 
 
-def raw_cast_shares(d: Path) -> tuple[float, float]:
+def raw_cast_shares(d: Path, excluded: dict[str, Any] | None = None) -> tuple[float, float]:
     """The planted KV cast kernels (``direct_copy_kernel_cuda`` with ``LoadWithCast``) of a set's analysed
     steps, from the raw events with the standard library: (their share of the GPU time, their time per
     rank per step over the step time). A kernel belongs to the step span (SGLang's step[...], else
-    ProfilerStep#N) that holds its launch (correlation); the first and last step of each rank are left
-    out; the step time is the median over aligned steps of the slowest rank's GPU span."""
+    ProfilerStep#N) that holds its launch (correlation); the steps the analysis left out are left out
+    (``excluded``: an analysis document's ``steps``, whose ``excluded`` names them by rank and index, the
+    rank files taken in name order; None: none); the step time is the median over aligned steps of the
+    slowest rank's GPU span."""
+    skip = {(int(x["rank"]), int(x["idx"])) for x in (excluded or {}).get("excluded", [])}
     cast = total = 0.0
     spans_by_rank: list[list[float]] = []
-    for p in sorted(d.glob("*.trace.json*")):
+    for rank, p in enumerate(sorted(d.glob("*.trace.json*"))):
         ev = raw_events(p)
         marks = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("user_annotation", "cpu_op", "Operator")]
         spans = [(e["ts"], e["ts"] + e["dur"]) for e in marks if STEP_SPAN.match(str(e.get("name", "")))] or \
             [(e["ts"], e["ts"] + e["dur"]) for e in marks if PROFILER_STEP.match(str(e.get("name", "")))]
-        spans = sorted(spans)[1:-1]
+        spans = [s for i, s in enumerate(sorted(spans)) if (rank, i) not in skip]
         launch = {e["args"]["correlation"]: e["ts"] for e in ev
                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
         first = [float("inf")] * len(spans)
@@ -134,9 +137,9 @@ def raw_cast_shares(d: Path) -> tuple[float, float]:
     return cast / total, per_step / step_us
 
 
-def raw_cast_share(d: Path) -> float:
+def raw_cast_share(d: Path, excluded: dict[str, Any] | None = None) -> float:
     """The planted KV cast kernels' share of the GPU time of a set's analysed steps (raw events)."""
-    return raw_cast_shares(d)[0]
+    return raw_cast_shares(d, excluded)[0]
 
 
 def copy_set(src: Path, dst: Path) -> Path:

@@ -709,3 +709,43 @@ def test_a_table_primed_and_pickled_classifies_as_a_fresh_one(monkeypatch: pytes
 
     monkeypatch.setattr(NamePattern, "matches", searched)
     assert {key: taken.classify(*key) for key in want} == want
+
+
+@pytest.mark.parametrize(("name", "want"), [
+    # FP4 / MXFP4 / NVFP4 block-scaled GEMMs, every family
+    ("kernel_cutlass_kernel_flashinfercute_dslgemm_blockscaled_gemm_sm100_Sm100BlockScaledPersistentDenseGemmKernel_"
+     "object_at__TiledMMA_ThrLayoutVMNK21111000", "fp4_gemm"),
+    ("void cutlass::device_kernel<flashinfer::gemm::dense_blockscaled_gemm_sm100<cutlass::float_e2m1_t>>", "fp4_gemm"),
+    ("void cutlass::device_kernel<cutlass3x_sm100_bstensorop_s256x128x64gemm_block_scaled_ue4m3xe2m1_ue4m3xe2m1_f32_"
+     "bf16_bf16_128x128x256_1x1x1_0_tnt_align32_o_vs16_2sm_bias_bf16_relu>", "fp4_gemm"),
+    ("bmm_E2m1E2m1_Fp32_t128x64x256u2_s4_et128x64_m128x64x64_cga1x1x1_16dp256b_TN_transOut_schedS_sm100f", "fp4_gemm"),
+    ("nvjet_sm100_ootst_128x256_64x4_2x1_2cta_v_bz_Avec16UE4M3_Bvec16UE4M3_TNT", "fp4_gemm"),
+    ("void tensorrt_llm::kernels::cutlass_kernels::cutlass_fp4_gemm_sm100", "fp4_gemm"),
+    ("_gemm_afp4_wfp4_kernel", "fp4_gemm"),
+    ("_matmul_ogs_NNT_bf16xbf16xmxfp4_16x128x256x1", "moe_gemm"),
+    ("bmm_Bfloat16_E2m1E2m1_Fp32_t128x8x512u2_s4_et64x8_m128x8x64_cga1x1x1_16dp256b_TN_transOut_schedP_bN_dynBatch_"
+     "sm100f", "moe_gemm"),
+    # a block-scaled GEMM of FP8 data (MXFP8) stays fp8
+    ("cutlass3x_sm100_bstensorop_s128x128x128gemm_block_scaled_ue8m0xe4m3_ue8m0xe4m3_f32_bf16_bf16", "fp8_gemm"),
+    # quantization, MoE routing, KV-cache writes, casts
+    ("per_tensor_absmax_kernel", "quantize"),
+    ("void vllm::segmented_max_reduction<c10::BFloat16>(float*, c10::BFloat16 const*, long)", "quantize"),
+    ("_downcast_to_mxfp", "quantize"),
+    ("_sum_bitmatrix_rows", "moe_dispatch"),
+    ("_routing_compute_indx", "moe_dispatch"),
+    ("_finalize_matmul_launch_metadata", "moe_dispatch"),
+    ("set_mla_kv_scale_buffer_kernel", "kv_write"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<2>, at::native::(anonymous namespace)::CopyFunctor<c10::BFloat16, float, 2, 1, 1>, "
+     "at::native::(anonymous namespace)::Copy<c10::BFloat16, float> >(int)", "dtype_cast"),
+    ("void multi_tensor_apply_kernel<TensorListMetadata<3>, AdamFunctor<float>, float, float>(long)", "elementwise"),
+    # fp32 cuBLAS kernels (V100: the first type argument is float) are fp32, their half twins 16-bit
+    ("void gemmSN_TN_kernel<float, 128, 16, 2, 4, 8, 9, false, cublasGemvTensorStridedBatched<float const>>", "fp32_gemm"),
+    ("void gemmk1_kernel<int, float, 256, 5, false, false, false, false, cublasGemvTensorStridedBatched<float const>>",
+     "fp32_gemm"),
+    ("void dot_kernel<float, 128, 0, cublasDotParams<cublasGemvTensorStridedBatched<float const>>>", "fp32_gemm"),
+    ("void gemmSN_TN_kernel<__half, 128, 16, 2, 4, 8, 9, false, cublasGemvTensorStridedBatched<__half const>>",
+     "bf16_gemm"),
+])
+def test_named_families(table: ClassTable, name: str, want: str) -> None:
+    assert classify_name(name, table=table).cls == want

@@ -80,7 +80,7 @@ def test_full_pool_cast_fires_without_model_info(name: str, triton: bool, tmp_mo
     ev = fs[0]["evidence"]
     assert ev["layers"] == man["layers"] and ev["layers_source"] == "trace_structure"
     assert ev["calls_per_step"] == man["planted_kernels"]["kv_cast"]["per_step"]
-    gpu, step = raw_cast_shares(r["dir"])
+    gpu, step = raw_cast_shares(r["dir"], doc["steps"])
     # the cast's share of the step time (the rule's evidence; the finding's share is its replayed saving's)
     # and the kv_cast class's share of the GPU time
     assert abs(fs[0]["evidence"]["step_share"] - step) <= 0.03, (fs[0]["evidence"]["step_share"], step)
@@ -106,7 +106,7 @@ def test_without_server_info_the_pool_comes_from_shapes(name: str, tmp_module: s
     assert pool["value"] == man["kv_pool_tokens"] and pool["source"] in ("shapes", "capture_trace"), pool
     fs = _kv(doc)
     if name in FULL:
-        gpu, step = raw_cast_shares(r["dir"])
+        gpu, step = raw_cast_shares(r["dir"], doc["steps"])
         assert len(fs) == 1 and abs(fs[0]["evidence"]["step_share"] - step) <= 0.03
         assert abs(doc["classes"]["kv_cast"]["share"] - gpu) <= 0.03
         assert fs[0]["evidence"]["layers"] == man["layers"]

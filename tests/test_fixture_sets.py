@@ -37,7 +37,11 @@ def test_every_fixture_set_analyses(name: str) -> None:
     doc = json.loads(dumps(analysed(fixture_dir(name), "decode").to_json()))
     m = manifest(name)
     assert len(doc["ranks"]) == len(m["ranks"])
-    assert doc["steps"]["count"] == m["steps_profiled"] - 2  # first and last are edge steps
+    # only a first or last step the recording cut is excluded, each with its reason
+    edges = max(r["steps_excluded_edge"] for r in doc["ranks"])
+    assert edges <= 2 and doc["steps"]["count"] == m["steps_profiled"] - edges
+    assert all(x["why"].startswith("partial: ") for x in doc["steps"]["excluded"])
+    assert len(doc["steps"]["excluded"]) == doc["steps"]["excluded_edge"]
 
 
 def _is_cast(name: str) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from conftest import fixture_dir, run_cli
 
+from traceinspect.errors import TraceInputError
 from traceinspect.measure.clock import CLOCK_WARN_US
 from traceinspect.pipeline import analyze
 
@@ -41,8 +42,8 @@ def write_set(d: Path, files: dict[str, dict[str, Any] | str], server_info: str 
     return d
 
 
-def run(d: Path):
-    return analyze(str(d), jobs=1, use_cache=False, command="test")
+def run(d: Path, allow_mismatch: bool = False):
+    return analyze(str(d), jobs=1, use_cache=False, command="test", allow_mismatch=allow_mismatch)
 
 
 def warning(a, *needles: str) -> str:
@@ -84,15 +85,28 @@ def test_equal_step_counts_do_not_warn(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- another run
 
 def test_rank_file_from_another_capture_by_profile_id(tmp_path: Path) -> None:
-    a = run(write_set(tmp_path / "s", {"run-1700000001-TP-0.trace.json": _doc(EAGER, 0),
-                                       "run-1700000999-TP-1.trace.json": _doc(OTHER, 1)}))
+    """The other capture's file (recorded 17 s later) is refused, naming both files; asked to, the two are
+    analysed together with the warnings that say what is off."""
+    d = write_set(tmp_path / "s", {"run-1700000001-TP-0.trace.json": _doc(EAGER, 0),
+                                   "run-1700000999-TP-1.trace.json": _doc(OTHER, 1)})
+    with pytest.raises(TraceInputError, match=r"not the ranks of one run: recordings that start 17 s apart "
+                                              r"\(run-1700000001-TP-0.trace.json first, run-1700000999-TP-1"):
+        run(d)
+    r = run_cli("analyze", str(d), "-q")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--allow-mismatch" in r.stderr
+    a = run(d, allow_mismatch=True)
     warning(a, "different captures", "1700000001", "1700000999", "analysed together as given")
+    warning(a, "not the ranks of one run", "as --allow-mismatch asks")
 
 
 def test_rank_file_from_another_run_with_the_same_name(tmp_path: Path) -> None:
-    """TP1 is from another capture but named like this one's: its time range does not overlap."""
-    a = run(write_set(tmp_path / "s", {"fixture-TP-0.trace.json": _doc(EAGER, 0),
-                                       "fixture-TP-1.trace.json": _doc(OTHER, 1)}))
+    """TP1 is from another capture but named like this one's: its recording starts 17 s later, and its
+    time range does not overlap."""
+    d = write_set(tmp_path / "s", {"fixture-TP-0.trace.json": _doc(EAGER, 0),
+                                   "fixture-TP-1.trace.json": _doc(OTHER, 1)})
+    with pytest.raises(TraceInputError, match="different captures"):
+        run(d)
+    a = run(d, allow_mismatch=True)
     w = warning(a, "time ranges of TP0 and TP1 do not overlap", "different runs")
     assert " s " in w  # the gap is given in seconds
     assert len(a.to_json()["ranks"]) == 2
@@ -190,3 +204,26 @@ def test_warnings_reach_the_cli_json(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     ws = json.loads(out.read_text())["warnings"]
     assert any("the clock of TP1" in w for w in ws), ws
+
+
+def test_files_of_different_gpus_or_workloads_are_not_one_run(tmp_path: Path) -> None:
+    """A rank file recorded on another GPU, or one whose kernels are another workload's, stops the load
+    with one line naming the files and why; --allow-mismatch analyses them together."""
+    d1 = doc(EAGER, 1)
+    for p in d1["deviceProperties"]:
+        p["name"] = "Tesla V100-SXM2-32GB"
+    d = write_set(tmp_path / "gpu", {"fixture-TP-0.trace.json": _doc(EAGER, 0), "fixture-TP-1.trace.json": d1})
+    with pytest.raises(TraceInputError, match=r"different GPUs \(fixture-TP-0.trace.json: NVIDIA H200; "
+                                              r"fixture-TP-1.trace.json: Tesla V100-SXM2-32GB\)"):
+        run(d)
+    r = run_cli("doctor", str(d))
+    assert r.returncode == 2 and "different GPUs" in r.stdout + r.stderr
+    assert run_cli("classify", str(d), "--allow-mismatch").returncode == 0
+
+    d2 = doc(EAGER, 1)
+    for i, e in enumerate(x for x in d2["traceEvents"] if x.get("cat") == "kernel"):
+        e["name"] = f"other_model_kernel_{chr(97 + i % 26)}"
+    w = write_set(tmp_path / "mix", {"fixture-TP-0.trace.json": _doc(EAGER, 0), "fixture-TP-1.trace.json": d2})
+    with pytest.raises(TraceInputError, match=r"different workloads \(kernel names shared with"):
+        run(w)
+    assert len(run(w, allow_mismatch=True).trace.ranks) == 2

@@ -76,7 +76,9 @@ def test_cpu_trace_steps_and_links(cpu_pair: list[Path]) -> None:
     assert steps.groupby("rank").size().tolist() == [5, 5]
     assert set(steps["phase"]) == {"decode"}
     assert steps.loc[steps["rank"] == 1, "bs"].unique().tolist() == [5]
-    assert int(steps["edge"].sum()) == 4  # first and last of each rank
+    # only a first or last step can be partial (the recording's start and stop, timed by the processes), and
+    # with no GPU kernels none is analysed
+    assert set(steps.loc[steps["edge"], "idx"]) <= {0, 4} and not steps["included"].any()
     # cpu op nesting: aten::relu's children point back at it
     ops = ts.cpu_ops
     child = ops[ops["parent"] >= 0]

@@ -58,7 +58,7 @@ def test_kv_full_pool_cast_on_every_set(name: str) -> None:
     ev = kv[0]["evidence"]
     assert ev["layers"] == man["layers"], (ev["layers"], ev.get("layers_source"))
     assert ev["calls_per_step"] == man["planted_kernels"]["kv_cast"]["per_step"]
-    gpu, step = raw_cast_shares(FIXTURES / name)
+    gpu, step = raw_cast_shares(FIXTURES / name, doc["steps"])
     # the cast's share of the step time (the rule's evidence; the finding's share is its replayed saving's)
     # and the kv_cast class's share of the GPU time
     assert abs(kv[0]["evidence"]["step_share"] - step) <= 0.03, (kv[0]["evidence"]["step_share"], step)

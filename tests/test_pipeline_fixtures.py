@@ -45,8 +45,12 @@ def test_manifest_matches_trace(name: str) -> None:
         assert set(steps["bs"]) == {m["batch"]}
     assert steps["source"].unique().tolist() == ["step_span" if spans else "profiler_step"]
     assert bool(ts.kernels["graph_replay"].any()) == m["cuda_graph"]
-    # edges excluded, the rest analysed
-    assert steps.groupby("rank")["included"].sum().tolist() == [m["steps_profiled"] - 2] * len(m["ranks"])
+    # only partial first / last steps (the recording cut them) excluded, with why; the rest analysed
+    edge = steps[steps["edge"]]
+    assert edge["excluded_why"].str.startswith("partial: ").all()
+    assert set(edge["idx"]) <= {0, m["steps_profiled"] - 1}
+    assert (steps.groupby("rank")["included"].sum() + steps.groupby("rank")["edge"].sum()).tolist() \
+        == [m["steps_profiled"]] * len(m["ranks"])
 
 
 def test_graph_replay_kernels_are_kept_and_marked() -> None:
@@ -98,7 +102,9 @@ def test_json_contract() -> None:
     for key in ("source", "ranks", "steps", "classes", "findings", "coverage"):
         assert key in doc
     assert set(doc["steps"]) >= {"phase", "count", "median_us"}
+    # the recording began and ended within a step of the first and last steps: partial, excluded, with why
     assert doc["steps"]["count"] == manifest(EAGER)["steps_profiled"] - 2
+    assert [x["why"].split(":")[0] for x in doc["steps"]["excluded"]] == ["partial"] * 4
     assert set(doc["classes"]) <= set(CLASSES)
     assert math.isclose(sum(v["share"] for v in doc["classes"].values()), 1.0, abs_tol=1e-3)
     for r in doc["ranks"]:

@@ -112,6 +112,38 @@ def test_idle_gaps_cut_only_periodic_alike_pieces(tmp_path: Path) -> None:
     assert one["source"].tolist() == ["whole_capture"] and one["n_kernels"].iloc[0] > 1000
 
 
+def test_only_steps_the_recording_cut_are_partial(tmp_path: Path) -> None:
+    """The fixture's profiler starts and stops within a few percent of a step of its first and last steps
+    (it began and ended while the steps around them ran): those are partial, each with why. With the
+    recording idle a whole step before and after them, they are complete and analysed; a last step whose
+    launches have no GPU work in the trace (the recording stopped first) is still partial."""
+    ref = _steps(fixture_dir(SRC) / "fixture-TP-0.trace.json.gz")
+    assert ref["edge"].tolist() == [True] + [False] * (len(ref) - 2) + [True]
+    assert ref["excluded_why"].iloc[0].startswith("partial: the recording (the profiler's span) began ")
+    assert ref["excluded_why"].iloc[-1].startswith("partial: the recording (the profiler's span) ended ")
+    period = float(np.median(np.diff(ref["cpu_start"].to_numpy())))
+    last = ref.iloc[-1]
+    gpu_cut = (last["gpu_start"] + last["gpu_end"]) / 2
+
+    def idle(doc: dict, stop_early: bool) -> None:
+        ev = []
+        for e in doc["traceEvents"]:
+            if e.get("cat") == "Trace":  # the profiler started a step earlier and stopped a step later
+                e["ts"], e["dur"] = e["ts"] - period, e["dur"] + 2 * period
+            if stop_early and e.get("cat") == "kernel" and e["ts"] > gpu_cut:
+                continue  # the recording stops before the last step's second half runs on the GPU
+            ev.append(e)
+        doc["traceEvents"] = ev
+
+    whole = _steps(_rewrite(tmp_path, "idle", lambda doc: idle(doc, False)))
+    assert not whole["edge"].any() and whole["included"].all() and (whole["excluded_why"] == "").all()
+    cut = _steps(_rewrite(tmp_path, "cut", lambda doc: idle(doc, True)))
+    assert cut["edge"].tolist() == [False] * (len(cut) - 1) + [True]
+    why = cut["excluded_why"].iloc[-1]
+    n = int(why.removeprefix("partial: ").split()[0])
+    assert n > 0 and why == f"partial: {n} kernel launch(es) in it have no GPU work in the trace"
+
+
 def test_phase_resolution_says_what_it_did() -> None:
     def steps(*phases: str) -> pd.DataFrame:
         return pd.DataFrame({"phase": list(phases), "included": True})
@@ -190,3 +222,50 @@ def test_step_samples_are_the_named_aggregations_value_for_value(trace) -> None:
     got = a._step_samples()
     pd.testing.assert_frame_equal(got, _samples_by_named_aggregation(a), check_exact=True)
     assert len(got) == a.steps_per_rank() and got.filter(like="class.").shape[1]
+
+
+def _capture_phase_trace(path: Path, pieces: int = 3, per: int = 33, capture: bool = True) -> None:
+    """A vLLM CUDA-graph capture phase as the profiler records it: python_function events all along, no
+    step marker, ``pieces`` alike bursts of ``per`` kernels (one per captured batch size) apart by idle gaps."""
+    import gzip
+    import json
+
+    ev: list[dict] = [{"ph": "X", "cat": "python_function", "name": "vllm/v1/worker/gpu_model_runner.py(2001): "
+                       "capture_model", "pid": 1, "tid": 1, "ts": 0.0, "dur": pieces * 10_000.0}]
+    corr = 0
+    for p in range(pieces):
+        t = 100.0 + p * 10_000.0
+        ev.append({"ph": "X", "cat": "python_function", "name": "vllm/v1/worker/gpu_model_runner.py(1900): _dummy_run",
+                   "pid": 1, "tid": 1, "ts": t - 50, "dur": per * 20.0 + 100})
+        for i in range(per):
+            corr += 1
+            at = t + i * 20.0
+            ev.append({"ph": "X", "cat": "python_function", "name": f"torch/nn/modules/module.py({i}): _call_impl",
+                       "pid": 1, "tid": 1, "ts": at, "dur": 15.0})
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": at + 1,
+                       "dur": 4.0, "args": {"correlation": corr, "External id": corr}})
+            ev.append({"ph": "X", "cat": "kernel", "name": f"kernel_{i % 11}", "pid": 0, "tid": 7, "ts": at + 10,
+                       "dur": 8.0, "args": {"correlation": corr, "External id": corr, "device": 0, "stream": 7}})
+        if capture:  # then the same forward captured into a graph (its kernels do not run)
+            for j, call in enumerate(("cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaGraphInstantiate")):
+                ev.append({"ph": "X", "cat": "cuda_runtime", "name": call, "pid": 1, "tid": 1,
+                           "ts": t + per * 20.0 + 200 + 100 * j, "dur": 20.0, "args": {"correlation": 10_000 + corr + j}})
+    doc = {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}], "traceEvents": ev}
+    with gzip.open(path, "wt") as f:
+        json.dump(doc, f)
+
+
+def test_a_capture_phase_with_python_functions_and_no_marker_is_analysed(tmp_path: Path) -> None:
+    """Periodic alike bursts and no marker: the gaps are compared by kernel names (read for the rank, not
+    left out of the columns the steps stage reads), and the capture analyses."""
+    bare = tmp_path / "bare.pt.trace.json.gz"
+    _capture_phase_trace(bare, capture=False)
+    st = _steps(bare)
+    assert st["source"].tolist() == ["gpu_gaps"] * 3 and int(st["n_kernels"].sum()) == 99
+    # with the capture calls, the bursts are the captured batch sizes' warm-up runs: one whole-capture step
+    path = tmp_path / "capture.pt.trace.json.gz"
+    _capture_phase_trace(path)
+    st = _steps(path)
+    assert st["source"].tolist() == ["whole_capture"] and st["n_kernels"].tolist() == [99]
+    doc = analyze([path], jobs=1).to_json()
+    assert doc["steps"]["count"] == 1 and doc["coverage"]["kernels_analysed"] == 99

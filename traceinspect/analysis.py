@@ -49,6 +49,7 @@ class Options(msgspec.Struct):
     experts: int | None = None
     top_k: int | None = None
     config: str | Path | None = None  # a traceinspect.toml whose [model] table states them too
+    allow_mismatch: bool = False  # analyse files that are not one run's ranks together (a warning, not exit 2)
 
 
 class Analysis(msgspec.Struct, eq=False):

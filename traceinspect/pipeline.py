@@ -113,10 +113,12 @@ class Judged(msgspec.Struct):
 
 def load(paths: Sequence[str | Path] | str | Path, *, phase: str = "decode", server_info: str | Path | None = None,
          jobs: int | None = None, executor: str = "local", use_cache: bool = True,
-         require_kernels: bool = True) -> TraceSet:
-    """Stage 1, load: the rank files as typed tables, each rank linked where it was parsed."""
+         require_kernels: bool = True, allow_mismatch: bool = False) -> TraceSet:
+    """Stage 1, load: the rank files as typed tables, each rank linked where it was parsed (files that are
+    not one run's ranks refused unless ``allow_mismatch``)."""
     return load_trace_set(paths, phase=phase, server_info=server_info, jobs=jobs, executor=executor,
-                          use_cache=use_cache, require_kernels=require_kernels, prepare=link_stage.link_parsed)
+                          use_cache=use_cache, require_kernels=require_kernels, prepare=link_stage.link_parsed,
+                          allow_mismatch=allow_mismatch)
 
 
 def link(ts: TraceSet) -> TraceSet:
@@ -233,9 +235,10 @@ def judge(a: Analysis, rule_set: RuleSet) -> Judged:
 
 def classified(paths: Sequence[str | Path], *, phase: str = "decode", server_info: str | Path | None = None,
                table: ClassTable | None = None, user: Mapping[str, tuple[int, str]] | None = None,
-               classify_phase: str | None = "decode") -> tuple[TraceSet, Stepped, Classified]:
+               classify_phase: str | None = "decode", allow_mismatch: bool = False,
+               ) -> tuple[TraceSet, Stepped, Classified]:
     """Load, link, steps and classify (what ``traceinspect classify`` prints)."""
-    ts = link(load(list(paths), phase=phase, server_info=server_info))
+    ts = link(load(list(paths), phase=phase, server_info=server_info, allow_mismatch=allow_mismatch))
     stepped = steps(ts, phase)
     return ts, stepped, classify(ts, stepped, user=user, table=table, phase=classify_phase)
 
@@ -268,7 +271,7 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
     try:
         user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
         ts = load(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs, executor=opts.executor,
-                  use_cache=opts.use_cache)
+                  use_cache=opts.use_cache, allow_mismatch=opts.allow_mismatch)
         # the loaded tables hold ~1e6 long-lived objects: keep the cyclic garbage collector from rescanning
         # them during the analysis (and from touching their pages in the process forked beside it)
         gc.freeze()

@@ -10,7 +10,7 @@ from typing import Any
 
 # the shipped settings tables read by the analysis itself (the kernel class and GPU spec tables and the
 # rules have readers of their own): what :func:`read_ahead` reads
-SETTINGS_TABLES = ("steps.yaml", "collectives.yaml", "replay.yaml", "evidence.yaml")
+SETTINGS_TABLES = ("steps.yaml", "collectives.yaml", "replay.yaml", "evidence.yaml", "traceset.yaml")
 
 _AHEAD: dict[str, Any] = {}  # name -> document, read by a process forked from this one (adopted)
 

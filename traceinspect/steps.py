@@ -15,11 +15,24 @@ GPU time. Steps whose phase no marker states are ``unknown``; they are never rel
 
 ``steps`` table columns: rank, idx (order within the rank), phase, bs, toks, name, source,
 cpu_start, cpu_end, gpu_start, gpu_end, n_kernels, kernel_us, busy_us, span_us, idle_us,
-edge (first/last step of the rank), included (analysed).
+edge (a partial step: the recording cut it), included (analysed), excluded_why (why a step is not
+analysed: what cut it, or that it has no kernels; empty for an analysed step).
+
+A step is partial (``edge``, excluded) only on evidence, and only the first or last of a rank of three or
+more: the recording began less than ``edges.max_gap_steps`` of a step period (the median start-to-start
+interval of the rank's steps) before it, or ended less than that after it (the profiler started or
+stopped while the step before or after it ran: its start-up or flush, and GPU work not in the trace, fall
+into this step; a Python-tracer frame or the last ProfilerStep#N, which the profiler itself opens or
+closes, is cut outright); or kernel launches in it have no GPU work in the trace (the recording stopped
+first). The recording's bounds are the profiler's own span where the trace has one, else the rank's
+first and last CPU events. A complete first or last step (the recording idle around it) is analysed.
+Windows drawn on the GPU timeline (GPU annotations, idle gaps) and one ``cudaGraphLaunch`` per step
+reach the recording's ends by construction: their first and last steps are partial.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -30,6 +43,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.link import GRAPH_LAUNCH
+from traceinspect.load.consistency import training_ops
 from traceinspect.model import TraceSet
 from traceinspect.tables import factorize_text
 
@@ -41,10 +55,15 @@ PHASES = {"decode": "decode", "extend": "prefill", "prefill": "prefill", "mixed"
 SOURCES_TRIED = ("step[...] spans, ProfilerStep#N, forward markers, iteration annotations, cudaGraphLaunch "
                  "per step, periodic GPU idle gaps")
 WHOLE_CAPTURE = "whole capture (no step marker)"
+PROFILER_SPAN = re.compile(r"^PyTorch Profiler \(\d+\)$")  # Kineto's own span: the recording itself
+# sources whose windows are CPU spans the trace records: a partial step shows in its launches, and, where
+# the profiler itself opens or closes the span, against the recording's bounds
+CPU_SOURCES = ("step_span", "profiler_step", "forward_marker", "iteration")
 
 STEP_COLUMNS = [
     "rank", "idx", "phase", "bs", "toks", "name", "source", "cpu_start", "cpu_end",
     "gpu_start", "gpu_end", "n_kernels", "kernel_us", "busy_us", "span_us", "idle_us", "edge", "included",
+    "excluded_why",
 ]
 
 
@@ -69,6 +88,8 @@ class StepRules:
     gap_count_spread: float
     gap_name_overlap: float
     gap_period_spread: float
+    capture_calls: re.Pattern[str]
+    max_gap_steps: float
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -83,7 +104,8 @@ def step_rules() -> StepRules:
         iteration_min_repeats=int(it["min_repeats"]), iteration_min_share=float(it["min_kernel_share"]),
         iteration_ignore=re.compile(it["ignore"]), gap_min_pieces=int(gaps["min_pieces"]),
         gap_count_spread=float(gaps["max_kernel_count_spread"]), gap_name_overlap=float(gaps["min_name_overlap"]),
-        gap_period_spread=float(gaps["max_period_spread"]), raw=doc)
+        gap_period_spread=float(gaps["max_period_spread"]), capture_calls=re.compile(gaps["not_in_capture"]),
+        max_gap_steps=float(doc["edges"]["max_gap_steps"]), raw=doc)
 
 
 def phase_of(name: str) -> str:
@@ -319,9 +341,21 @@ def _graph_windows(ts: TraceSet, rank: int) -> _Windows | None:
     return _Windows(start, end, ["cudaGraphLaunch"] * len(start), "graph_launch")
 
 
+def _captures_graphs(ts: TraceSet, rank: int) -> bool:
+    """Whether the rank captures CUDA graphs (stream capture / graph instantiation calls): its bursts of
+    kernels are the warm-up runs of the captured batch sizes, not steps."""
+    rt = _rank_rows(ts.runtime, rank)
+    if not len(rt):
+        return False
+    names = pd.unique(rt["name"].to_numpy(dtype=object))
+    pat = step_rules().capture_calls
+    return any(pat.search(str(n)) for n in names)
+
+
 def _gap_steps(k: pd.DataFrame) -> np.ndarray | None:
-    """Step number per kernel from idle gaps on the GPU timeline (no CPU evidence), or None unless
-    the gaps are periodic and the pieces alike (``gaps`` in rules/tables/steps.yaml)."""
+    """Step number per kernel (``k``: the rank's kernels, with ``ts``, ``end`` and ``name``) from idle gaps
+    on the GPU timeline (no CPU evidence), or None unless the gaps are periodic and the pieces alike
+    (``gaps`` in rules/tables/steps.yaml)."""
     rules = step_rules()
     order = np.argsort(k["ts"].to_numpy(), kind="stable")
     ts, end = k["ts"].to_numpy()[order], k["end"].to_numpy()[order]
@@ -355,6 +389,77 @@ def _gap_steps(k: pd.DataFrame) -> np.ndarray | None:
     return out
 
 
+class _Recording(msgspec.Struct):
+    """What a rank's trace recorded on the CPU: its first and last CPU event (ops, runtime calls,
+    annotations), the profiler's own span where the trace has one, and the runtime calls whose GPU work
+    is in the trace."""
+
+    first: float
+    last: float
+    profiler: tuple[float, float] | None
+    launches: np.ndarray  # ts of kernel launches (runtime calls) with no GPU work in the trace
+
+
+LAUNCH_CALLS = re.compile(r"Launch(?!HostFunc)", re.IGNORECASE)
+
+
+def _recording(ts: TraceSet, rank: int, linked: np.ndarray) -> _Recording:
+    lo, hi = np.inf, -np.inf
+    prof: tuple[float, float] | None = None
+    for df in (ts.cpu_ops, ts.runtime, ts.annotations):
+        r = _rank_rows(df, rank)
+        if not len(r):
+            continue
+        if df is ts.annotations:
+            own = r["name"].str.match(PROFILER_SPAN).to_numpy(dtype=bool)
+            if own.any():
+                prof = (float(r["ts"].to_numpy()[own].min()), float(r["end"].to_numpy()[own].max()))
+                r = r[~own]
+                if not len(r):
+                    continue
+        lo, hi = min(lo, float(r["ts"].min())), max(hi, float(r["end"].max()))
+    rt = ts.runtime
+    rows = np.nonzero((rt["rank"] == rank).to_numpy())[0] if len(rt) else np.zeros(0, dtype=np.int64)
+    launches = np.zeros(0)
+    if len(rows):
+        names = rt["name"].to_numpy(dtype=object)[rows]
+        uniq = pd.unique(names)
+        is_launch = {n for n in uniq if LAUNCH_CALLS.search(str(n))}
+        cand = rows[np.isin(names, list(is_launch))] if is_launch else rows[:0]
+        if "correlation" in rt.columns:
+            cand = cand[rt["correlation"].to_numpy()[cand] > 0]
+        missing = cand[~np.isin(cand, linked)]
+        launches = np.sort(rt["ts"].to_numpy(dtype=float)[missing])
+    return _Recording(lo, hi, prof, launches)
+
+
+def _partial(row: dict[str, Any], first: bool, rec: _Recording, period: float, max_gap: float) -> str:
+    """Why the first or last step ``row`` of a rank is partial (the recording cut it), or ''."""
+    if row["source"] not in CPU_SOURCES:
+        return ("its window is drawn on the GPU timeline or from launches, and the recording's "
+                + ("start" if first else "end") + " bounds it")
+    c0, c1 = float(row["cpu_start"]), float(row["cpu_end"])
+    lo, hi = rec.profiler if rec.profiler is not None else (rec.first, rec.last)
+    what = "the profiler's span" if rec.profiler is not None else "the rank's CPU events"
+    why = []
+    if first and math.isfinite(lo) and c0 - lo < max_gap * period:
+        why.append(f"the recording ({what}) began {fmt_gap(c0 - lo, period)} before it: the profiler started "
+                   "while the step before it ran")
+    end = max(c1, float(row["gpu_end"])) if math.isfinite(float(row["gpu_end"])) else c1
+    if not first and math.isfinite(hi) and hi - end < max_gap * period:
+        why.append(f"the recording ({what}) ended {fmt_gap(hi - end, period)} after it: the profiler stopped "
+                   "while the step after it ran")
+    n = int(np.count_nonzero((rec.launches >= c0) & (rec.launches <= c1)))
+    if n:
+        why.append(f"{n} kernel launch(es) in it have no GPU work in the trace")
+    return "; ".join(why)
+
+
+def fmt_gap(us: float, period: float) -> str:
+    """A gap in microseconds and as a share of the step period."""
+    return f"{max(us, 0.0):,.0f} us ({max(us, 0.0) / period:.2f} of a step)"
+
+
 def build_steps(ts: TraceSet) -> pd.DataFrame:
     """Segment every rank into steps, set ``kernels.step`` and return the steps table."""
     k = ts.kernels
@@ -379,7 +484,7 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
             names, source, phases = win.name, win.source, win.phase
             cpu = [(np.nan, np.nan)] * len(names) if win.gpu else list(zip(win.start, win.end, strict=True))
         else:
-            gap = _gap_steps(kr)
+            gap = None if _captures_graphs(ts, rank) else _gap_steps(k.loc[kmask, ["ts", "end", "name"]])
             if gap is not None:
                 local = gap
                 n = int(local.max()) + 1
@@ -424,14 +529,21 @@ def build_steps(ts: TraceSet) -> pd.DataFrame:
                 "name": name, "source": source, "cpu_start": cpu[i][0], "cpu_end": cpu[i][1],
                 "gpu_start": g0, "gpu_end": g1, "n_kernels": b - a,
                 "kernel_us": float(g_dur[a:b].sum()), "busy_us": busy, "span_us": span,
-                "idle_us": max(span - busy, 0.0), "edge": False, "included": True,
+                "idle_us": max(span - busy, 0.0), "edge": False, "included": True, "excluded_why": "",
             })
         if n_steps >= 3:
-            rows[base]["edge"] = rows[base + n_steps - 1]["edge"] = True
-            rows[base]["included"] = rows[base + n_steps - 1]["included"] = False
+            rec = _recording(ts, rank, rt_idx[rt_idx >= 0])
+            starts = np.asarray([r["cpu_start"] for r in rows[base:]], dtype=float)
+            steps_apart = np.diff(starts[np.isfinite(starts)])
+            period = float(np.median(steps_apart)) if len(steps_apart) else math.inf
+            for j, first in ((base, True), (base + n_steps - 1, False)):
+                why = _partial(rows[j], first, rec, period, step_rules().max_gap_steps)
+                if why:
+                    rows[j].update(edge=True, included=False, excluded_why="partial: " + why)
         for r in rows[base:base + n_steps]:
             if r["n_kernels"] == 0:
                 r["included"] = False
+                r["excluded_why"] = r["excluded_why"] or "no kernels"
     k["step"] = step_col
     return pd.DataFrame(rows, columns=STEP_COLUMNS)
 
@@ -480,7 +592,6 @@ def select_steps(steps: pd.DataFrame, phase: str) -> pd.DataFrame:
     return s[(s["phase"] == phase) | (s["phase"] == "unknown")]
 
 
-TRAINING_OPS = re.compile(r"^autograd::engine::evaluate_function|Backward\d*$|^Optimizer\.step#|^## backward ##$")
 
 
 class RunKind(msgspec.Struct):
@@ -502,7 +613,7 @@ def run_kind(ts: TraceSet, steps: pd.DataFrame) -> RunKind:
     for codes, texts in (ts.op_names(), (ann_codes, ann_names)):
         if not len(codes):
             continue
-        hit = pd.Series(texts, dtype=object).str.contains(TRAINING_OPS, na=False).to_numpy(dtype=bool)
+        hit = pd.Series(texts, dtype=object).str.contains(training_ops(), na=False).to_numpy(dtype=bool)
         if hit.any():
             found = set(texts[hit].tolist())
             hits[", ".join(sorted(found)[:3])] = int(np.count_nonzero(hit[codes]))

@@ -13,8 +13,14 @@ import click
 PHASES = click.Choice(["auto", "decode", "prefill", "all"])
 
 
+allow_mismatch_option = click.option(
+    "--allow-mismatch/--no-allow-mismatch", "allow_mismatch", default=None,
+    help="Analyse files that are not one run's ranks (different GPUs, workloads or captures) together, with a "
+         "warning instead of exit 2 (gate and diff: also compare runs that differ).")
+
+
 def analysis_options(f: Any) -> Any:
-    """Options shared by analyze, report and gate."""
+    """Options shared by analyze, report, whatif, diff and gate."""
     for opt in reversed([
         click.option("--phase", type=PHASES, default="auto", show_default=True,
                      help="Steps to analyse (auto: decode, else the one phase the trace holds)."),
@@ -34,6 +40,7 @@ def analysis_options(f: Any) -> Any:
                      help="Routed experts of the MoE layers; wins over server_info."),
         click.option("--top-k", "top_k", type=click.IntRange(min=1), default=None,
                      help="Experts per token (MoE top-k); wins over server_info."),
+        allow_mismatch_option,
     ]):
         f = opt(f)
     return f
@@ -49,6 +56,7 @@ def build_options(**kw: Any) -> Any:
         executor=kw.get("executor") or "local", use_cache=not kw.get("no_cache", False),
         command="traceinspect " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         layers=kw.get("layers"), experts=kw.get("experts"), top_k=kw.get("top_k"), config=_config_path(kw),
+        allow_mismatch=bool(kw.get("allow_mismatch")),
     )
 
 

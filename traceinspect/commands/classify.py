@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from traceinspect.commands.analyze import PHASES
+from traceinspect.commands.analyze import PHASES, allow_mismatch_option
 from traceinspect.fileio import write_text_atomic
 
 
@@ -20,8 +20,9 @@ from traceinspect.fileio import write_text_atomic
 @click.option("--table", "tables", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Extra class table YAML (its rules come before the shipped ones).")
 @click.option("--limit", type=int, default=40, show_default=True, help="Rows to print (0: all).")
+@allow_mismatch_option
 def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all_steps: bool, phase: str,
-                 server_info: str | None, tables: tuple[str, ...], limit: int) -> None:
+                 server_info: str | None, tables: tuple[str, ...], limit: int, allow_mismatch: bool | None) -> None:
     """Print each kernel name with its class, evidence, time and calls."""
     from pathlib import Path
 
@@ -33,7 +34,8 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     from traceinspect.render.terminal import escape, make_console
 
     table = load_class_table(extra=[Path(t) for t in tables]) if tables else None
-    ts, stepped, _ = pipeline.classified(paths, phase=phase, server_info=server_info, table=table)
+    ts, stepped, _ = pipeline.classified(paths, phase=phase, server_info=server_info, table=table,
+                                         allow_mismatch=bool(allow_mismatch))
     k = ts.kernels if all_steps else pipeline.select(ts, stepped, phase).kernels
     rows = class_table_rows(k)
     if unknown:

@@ -110,8 +110,6 @@ def diff_cmd(base: str, cand: str, json_out: str | None, md_out: str | None, sho
                    "samples). Default 0.05.")
 @click.option("--fail-on", type=click.Choice(FAIL_ON), default=None,
               help="New findings at or above this severity fail the gate. Default warning.")
-@click.option("--allow-mismatch/--no-allow-mismatch", default=None,
-              help="Compare runs on different GPUs, TP sizes or phases (a warning instead of exit 2).")
 @click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
               help="Config file (default ./traceinspect.toml when present).")
 @click.option("--no-config", is_flag=True, help="Ignore ./traceinspect.toml.")
@@ -154,12 +152,14 @@ def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str |
     disabled = sorted(set(cfg.disable) | set(kw.get("disable") or ()))
     kw["disable"] = tuple(disabled)
     kw["config"], kw["no_config"] = (str(cfg.path) if cfg.path else None), no_config  # its [model] facts
+    allow_mismatch = bool(allow_mismatch if allow_mismatch is not None else cfg.allow_mismatch)
+    kw["allow_mismatch"] = allow_mismatch  # (also for the trace sets analysed here)
     gate = Gate(
         thresholds,
         floor=floor if floor is not None else cfg.floor or DEFAULT_FLOOR,
         alpha=alpha if alpha is not None else cfg.alpha if cfg.alpha is not None else DEFAULT_ALPHA,
         fail_on=fail_on or cfg.fail_on or DEFAULT_FAIL_ON,
-        allow_mismatch=bool(allow_mismatch if allow_mismatch is not None else cfg.allow_mismatch),
+        allow_mismatch=allow_mismatch,
         disabled_rules=disabled,
     )
     settings = gate.settings()

@@ -204,6 +204,8 @@ def trace_sections(a: Analysis) -> dict[str, Any]:
             "found": {str(k): int(v) for k, v in a.steps.groupby("phase").size().items()},
             "analysed": {str(k): int(v) for k, v in a.selected.groupby("phase").size().items()},
             "excluded_edge": int(a.steps["edge"].sum()),
+            "excluded": [{"rank": int(r.rank), "idx": int(r.idx), "why": str(r.excluded_why)}
+                         for r in a.steps[~a.steps["included"]].itertuples()],
             "samples": _step_samples(samples),
             "rank_samples": _rank_samples(a),
         },

@@ -324,6 +324,7 @@ def load_trace_set(
     executor: str = "local",
     use_cache: bool = True,
     prepare: Callable[[ParsedRank], None] | None = None,
+    allow_mismatch: bool = False,
 ) -> TraceSet:
     """Load every rank file under ``paths`` (a directory, files, or globs) into one TraceSet.
 
@@ -334,9 +335,11 @@ def load_trace_set(
     dask.distributed cluster) or ``dask://HOST:PORT`` (an existing scheduler whose
     workers can read the same paths); parsed tables are cached by content hash unless ``use_cache``
     is false or ``$TRACEINSPECT_CACHE`` is ``off``. ``prepare`` runs on each rank's tables where they were
-    parsed (the pipeline passes :func:`traceinspect.link.link_parsed`).
+    parsed (the pipeline passes :func:`traceinspect.link.link_parsed`). Files that are not the ranks of one
+    run (:func:`~traceinspect.load.consistency.mismatch_reasons`) raise :class:`TraceInputError` naming
+    them and why, unless ``allow_mismatch`` (then a warning says so).
     """
-    from traceinspect.load.consistency import rank_set_warnings
+    from traceinspect.load.consistency import mismatch_reasons, rank_set_warnings
     from traceinspect.load.parse import drop_summary
     from traceinspect.model import TraceSet
 
@@ -358,6 +361,13 @@ def load_trace_set(
         if p.dropped:
             warnings.append(f"{f.path}: dropped {p.dropped} of {p.n_events} events as unusable "
                             f"({drop_summary(p.drops)}; {p.gpu_dropped} of them GPU events)")
+    reasons = mismatch_reasons([f.path for f in files], parsed)
+    if reasons:
+        where = f"{len(files)} files" + (f" under {paths[0]}" if len(paths) == 1 else "")
+        what = f"{where} are not the ranks of one run: " + "; ".join(reasons)
+        if not allow_mismatch:
+            raise TraceInputError(what + " (analyse them one at a time, or pass --allow-mismatch)")
+        warnings.append(what + "; analysed together as --allow-mismatch asks")
     infos = _assign_ranks(files, parsed, hashes, fsizes, warnings)
     ranks = [i.rank for i in infos]
     by_path = {f.path: p for f, p in zip(files, parsed, strict=True)}

@@ -1,20 +1,32 @@
-"""Checks that the rank files of a loaded trace set belong together, as warnings that say what was done.
+"""Checks that the rank files of a loaded trace set belong together: files that are not one run's ranks
+(:func:`mismatch_reasons`: different GPUs, workloads or captures) stop the load unless asked otherwise; the
+rest are warnings that say what was done.
 
 Traces come from other teams, other versions and half-finished runs: a rank may be missing, a file may
 come from another capture, ranks may have recorded different numbers of steps, and hosts' clocks may
-differ by seconds. None of these stops an analysis; each is reported with what the analysis did about it.
+differ by seconds. Beyond files that are plainly not one run's, none of these stops an analysis; each is
+reported with what the analysis did about it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, defaultdict
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from traceinspect.model.run import ServerInfo
 
 if TYPE_CHECKING:
+    from traceinspect.load.columns import ParsedRank
     from traceinspect.model import TraceSet
+
+_DIGITS = re.compile(r"\d+")
 
 
 def _count(v: Any) -> int | None:
@@ -111,4 +123,101 @@ def rank_set_warnings(ts: TraceSet) -> list[str]:
                            f"{'ends' if after else 'starts'}): the files may come from different runs, or from "
                            "hosts whose clocks differ (cross-rank times are corrected only where collectives "
                            "give a clock offset)")
+    return out
+
+
+# ----------------------------------------------------------------------------- files that are not one run
+
+
+@lru_cache(maxsize=1)
+def _set_rules() -> tuple[float, float, re.Pattern[str]]:
+    from traceinspect.resources import settings_document
+
+    doc = settings_document("traceset.yaml")
+    return (float(doc["max_start_apart_s"]), float(doc["min_kernel_name_overlap"]),
+            re.compile(doc["training_ops"]))
+
+
+def training_ops() -> re.Pattern[str]:
+    """The op names that make a trace a training run (``training_ops`` in rules/tables/traceset.yaml)."""
+    return _set_rules()[2]
+
+
+class _FileFacts(msgspec.Struct):
+    name: str
+    gpus: frozenset[str]
+    start_us: float | None
+    training: bool
+    kernels: frozenset[str]
+
+
+def _facts(path: Path, p: ParsedRank) -> _FileFacts:
+    import pandas as pd
+
+    gpus = frozenset(d.name for d in p.devices if d.name and d.name.strip() and d.name != "unknown")
+    starts = [float(t["ts"].min()) for t in (p.kernels, p.runtime) if len(t)]
+    starts = [s for s in starts if math.isfinite(s)]
+    pat = training_ops()
+    training = False
+    for t in (p.cpu_ops, p.annotations):
+        if len(t) and any(pat.search(str(n)) for n in pd.unique(t["name"].to_numpy(dtype=object))):
+            training = True
+            break
+    k = p.kernels
+    names = pd.unique(k.loc[(k["kind"] == "kernel").to_numpy(), "name"].to_numpy(dtype=object)) if len(k) else []
+    return _FileFacts(path.name, gpus, min(starts) if starts else None, training,
+                      frozenset(_DIGITS.sub("#", str(n)) for n in names))
+
+
+def _groups(facts: list[_FileFacts], key: Callable[[_FileFacts], Any]) -> dict[Any, list[str]]:
+    out: dict[Any, list[str]] = defaultdict(list)
+    for f in facts:
+        out[key(f)].append(f.name)
+    return out
+
+
+def _listed(groups: dict[Any, list[str]], say: Callable[[Any], str]) -> str:
+    return "; ".join(f"{_files(v)}: {say(k)}" for k, v in groups.items())
+
+
+def _files(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def mismatch_reasons(paths: list[Path], parsed: list[ParsedRank]) -> list[str]:
+    """Why the given rank files are not the ranks of one run, or [] (one file, or files that agree): files
+    on different GPUs (deviceProperties), training files beside inference ones, recordings that start
+    further apart than ``max_start_apart_s`` (different captures), and kernel mixes that hardly overlap
+    (different workloads); ``rules/tables/traceset.yaml`` holds the thresholds."""
+    if len(parsed) < 2:
+        return []
+    apart_s, min_overlap, _ = _set_rules()
+    facts = [_facts(path, p) for path, p in zip(paths, parsed, strict=True)]
+    out: list[str] = []
+    named = [f for f in facts if f.gpus]
+    gpus = _groups(named, lambda f: f.gpus)
+    if len(gpus) > 1 and not set.intersection(*(set(g) for g in gpus)):
+        out.append("different GPUs (" + _listed(gpus, lambda g: ", ".join(sorted(g))) + ")")
+    kinds = _groups(facts, lambda f: f.training)
+    if len(kinds) > 1:
+        out.append("a training run beside an inference one (" + _listed(
+            kinds, lambda t: "backward / optimizer ops" if t else "no backward ops") + ")")
+    timed = sorted((f for f in facts if f.start_us is not None), key=lambda f: f.start_us or 0.0)
+    if len(timed) > 1:
+        first, last = timed[0], timed[-1]
+        gap_s = ((last.start_us or 0.0) - (first.start_us or 0.0)) / 1e6
+        if gap_s > apart_s:
+            out.append(f"recordings that start {gap_s:.3g} s apart ({first.name} first, {last.name} last; "
+                       f"the ranks of one capture start within {apart_s:g} s): different captures")
+    ref = max(facts, key=lambda f: len(f.kernels))
+    low = []
+    for f in facts:
+        if f is ref or not f.kernels or not ref.kernels:
+            continue
+        share = len(f.kernels & ref.kernels) / min(len(f.kernels), len(ref.kernels))
+        if share < min_overlap:
+            low.append(f"{f.name} {share:.0%}")
+    if low:
+        out.append(f"different workloads (kernel names shared with {ref.name}: {', '.join(low[:3])}"
+                   f"{'…' if len(low) > 3 else ''}; ranks of one run share most)")
     return out

@@ -21,7 +21,8 @@ CAPTURE_NAME = re.compile(r"(?:-TP-(?P<tp>\d+)|_rank(?P<rank>\d+))(?:\.trace)?\.
 CAPTURE_DIR = "graph_capture_profile"
 TRACE_SUFFIXES = (".trace.json.gz", ".trace.json", ".json.gz", ".json")
 NOT_TRACES = {"server_info.json", "model_info.json", "manifest.json", "server_args.json", "capture.json",
-              "analysis.json"}
+              "analysis.json", "execution_details.json"}
+_SIDE_FILES = tuple(sorted(NOT_TRACES))  # also under a prefix (copies named <source>__server_info.json)
 
 
 @dataclass
@@ -67,7 +68,7 @@ def parse_name(path: Path) -> RankFile:
 
 
 def _is_trace_name(p: Path) -> bool:
-    return p.name not in NOT_TRACES and p.name.endswith(TRACE_SUFFIXES)
+    return not p.name.endswith(_SIDE_FILES) and p.name.endswith(TRACE_SUFFIXES)
 
 
 def _capture_traces(directory: Path) -> dict[int, Path]:
@@ -87,7 +88,9 @@ def discover(paths: list[str | Path], phase: str = "decode") -> Discovery:
     """Expand directories, globs and file lists into rank files.
 
     Capture traces under ``graph_capture_profile/`` are never returned as ranks; a merged
-    trace (``merged-*``) is skipped when per-rank files are present.
+    trace (``merged-*``) is skipped when per-rank files are present. In a directory holding files named
+    ``*-TP-<r>*`` (SGLang's layout), those are the ranks (the others are named in a note); otherwise every
+    trace file there is taken, and the loader refuses files that are not one run's ranks.
     """
     if not paths:
         raise TraceInputError("no trace path given")
@@ -109,8 +112,12 @@ def discover(paths: list[str | Path], phase: str = "decode") -> Discovery:
         if p.is_dir():
             dirs.append(p)
             found = sorted(c for c in p.iterdir() if c.is_file() and _is_trace_name(c))
-            preferred = [c for c in found if c.name.endswith((".trace.json.gz", ".trace.json"))]
-            found = preferred or found
+            ranked = [c for c in found if SGLANG_NAME.match(c.name) or c.name.startswith("merged-")]
+            if ranked and len(ranked) < len(found):  # SGLang's layout: the -TP-<r> files are the ranks
+                others = [c.name for c in found if c not in ranked]
+                notes.append(f"not loaded from {p}: {', '.join(others[:5])}{'…' if len(others) > 5 else ''} "
+                             "(no -TP-<r> in the name, beside rank files that have one)")
+                found = ranked
             if not found:
                 raise TraceInputError("directory holds no trace files (*.trace.json.gz or *.json[.gz])", p)
             files.extend(found)

@@ -60,6 +60,7 @@ _KIND = {
     "user_annotation": "annotation",
     "gpu_user_annotation": "gpu_annotation",
     "python_function": "python_function",  # only forward markers are kept, as annotations
+    "trace": "annotation",  # Kineto's own span ("PyTorch Profiler (0)"): what the recording covers
 }
 _KINDS = ("kernel", "memcpy", "memset", "runtime", "cpu_op", "annotation", "gpu_annotation")
 # python_function events (with_stack captures) kept, as annotations, when the function name (after

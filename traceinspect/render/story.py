@@ -63,9 +63,10 @@ def basis_text(doc: dict[str, Any]) -> str:
 
 @dataclass
 class Open:
-    """A class no finding explains, or a rule that could not be decided: shown beside the headline."""
+    """A class no finding explains, a rule that could not be decided, or a straggler rank no finding is about:
+    shown beside the headline."""
 
-    kind: str  # "unexplained" | "undecided"
+    kind: str  # "unexplained" | "undecided" | "straggler"
     text: str
     subject: str
     share: float | None = None
@@ -123,6 +124,27 @@ def _open_items(doc: dict[str, Any]) -> list[Open]:
     return out
 
 
+STRAGGLER_RULE = "rank-straggler"
+
+
+def straggler_item(doc: dict[str, Any]) -> Open | None:
+    """The rank the collectives analysis names as the straggler (``collectives.straggler``), when no finding
+    is about it (a training run, whose rules are not applied, or below the rule's thresholds)."""
+    coll = doc.get("collectives")
+    st = coll.get("straggler") if isinstance(coll, dict) and coll.get("applicable") is not False else None
+    if not isinstance(st, dict) or _num(st.get("rank")) is None:
+        return None
+    if any(isinstance(f, dict) and f.get("rule") == STRAGGLER_RULE for f in doc.get("findings") or []):
+        return None
+    labels = {r.get("rank"): r.get("label") for r in doc.get("ranks") or [] if isinstance(r, dict)}
+    who = str(labels.get(st["rank"]) or f"rank {st['rank']}")
+    text = f"Straggler: {who} arrives last at {fmt_pct(_num(st.get('late_share')))} of the collectives"
+    wait = _num(st.get("wait_caused_us_per_step"))
+    if wait is not None:
+        text += f" and causes {fmt_us(wait)} of waiting per step on the other ranks"
+    return Open("straggler", text + ".", who, _num(st.get("late_share")))
+
+
 def story(doc: dict[str, Any]) -> Story:
     """The headline of an analysis document (or of a document an older version wrote)."""
     findings = ordered_findings(doc.get("findings"))
@@ -137,4 +159,4 @@ def story(doc: dict[str, Any]) -> Story:
         else:
             quiet = "No findings, and no classified kernel time."
     return Story(findings=findings, lead=lead, saving=saving_text(lead, doc) if lead else None,
-                 basis=basis_text(doc), open=_open_items(doc), quiet=quiet)
+                 basis=basis_text(doc), open=[*_open_items(doc), *filter(None, [straggler_item(doc)])], quiet=quiet)
