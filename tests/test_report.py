@@ -291,7 +291,7 @@ def test_injected_names_are_escaped_everywhere(tmp_path: Path) -> None:
     assert EVIL_KERNEL in _text(html)
     assert not re.search(r"href=\"javascript:", html, re.I)
     ops = launching_ops(a.kernels)
-    top_ops = {ops.get(k["name"], "") for k in doc["top_kernels"]}
+    top_ops = {ops.get((k["name"], k["cls"]), "") for k in doc["top_kernels"]}
     if op is not None:
         assert EVIL_OP in set(a.kernels["op_name"])
         if EVIL_OP in top_ops:

@@ -13,7 +13,7 @@ import numpy as np
 
 from traceinspect.render import kernel_label, kernel_labels
 from traceinspect.render.palette import class_color, severity_color
-from traceinspect.render.story import Open, saving_share, saving_text, step_share, story
+from traceinspect.render.story import Open, rank_steps, saving_share, saving_text, share_of_step, step_share, story
 from traceinspect.render.svg import get, isnum
 from traceinspect.render.whatif import group_note, variant_lines
 from traceinspect.units import fmt_bytes, fmt_count, fmt_pct, fmt_us
@@ -232,7 +232,7 @@ def files_view(doc: dict[str, Any]) -> list[dict[str, str]]:
 def class_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for c, v in sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("us_per_step") or 0)):
-        share = step_share(v.get("us_per_step"), doc)
+        share = share_of_step(v, doc)
         rows.append({"cls": c, "color": class_color(c), "us": v.get("us_per_step"), "us_t": fmt_us(v.get("us_per_step")),
                      "share": share, "share_t": fmt_pct(share),
                      "calls": v.get("calls_per_step"),
@@ -267,7 +267,7 @@ def memory_view(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
         mem = mem.get("rows") or []
     if not isinstance(mem, list) or not mem:
         return [], "no memory-bound kernel with known bytes moved (needs recorded shapes)"
-    per = max(int(get(doc, "steps", "count") or 1), 1) * max(len(doc.get("ranks") or []), 1)
+    per = rank_steps(doc)
     rows = []
     labels = kernel_labels([str(r.get("family") or "") for r in mem[:20] if isinstance(r, dict)], 70)
     for r in mem[:20]:
