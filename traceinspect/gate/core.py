@@ -30,6 +30,7 @@ from traceinspect.gate.thresholds import (
     thresholds_for,
 )
 from traceinspect.render import fmt_us
+from traceinspect.units import fmt_pct_signed, fmt_us_signed
 
 FAIL_ON = ("critical", "warning", "info", "never")
 DEFAULT_FAIL_ON = "warning"
@@ -37,7 +38,7 @@ STATUSES = ("pass", "warn", "fail", "error")
 
 
 def _signed_us(v: float) -> str:
-    return ("+" if v >= 0 else "-") + fmt_us(abs(v))
+    return fmt_us_signed(v)
 
 
 @dataclass
@@ -197,7 +198,7 @@ class Gate:
                          {"base": m.base, "cand": m.cand})
         delta = m.cand - m.base
         pct = m.pct
-        rel = f"{pct:+.1f}%" if pct is not None else ("new" if m.base == 0 and m.cand > 0 else "n/a")
+        rel = fmt_pct_signed(pct / 100) if pct is not None else ("new" if m.base == 0 and m.cand > 0 else "n/a")
         change = f"{fmt_us(m.base)} -> {fmt_us(m.cand)} {what} ({_signed_us(delta)}, {rel})"
         data: dict[str, Any] = {"base": round(m.base, 3), "cand": round(m.cand, 3), "delta": round(delta, 3),
                                 "pct": None if pct is None else round(pct, 3),

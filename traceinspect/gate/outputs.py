@@ -125,11 +125,16 @@ def _us(v: float | None) -> str:
 
 
 def _sus(v: float | None) -> str:
-    return "n/a" if v is None else ("+" if v >= 0 else "-") + _us(abs(v))
+    from traceinspect.units import fmt_us_signed
+
+    return fmt_us_signed(v)
 
 
 def _pct(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:+.1f}%"
+    """A change given in percent (4.2 for +4.2%), signed; never '-0.0%'."""
+    from traceinspect.units import fmt_pct_signed
+
+    return "n/a" if v is None else fmt_pct_signed(v / 100)
 
 
 def _shape(g: dict[str, Any]) -> str:
@@ -162,7 +167,7 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
     lines += [f"{heading}# Step time", ""]
     lines += _table(["metric", "baseline", "candidate", "delta", "change"],
                     [["median step", _us(s.base), _us(s.cand), _sus(s.delta), _pct(s.pct)]]) + [""]
-    lines += [f"{heading}# GPU time per step by class", ""]
+    lines += [f"{heading}# GPU time per step by class (mean per rank)", ""]
     if diff.classes_note:
         lines += [md_escape(diff.classes_note), ""]
     else:
@@ -184,7 +189,7 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
                          md_escape(g.get("dtype")), md_escape(g["status"]), _us(g["base_us_per_step"]),
                          _us(g["cand_us_per_step"]), tf(g["base_tflops"]), tf(g["cand_tflops"]),
                          _pct(g["tflops_pct"]), pk(g["base_pct_peak"]), pk(g["cand_pct_peak"])])
-        lines += _table(["shape", "class", "op", "dtype", "in", "us/step base", "us/step cand", "TFLOPS base",
+        lines += _table(["shape", "class", "op", "dtype", "in", "time per step base", "time per step cand", "TFLOPS base",
                          "TFLOPS cand", "change", "% peak base", "% peak cand"], rows)
         if len(diff.gemm) > 30:
             lines.append(f"\n{len(diff.gemm) - 30} more shape(s) in the JSON output.")
@@ -275,7 +280,7 @@ def diff_text(diff: Diff, show_all: bool = False) -> str:
     if diff.classes_note:
         lines.append(f"  classes: {plain(diff.classes_note)}")
     else:
-        rows = [["class (us/step)", "baseline", "candidate", "delta", "change"]]
+        rows = [["class (time per step)", "baseline", "candidate", "delta", "change"]]
         for m in diff.classes:
             if not show_all and m.delta is not None and abs(m.delta) < 0.05:
                 continue

@@ -13,7 +13,7 @@ from typing import Any
 
 from traceinspect.fileio import write_text_atomic
 from traceinspect.render import fmt_count, fmt_pct, fmt_us, kernel_labels, short_name
-from traceinspect.render.story import saving_text, share_of_step, source_text, step_share, story
+from traceinspect.render.story import saving_text, share_of_step, step_share, story
 from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
 from traceinspect.units import is_number
 from traceinspect.version import __version__

@@ -13,7 +13,15 @@ import numpy as np
 
 from traceinspect.render import kernel_label, kernel_labels
 from traceinspect.render.palette import class_color, severity_color
-from traceinspect.render.story import Open, rank_steps, saving_share, saving_text, share_of_step, step_share, story
+from traceinspect.render.story import (
+    Open,
+    rank_steps,
+    saving_share,
+    saving_text,
+    share_of_step,
+    step_share,
+    story,
+)
 from traceinspect.render.svg import get, isnum
 from traceinspect.render.whatif import group_note, variant_lines
 from traceinspect.units import fmt_bytes, fmt_count, fmt_pct, fmt_us
