@@ -9,6 +9,8 @@ import click
 from traceinspect.commands.analyze import PHASES
 from traceinspect.fileio import write_text_atomic
 
+LABEL_WIDTH = 60  # characters of a kernel name in the table (kernel_labels)
+
 
 @click.command("classify")
 @click.argument("paths", nargs=-1, required=True)
@@ -34,17 +36,29 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     """Print each kernel name with its class, evidence, time and calls."""
     from pathlib import Path
 
-    from rich.table import Table
-
     from traceinspect.analysis import Options
-    from traceinspect.classify import class_table_rows, load_class_table
-    from traceinspect.render import kernel_labels, short_name
-    from traceinspect.render.terminal import escape, make_console
-    from traceinspect.units import GPU_BASIS, SHARE_BASIS, fmt_count, fmt_pct, fmt_us
+    from traceinspect.classify import load_class_table
+    from traceinspect.render.terminal import make_console
 
     table = load_class_table(extra=[Path(t) for t in tables]) if tables else None
     opts = Options(phase=phase, server_info=server_info, layers=layers, experts=experts, top_k=top_k)
     a, step_us, rank_steps = classified_analysis(paths, opts, table)
+    rows = render_classify(a, step_us, rank_steps, make_console(), unknown=unknown, all_steps=all_steps, limit=limit)
+    if csv_out:
+        write_text_atomic(csv_out, rows.to_csv(index=False))
+
+
+def render_classify(a: Any, step_us: float | None, rank_steps: int, con: Any, unknown: bool = False,
+                    all_steps: bool = False, limit: int = 40) -> Any:
+    """Print the (kernel name, class) table of the analysis ``a`` (:func:`classified_analysis`); returns
+    its rows (all of them, not only those printed)."""
+    from rich.table import Table
+
+    from traceinspect.classify import class_table_rows
+    from traceinspect.render import kernel_labels, short_name
+    from traceinspect.render.terminal import escape
+    from traceinspect.units import GPU_BASIS, SHARE_BASIS, fmt_count, fmt_pct, fmt_us
+
     k = a.trace.kernels if all_steps else a.kernels
     rows = class_table_rows(k)
     # per step and of the step time as every other output; every kernel of the trace: of GPU time
@@ -54,13 +68,10 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
         rows["share_of_step"] = rows["us_per_step"] / step_us
     if unknown:
         rows = rows[rows["cls"] == "other"]
-    if csv_out:
-        write_text_atomic(csv_out, rows.to_csv(index=False))
-    con = make_console()
     scope = "all kernels" if all_steps else f"the {a.phase} steps"
     if unknown and not len(rows):
         con.print(f"No unknown kernels: every kernel in {scope} has a class (class 'other' is empty).")
-        return
+        return rows
     title = (f"Kernel classes ({scope}; calls and total over the analysed steps of all ranks)" if not all_steps
              else "Kernel classes (all kernels of the trace)")
     t = Table(title=title, title_justify="left")
@@ -70,7 +81,7 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
         t.add_column(col, justify="left" if col in ("kernel", "class", "2nd", "evidence") else "right",
                      overflow="fold")
     shown = rows if limit <= 0 else rows.head(limit)
-    names = kernel_labels(shown["name"].tolist(), 60)
+    names = kernel_labels(shown["name"].tolist(), LABEL_WIDTH)
     for r in shown.itertuples():
         cells = [escape(names[r.name]), r.cls, r.cls2 or "", escape(short_name(str(r.evidence), 50)),
                  fmt_count(r.calls), fmt_us(r.us)]
@@ -83,6 +94,7 @@ def classify_cmd(paths: tuple[str, ...], unknown: bool, csv_out: str | None, all
     if per_step:
         con.print(f"Shares are of the {a.phase} {SHARE_BASIS}: median {fmt_us(step_us)} per step (the slowest "
                   f"rank's GPU span); times per step are means per rank.")
+    return rows
 
 
 def classified_analysis(paths: tuple[str, ...], opts: Any, table: Any = None) -> tuple[Any, float | None, int]:

@@ -118,17 +118,21 @@ def check_cmd(paths: tuple[str, ...]) -> None:
 @analysis_options
 def explain_cmd(paths: tuple[str, ...], **kw: Any) -> None:
     """Analyse a trace set and say, for every rule, whether it fired and why (or why not)."""
-    from rich.markup import escape
-
-    from traceinspect.judge import explain
     from traceinspect.pipeline import analyze
-    from traceinspect.render.story import saving_text
 
     a = analyze(list(paths), build_options(**kw))
     rs = a.rule_set if a.rule_set is not None else _load(tuple(kw.get("rules") or ()), tuple(kw.get("only") or ()))
-    # the findings as every other output shows them (savings replayed, rank findings merged)
-    doc = a.to_json(report=False)
-    con = _console()
+    render_explain(a, rs, a.to_json(report=False), _console())
+
+
+def render_explain(a: Any, rs: Any, doc: dict[str, Any], con: Any) -> None:
+    """Every rule's outcome on the analysis ``a``, with the finding as the document ``doc`` (of ``a``) has
+    it: the saving replayed, rank findings merged, as every other output shows it."""
+    from rich.markup import escape
+
+    from traceinspect.judge import explain
+    from traceinspect.render.story import saving_text
+
     style = {"fired": "bold red", "silent": "green", "undecided": "yellow", "skipped": "dim", "error": "bold magenta"}
     for o in explain(a, rs):
         subj = f" [{escape(o.subject)}]" if o.subject else ""

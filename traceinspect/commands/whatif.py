@@ -107,7 +107,14 @@ def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str,
 
 
 def _print(p: Any, doc: dict[str, Any], labels: list[str]) -> None:
-    echo = click.echo
+    for line in whatif_lines(doc, labels):
+        click.echo(line)
+
+
+def whatif_lines(doc: dict[str, Any], labels: list[str]) -> list[str]:
+    """The prediction ``doc`` (a replay's JSON form) as the lines ``whatif`` prints."""
+    out: list[str] = []
+    echo = out.append
     echo("what-if: " + ("; ".join(labels) if labels else "no edits (replay as measured)"))
     for e in doc["edits"]:
         echo(f"  edit: {e['text']}")
@@ -136,3 +143,4 @@ def _print(p: Any, doc: dict[str, Any], labels: list[str]) -> None:
     elif doc["edits"] and doc["predicted_step_us"] is not None:  # undecided: nothing to say about the path
         echo("  moved onto the critical path: nothing new")
     echo(f"  medians over {doc['steps_replayed']} replayed step(s) of {doc['model']['steps_available']}")
+    return out
