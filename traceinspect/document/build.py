@@ -189,10 +189,12 @@ def trace_sections(a: Analysis) -> dict[str, Any]:
     # the divisor of every per-step figure: the analysed steps of all ranks (a.kernels are their kernels)
     denom = max(len(a.selected), 1)
     step_us = percentile(samples["step_us"], 50)
-    of_step = step_us if np.isfinite(step_us) and step_us > 0 else None
+    # the step time as the document gives it (steps.median_us): a share the reports compute from the document
+    # (their kernel and op tables) is then the same number, not one rounded differently
+    of_step = json_num(step_us) if np.isfinite(step_us) and step_us > 0 else None
 
     def step_share(us_per_step: float) -> Any:
-        return json_num(us_per_step / of_step, 6) if of_step else None
+        return json_num(float(us_per_step) / of_step, 15) if of_step else None
 
     classes = {
         c: {"us_per_step": json_num(per_cls.loc[c, "sum"] / denom), "share": json_num(per_cls.loc[c, "sum"] / total, 6),
