@@ -139,7 +139,7 @@ def render_explain(a: Any, rs: Any, doc: dict[str, Any], con: Any) -> None:
         con.print(f"[{style.get(o.status, '')}]{o.status:9}[/] [bold]{o.rule}[/bold]{subj}")
         if o.finding is not None:
             con.print(f"          {escape(o.finding.message)}")
-            f = _document_finding(doc, o.finding.rule, o.finding.ranks)
+            f = _document_finding(doc, o.finding.rule, o.finding.ranks, o.finding.evidence.get("subject"))
             saving = saving_text(f, doc) if f is not None else None
             if f is not None and saving is not None:
                 con.print(f"          est. saving {escape(saving)}")
@@ -149,10 +149,13 @@ def render_explain(a: Any, rs: Any, doc: dict[str, Any], con: Any) -> None:
             con.print(f"          - {escape(why)}")
 
 
-def _document_finding(doc: dict[str, Any], rule: str, ranks: list[int]) -> dict[str, Any] | None:
-    """The document's finding of ``rule`` that covers ``ranks`` (a rank finding is merged into one
-    finding naming every rank it fired on)."""
+def _document_finding(doc: dict[str, Any], rule: str, ranks: list[int], subject: Any = None) -> dict[str, Any] | None:
+    """The document's finding of ``rule`` on ``subject``, else the one that covers ``ranks`` (a rank
+    finding is merged into one finding naming every rank it fired on)."""
     mine = [f for f in doc.get("findings") or [] if f.get("rule") == rule]
+    for f in mine:
+        if subject is not None and (f.get("evidence") or {}).get("subject") == subject:
+            return f
     for f in mine:
         if set(ranks) <= set(f.get("ranks") or []):
             return f
