@@ -22,7 +22,7 @@ from rich.console import Console
 
 from tests.conftest import FIXTURES, REAL_TRACES, real_trace
 from traceinspect.render import kernel_labels
-from traceinspect.render.story import saving_share, saving_text, share_of_step, story
+from traceinspect.render.story import gap_share, saving_share, saving_text, share_of_step, story
 from traceinspect.units import fmt_count, fmt_pct, fmt_pct_signed, fmt_us, fmt_us_signed
 
 # every distinct fixture set (the drift copies are rank files of sets listed here; generate/ is the generator)
@@ -339,6 +339,25 @@ def test_headline(r: Rendered) -> None:
         m = re.search(r"predicted change: (.+?) per step \((.+?) of the replayed step time\)", text)
         assert m and m.group(1) == fmt_us_signed(-f["est_saving_us_per_step"])
         assert m.group(2) == fmt_pct_signed(-(saving_share(f, doc) or 0.0))
+
+
+def test_undecided_and_unexplained(r: Rendered) -> None:
+    """A class no finding explains, or a rule that could not decide, has one share (of the step time) in the
+    headline and in the list of what was not decided, in every output."""
+    doc = r.doc
+    texts = {"terminal": r.terminal, "markdown": _md_text(r.markdown), "html": _Tree(r.html).root.text()}
+    for u in doc.get("unexplained") or []:
+        want = (fmt_pct(gap_share(u, doc)), "the step time")
+        for what, text in texts.items():
+            found = re.findall(rf"\b{re.escape(str(u['cls']))} takes (\S+%) of (the step time|GPU time)", text)
+            assert found and set(found) == {want}, (what, u["cls"], found)
+    for u in doc.get("undecided") or []:
+        want = (fmt_pct(gap_share(u, doc)), "the step time")
+        rule = re.escape(str(u["rule"]))
+        for what, text in texts.items():
+            found = re.findall(rf"\b{rule} could not decide on (\S+%) of (the step time|GPU time)", text)
+            found += re.findall(rf"Undecided: {rule} \(at stake: (\S+%) of (the step time|GPU time)\)", text)
+            assert found and set(found) == {want}, (what, u["rule"], found)
 
 
 def test_top_kernels(r: Rendered) -> None:

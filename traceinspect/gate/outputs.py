@@ -137,6 +137,11 @@ def _pct(v: float | None) -> str:
     return "n/a" if v is None else fmt_pct_signed(v / 100)
 
 
+def _val(v: Any) -> Any:
+    """A run fact or setting as shown: 'unknown' where it is missing (never 'None' or blank)."""
+    return "unknown" if v is None or v == "" else v
+
+
 def _shape(g: dict[str, Any]) -> str:
     """M x N x K (x batch / groups) of a GEMM row, or why it is unknown."""
     if g.get("m") is None:
@@ -159,7 +164,7 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
     """The diff as Markdown sections."""
     lines = [f"{heading} traceinspect diff", "",
              f"Baseline: {md_escape(diff.base_label)}  ", f"Candidate: {md_escape(diff.cand_label)}", ""]
-    ctx_rows = [[md_escape(r["label"]), md_escape(r["base"]), md_escape(r["cand"]),
+    ctx_rows = [[md_escape(r["label"]), md_escape(_val(r["base"])), md_escape(_val(r["cand"])),
                  "" if r["same"] else ("unknown" if r["same"] is None else "**changed**")]
                 for r in diff.context if r["compat"] or r["same"] is False]
     lines += _table(["run", "baseline", "candidate", ""], ctx_rows) + [""]
@@ -213,8 +218,8 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
     if diff.server_config_note:
         lines += [md_escape(diff.server_config_note), ""]
     elif diff.server_config:
-        lines += _table(["key", "baseline", "candidate"], [[md_escape(r["key"]), md_escape(r["base"]),
-                                                              md_escape(r["cand"])] for r in diff.server_config])
+        lines += _table(["key", "baseline", "candidate"], [[md_escape(r["key"]), md_escape(_val(r["base"])),
+                                                              md_escape(_val(r["cand"]))] for r in diff.server_config])
         lines.append("")
     else:
         lines += ["The same in both runs.", ""]
@@ -262,7 +267,7 @@ def server_config_lines(diff: Diff) -> list[str]:
     """The server-config keys that differ, one line each (or why they could not be compared)."""
     if diff.server_config_note:
         return [f"  server config: {plain(diff.server_config_note)}"]
-    return [f"  server config differs: {plain(r['key'])}: {plain(r['base'])} -> {plain(r['cand'])}"
+    return [f"  server config differs: {plain(r['key'])}: {plain(_val(r['base']))} -> {plain(_val(r['cand']))}"
             for r in diff.server_config]
 
 
@@ -272,7 +277,7 @@ def diff_text(diff: Diff, show_all: bool = False) -> str:
     for r in diff.context:
         if r["same"] is False:
             tag = "MISMATCH" if r["compat"] else "changed"
-            lines.append(f"  {tag}: {r['label']}: {plain(r['base'])} -> {plain(r['cand'])}")
+            lines.append(f"  {tag}: {r['label']}: {plain(_val(r['base']))} -> {plain(_val(r['cand']))}")
     lines += server_config_lines(diff)
     s = diff.step
     lines.append(f"  median step: {_us(s.base)} -> {_us(s.cand)} ({_sus(s.delta)}, {_pct(s.pct)})")

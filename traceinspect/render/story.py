@@ -133,23 +133,29 @@ def gpu_to_step_share(share: float | None, doc: dict[str, Any]) -> float | None:
     return share * kernel / step if share is not None and step and kernel else None
 
 
+def gap_share(entry: dict[str, Any], doc: dict[str, Any]) -> float | None:
+    """An ``unexplained`` or ``undecided`` entry's share (the analysis gives it of GPU time) as a share of
+    the step time: an unexplained class's as the class tables give it, the rest converted."""
+    cls = entry.get("cls")
+    c = (doc.get("classes") or {}).get(str(cls)) if cls else None
+    share = share_of_step(c, doc) if isinstance(c, dict) else None
+    return share if share is not None else gpu_to_step_share(_num(entry.get("share")), doc)
+
+
 def _open_items(doc: dict[str, Any]) -> list[Open]:
     out: list[Open] = []
-    classes = doc.get("classes") or {}
     for u in doc.get("unexplained") or []:
         if not isinstance(u, dict) or not u.get("cls"):
             continue
         cls = str(u["cls"])
-        share = step_share((classes.get(cls) or {}).get("us_per_step"), doc)
-        if share is None:
-            share = gpu_to_step_share(_num(u.get("share")), doc)
+        share = gap_share(u, doc)
         how = _words(u.get("explain_with"))
         out.append(Open("unexplained", f"Unexplained: {cls} takes {fmt_pct(share)} of the {SHARE_BASIS} and no "
                         "finding explains it" + (f"; what would explain it: {how}" if how else "") + ".", cls, share))
     for u in doc.get("undecided") or []:
         if not isinstance(u, dict) or not u.get("rule"):
             continue
-        share = gpu_to_step_share(_num(u.get("share")), doc)  # the analysis gives it of GPU time
+        share = gap_share(u, doc)  # (the analysis gives it of GPU time)
         text = f"Undecided: {u['rule']}" + (f" (at stake: {fmt_pct(share)} of the {SHARE_BASIS})"
                                             if share is not None else "")
         missing = _words(u.get("missing"))
