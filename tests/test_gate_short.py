@@ -118,7 +118,7 @@ def test_diff_and_gate_name_the_server_config_keys_that_differ(eager_doc, tmp_pa
     assert {r["key"] for r in d.server_config} == {"max_running_requests", "num_continuous_decode_steps"}
     text = diff_text(d)
     assert "server config differs: max_running_requests: 256 -> 2048" in text
-    assert "num_continuous_decode_steps: None -> 8" in text
+    assert "num_continuous_decode_steps: absent -> 8" in text
     assert "max\\_running\\_requests" in diff_markdown(d)
     assert "server config differs: max_running_requests: 256 -> 2048" in gate_text(Gate().run(base, cand))
     assert diff_documents(base, copy.deepcopy(base)).server_config == []

@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from traceinspect.commands.analyze import PHASES
+from traceinspect.units import fmt_bytes, fmt_us, fmt_us_signed
 
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
 CUPTI_HINT = ("no GPU kernel events: CUPTI may have failed to start, or the profile ran without the CUDA "
@@ -52,7 +53,9 @@ class Check:
 
 
 def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
+    from traceinspect.units import fmt_pct
+
+    return fmt_pct(x)
 
 
 def _plural(n: int, word: str) -> str:
@@ -151,7 +154,7 @@ def diagnose(paths: Sequence[str], phase: str = "auto", server_info: str | None 
         "files", WARN if "order" in sources and ts.n_ranks > 1 else OK,
         f"{_plural(ts.n_ranks, 'rank file')} ({', '.join(label[i.rank] for i in ts.ranks)}), ranks "
         + ", ".join(src_text.get(s, s) for s in sources),
-        [f"{i.label}: {i.path} ({i.size_bytes / 1e6:,.1f} MB, {i.n_events:,} events)" for i in ts.ranks]))
+        [f"{i.label}: {i.path} ({fmt_bytes(i.size_bytes)}, {i.n_events:,} events)" for i in ts.ranks]))
 
     devs = {i.label: (f"{i.device.name} (compute capability {i.device.compute_capability})"
                       if i.device and i.device.compute_capability else (i.device.name if i.device else None))
@@ -368,15 +371,15 @@ def _clock_check(ts: Any, stepped: Any, sel: Any, phase: str, label: dict[int, s
         if r == ref:
             continue
         applied = c.offsets_applied.get(r, 0.0)
-        details.append(f"{label.get(r, r)} vs {label.get(ref, ref)}: {off:+,.1f} us (spread "
-                       f"{c.offset_noise.get(r, float('nan')):,.1f} us; {'corrected' if applied else 'not corrected'})")
+        details.append(f"{label.get(r, r)} vs {label.get(ref, ref)}: {fmt_us_signed(off)} (spread "
+                       f"{fmt_us(c.offset_noise.get(r))}; {'corrected' if applied else 'not corrected'})")
     warn = clock_warnings(c, ts.ranks)
     ts.warnings += warn
     big = max((abs(v) for v in c.offsets.values() if v == v), default=0.0)
     if warn:
-        return Check("clocks", WARN, f"ranks' clocks differ by up to {big / 1e3:,.3f} ms (> {CLOCK_WARN_US / 1e3:g} "
-                     "ms): offsets from matched collectives are applied where they stand out of the noise", details)
-    return Check("clocks", OK, f"ranks' clocks agree within {big:,.1f} us", details)
+        return Check("clocks", WARN, f"ranks' clocks differ by up to {fmt_us(big)} (more than {fmt_us(CLOCK_WARN_US)}): "
+                     "offsets from matched collectives are applied where they stand out of the noise", details)
+    return Check("clocks", OK, f"ranks' clocks agree within {fmt_us(big)}", details)
 
 
 def _coverage_check(ts: Any, selected: Any) -> Check:

@@ -137,9 +137,10 @@ def _pct(v: float | None) -> str:
     return "n/a" if v is None else fmt_pct_signed(v / 100)
 
 
-def _val(v: Any) -> Any:
-    """A run fact or setting as shown: 'unknown' where it is missing (never 'None' or blank)."""
-    return "unknown" if v is None or v == "" else v
+def _val(v: Any, missing: str = "unknown") -> Any:
+    """A run fact or setting as shown: ``missing`` ('unknown'; a server setting one side lacks: 'absent')
+    where there is none, never 'None' or blank."""
+    return missing if v is None or v == "" else v
 
 
 def _shape(g: dict[str, Any]) -> str:
@@ -218,8 +219,9 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
     if diff.server_config_note:
         lines += [md_escape(diff.server_config_note), ""]
     elif diff.server_config:
-        lines += _table(["key", "baseline", "candidate"], [[md_escape(r["key"]), md_escape(_val(r["base"])),
-                                                              md_escape(_val(r["cand"]))] for r in diff.server_config])
+        lines += _table(["key", "baseline", "candidate"], [[md_escape(r["key"]), md_escape(_val(r["base"], "absent")),
+                                                              md_escape(_val(r["cand"], "absent"))]
+                                                             for r in diff.server_config])
         lines.append("")
     else:
         lines += ["The same in both runs.", ""]
@@ -267,7 +269,8 @@ def server_config_lines(diff: Diff) -> list[str]:
     """The server-config keys that differ, one line each (or why they could not be compared)."""
     if diff.server_config_note:
         return [f"  server config: {plain(diff.server_config_note)}"]
-    return [f"  server config differs: {plain(r['key'])}: {plain(_val(r['base']))} -> {plain(_val(r['cand']))}"
+    return [f"  server config differs: {plain(r['key'])}: {plain(_val(r['base'], 'absent'))} -> "
+            f"{plain(_val(r['cand'], 'absent'))}"
             for r in diff.server_config]
 
 
