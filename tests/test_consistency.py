@@ -23,6 +23,7 @@ from rich.console import Console
 from tests.conftest import FIXTURES, REAL_TRACES, real_trace
 from traceinspect.render import kernel_labels
 from traceinspect.render.story import gap_share, saving_share, saving_text, share_of_step, story
+from traceinspect.render.terminal import KERNEL_LABEL_WIDTH
 from traceinspect.units import fmt_count, fmt_pct, fmt_pct_signed, fmt_us, fmt_us_signed
 
 # every distinct fixture set (the drift copies are rank files of sets listed here; generate/ is the generator)
@@ -368,7 +369,7 @@ def test_top_kernels(r: Rendered) -> None:
     want = {(k["name"], k["cls"]): (fmt_count(k["calls"]), fmt_pct(share_of_step(k, doc))) for k in top}
     # terminal: the first 12, labelled as the summary labels them
     shown = top[:12]
-    labels = kernel_labels([k["name"] for k in shown], 70)
+    labels = kernel_labels([k["name"] for k in shown], KERNEL_LABEL_WIDTH)
     rows = _table(_rich_tables(r.terminal), "Top kernels")
     term = {(row[0], row[1]): (row[2], row[5]) for row in rows}
     assert term == {(labels[k["name"]], k["cls"]): want[(k["name"], k["cls"])] for k in shown}

@@ -15,6 +15,7 @@ from traceinspect.render import fmt_us as _us
 from traceinspect.render.story import saving_text, share_of_step, source_text, story
 from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
 
+KERNEL_LABEL_WIDTH = 70  # characters of a kernel name in the top-kernels table
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but tab and newline
 
@@ -82,11 +83,12 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
         ct.add_row(cls, _us(v["us_per_step"]), _pct(share_of_step(v, doc)), fmt_count(v["calls_per_step"]))
     con.print(ct)
 
-    kt = Table(title="Top kernels (calls and total over the analysed steps of all ranks)", title_justify="left")
-    for col in ("kernel", "class", "calls", "total", "mean", "of the step time"):
+    kt = Table(title="Top kernels (calls and total over the analysed steps of all ranks; share: of the step time)",
+               title_justify="left")
+    for col in ("kernel", "class", "calls", "total", "mean", "share"):
         kt.add_column(col, justify="left" if col in ("kernel", "class") else "right", overflow="fold")
     top = doc["top_kernels"][:12]
-    labels = kernel_labels([k["name"] for k in top], 70)
+    labels = kernel_labels([k["name"] for k in top], KERNEL_LABEL_WIDTH)
     for k in top:
         kt.add_row(escape(labels[k["name"]]), k["cls"], fmt_count(k["calls"]), _us(k["us"]), _us(k["mean_us"]),
                    _pct(share_of_step(k, doc)))
