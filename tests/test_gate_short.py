@@ -128,7 +128,7 @@ def test_diff_and_gate_name_the_server_config_keys_that_differ(eager_doc, tmp_pa
     text = diff_text(d)
     assert "server config: 2 key(s) differ (1 set in both runs, 1 in one run only):" in text
     assert "    max_running_requests: 256 -> 2048" in text
-    assert "num_continuous_decode_steps: None -> 8" in text
+    assert "num_continuous_decode_steps: absent -> 8" in text
     assert "max\\_running\\_requests" in diff_markdown(d)
     assert "    max_running_requests: 256 -> 2048" in gate_text(Gate().run(base, cand))
     assert diff_documents(base, copy.deepcopy(base)).server_config == []

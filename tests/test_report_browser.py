@@ -99,7 +99,7 @@ def test_report_in_chromium(browser, variant: str, tmp_path: Path) -> None:
         # the table sorter works: sorting by calls puts the largest count first
         table = page.locator("#kernel-table")
         table.locator("th", has_text="calls").first.click()
-        calls = [int(c) for c in table.locator("tbody tr td:nth-child(5)").all_inner_texts()]
+        calls = [int(c.replace(",", "")) for c in table.locator("tbody tr td:nth-child(5)").all_inner_texts()]
         assert calls == sorted(calls, reverse=True)
         embedded = json.loads(page.locator("#traceinspect-analysis").text_content())
         assert embedded["schema"] == doc["schema"]
@@ -275,7 +275,7 @@ def test_timeline_zoom_hover_table_sort_filter_and_csv_download(browser, eager_r
         # tables: sort by calls, filter by a class, download the CSV and compare it with --csv's
         table = page.locator("#kernel-table")
         table.locator("th", has_text="calls").first.click()
-        calls = [int(c) for c in table.locator("tbody tr td:nth-child(5)").all_inner_texts()]
+        calls = [int(c.replace(",", "")) for c in table.locator("tbody tr td:nth-child(5)").all_inner_texts()]
         assert calls == sorted(calls, reverse=True)
         page.locator("input.tfilter[data-for=kernel-table]").fill("kv_cast")
         visible = table.locator("tbody tr:visible")

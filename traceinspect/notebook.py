@@ -81,10 +81,10 @@ class Analysis:
     def classes(self) -> pd.DataFrame:
         """One row per kernel class: time and calls per rank per step, share of the step time and of
         all kernel time."""
-        from traceinspect.render.story import step_share
+        from traceinspect.render.story import share_of_step
 
         doc = self.to_json()
-        rows = [{"cls": c, "us_per_step": v.get("us_per_step"), "share_of_step": step_share(v.get("us_per_step"), doc),
+        rows = [{"cls": c, "us_per_step": v.get("us_per_step"), "share_of_step": share_of_step(v, doc),
                  "share_of_kernel_time": v.get("share"), "calls_per_step": v.get("calls_per_step")}
                 for c, v in (doc.get("classes") or {}).items()]
         df = pd.DataFrame(rows, columns=["cls", "us_per_step", "share_of_step", "share_of_kernel_time",

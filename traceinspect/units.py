@@ -1,7 +1,10 @@
 """How numbers read, decided once for every output (terminal, HTML, Markdown, rule messages, CSV).
 
 - durations in microseconds: ``812 µs``, ``12.4 ms``;
-- shares are fractions of the step time, printed with one decimal: ``38.0%``;
+- shares are printed with one decimal (``38.0%``) and always say what they are of: the step time
+  (:data:`SHARE_BASIS`, the median step, the slowest rank's GPU span) or, where the step time is not
+  the basis, all GPU kernel time (:data:`GPU_BASIS`);
+- changes carry their sign (``+4.2%``, ``-3,147 µs``) and nothing reads as ``-0.0``;
 - sizes in decimal units (kB, MB, GB, TB: powers of 1000), three significant digits: ``906 MB``;
 - counts per step as integers (``4``, ``390``); a mean below 10 that is not whole keeps one decimal (``1.5``).
 
@@ -18,7 +21,8 @@ import numpy as np
 
 SIZE_UNITS = ("B", "kB", "MB", "GB", "TB", "PB")  # decimal: a message's MB is the evidence table's MB
 SIZE_BASE = 1000
-SHARE_BASIS = "step time"  # what every share in the outputs is a fraction of
+SHARE_BASIS = "step time"  # what the outputs' shares are a fraction of ("of the step time")
+GPU_BASIS = "GPU time"  # all GPU kernel time of the analysed steps ("of GPU time")
 
 
 def json_num(x: Any, nd: int = 3) -> Any:
@@ -63,17 +67,42 @@ def fmt_us(v: float | None) -> str:
         return "n/a"
     v = float(v)  # type: ignore[arg-type]
     if abs(v) >= 10_000:
-        return f"{v / 1000:,.1f} ms"
-    if abs(v) >= 100:
-        return f"{v:,.0f} µs"
-    return f"{v:,.1f} µs"
+        text = f"{v / 1000:,.1f} ms"
+    elif abs(v) >= 100:
+        text = f"{v:,.0f} µs"
+    else:
+        text = f"{v:,.1f} µs"
+    return text[1:] if text.startswith("-") and not any(ch in "123456789" for ch in text) else text
 
 
 def fmt_pct(v: float | None, digits: int = 1) -> str:
-    """A fraction as a percentage: 0.123 -> '12.3%'."""
+    """A fraction as a percentage: 0.123 -> '12.3%' (a negative one that rounds to zero as '0.0%')."""
     if not _finite(v):
         return "n/a"
-    return f"{100 * float(v):.{digits}f}%"  # type: ignore[arg-type]
+    text = f"{100 * float(v):.{digits}f}%"  # type: ignore[arg-type]
+    return text[1:] if text.startswith("-") and not any(ch in "123456789" for ch in text) else text
+
+
+def _signed(text: str, v: float) -> str:
+    """``text`` (of ``abs(v)``) with the sign of ``v``; none when it reads as zero (never '-0.0')."""
+    if not any(ch in "123456789" for ch in text.split(" ")[0]):
+        return text
+    return ("+" if v > 0 else "-") + text
+
+
+def fmt_us_signed(v: float | None) -> str:
+    """A change of a duration with its sign: '+3,147 µs', '-12.4 ms', '0.0 µs' (no sign when it reads as
+    zero, so never '-0.0 µs')."""
+    if not _finite(v):
+        return "n/a"
+    return _signed(fmt_us(abs(float(v))), float(v))  # type: ignore[arg-type]
+
+
+def fmt_pct_signed(v: float | None, digits: int = 1) -> str:
+    """A change as a signed percentage: '+4.2%', '-48.3%', '0.0%' (never '-0.0%')."""
+    if not _finite(v):
+        return "n/a"
+    return _signed(fmt_pct(abs(float(v)), digits), float(v))  # type: ignore[arg-type]
 
 
 def fmt_bytes(v: float | None) -> str:
@@ -102,7 +131,8 @@ def fmt_count(v: float | None) -> str:
 
 
 # format specs a rule message may use besides Python's own: {metric:us}, {metric:pct}, ...
-SPECS = {"us": fmt_us, "pct": fmt_pct, "bytes": fmt_bytes, "count": fmt_count}
+SPECS = {"us": fmt_us, "pct": fmt_pct, "bytes": fmt_bytes, "count": fmt_count, "dus": fmt_us_signed,
+         "dpct": fmt_pct_signed}
 
 
 def format_spec(v: Any, spec: str) -> str | None:

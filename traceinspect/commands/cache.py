@@ -14,7 +14,9 @@ def _root():  # noqa: ANN202 - a Path or None
 
 
 def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
+    from traceinspect.units import fmt_bytes
+
+    return fmt_bytes(n)
 
 
 @click.group("cache")

@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from traceinspect.commands.analyze import PHASES, allow_mismatch_option
+from traceinspect.units import fmt_bytes, fmt_us, fmt_us_signed
 
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
 CUPTI_HINT = ("no GPU kernel events: CUPTI may have failed to start, or the profile ran without the CUDA "
@@ -52,7 +53,9 @@ class Check:
 
 
 def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
+    from traceinspect.units import fmt_pct
+
+    return fmt_pct(x)
 
 
 def _plural(n: int, word: str) -> str:
@@ -127,7 +130,7 @@ def _file_errors(paths: Sequence[str], phase: str) -> list[str]:
     return out
 
 
-def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | None = None,
+def diagnose(paths: Sequence[str], phase: str = "auto", server_info: str | None = None,
              use_cache: bool = True, allow_mismatch: bool = False) -> tuple[list[Check], bool]:
     """The checklist of a trace set and whether ``analyze`` can use it."""
     from traceinspect import pipeline
@@ -151,7 +154,7 @@ def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | Non
         "files", WARN if "order" in sources and ts.n_ranks > 1 else OK,
         f"{_plural(ts.n_ranks, 'rank file')} ({', '.join(label[i.rank] for i in ts.ranks)}), ranks "
         + ", ".join(src_text.get(s, s) for s in sources),
-        [f"{i.label}: {i.path} ({i.size_bytes / 1e6:,.1f} MB, {i.n_events:,} events)" for i in ts.ranks]))
+        [f"{i.label}: {i.path} ({fmt_bytes(i.size_bytes)}, {i.n_events:,} events)" for i in ts.ranks]))
 
     devs = {i.label: (f"{i.device.name} (compute capability {i.device.compute_capability})"
                       if i.device and i.device.compute_capability else (i.device.name if i.device else None))
@@ -183,17 +186,23 @@ def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | Non
         checks.append(_warnings_check(ts.warnings))
         return checks, False
 
+    from traceinspect.judge.gaps import serving_engine
+
+    phase = stepped.phase  # (auto: the phase the steps were taken for)
+    ops = ts.cpu_ops
+    engine = serving_engine(ops["name"].astype(str).unique() if len(ops) else [], stepped.table["source"].unique(),
+                            ts.server_info)
     labels = pipeline.classify(ts, stepped, phase=phase)
     recovered, run = labels.graph_ops, labels.run_model
     sel = pipeline.select(ts, stepped, phase)
     selected, steps = sel.steps, stepped.table
     ts.warnings += sel.warnings
     checks.append(_steps_check(ts, steps, selected, phase, label))
-    checks.append(_shapes_check(ts, selected))
-    checks.append(_graph_check(ts, selected, recovered, label))
-    checks.append(_server_info_check(ts))
+    checks.append(_shapes_check(ts, selected, engine))
+    checks.append(_graph_check(ts, selected, recovered, label, engine))
+    checks.append(_server_info_check(ts, engine))
     graph = bool(len(ts.kernels)) and bool(ts.kernels["graph_replay"].mean() > 0.5)
-    checks.append(_run_model_check(run, graph))
+    checks.append(_run_model_check(run, graph, engine))
     analysable = not empty and len(selected) > 0
     if len(selected):
         checks.append(_clock_check(ts, stepped, sel, phase, label, labels))
@@ -209,25 +218,36 @@ def _steps_check(ts: Any, steps: Any, selected: Any, phase: str, label: dict[int
                 "graph_launch": "one cudaGraphLaunch per step", "gpu_gaps": "periodic GPU idle gaps (no CPU step "
                 "markers)", "whole_capture": f"nothing (no step marker: the whole capture is one step; {STEP_HINT})"}
     sources = ", ".join(src_text.get(s, s) for s in sorted(steps["source"].unique()))
+    kind = "complete step" if phase in ("all", "unknown") else f"complete {phase} step"
     details = []
     for i in ts.ranks:
         rs = steps[steps["rank"] == i.rank]
         phases = ", ".join(f"{p} {n}" for p, n in rs.groupby("phase").size().items())
         n_sel = int((selected["rank"] == i.rank).sum())
-        details.append(f"{i.label}: {len(rs)} steps ({phases or 'none'}); {n_sel} complete {phase} step(s) "
-                       f"analysable (first and last are partial)")
+        n_edge = int(rs["edge"].sum()) if "edge" in rs else 0
+        details.append(f"{i.label}: {_plural(len(rs), 'step')} found ({phases or 'none'}); "
+                       f"{_plural(n_sel, kind)} to analyse"
+                       + (f"; {_plural(n_edge, 'step')} at the edges of the capture left out as partial"
+                          if n_edge else ""))
     n = selected.groupby("rank").size()
     if not len(selected):
         found = steps.groupby("phase").size().to_dict()
         return Check("steps", FAIL, f"no complete {phase} steps (found per phase: {found or 'none'}); "
-                     "first and last steps are excluded as partial" + ("; try --phase all" if phase != "all" else ""),
-                     details)
+                     "the first and the last step of a capture are left out as partial"
+                     + ("; try --phase all" if phase != "all" else ""), details)
     status = WARN if {"gpu_gaps", "whole_capture"} & set(steps["source"]) or n.nunique() > 1 or int(n.min()) < 3 \
         else OK
-    return Check("steps", status, f"{int(n.min())} complete {phase} step(s) per rank, from {sources}", details)
+    return Check("steps", status, f"{_plural(int(n.min()), kind)} per rank, from {sources}",
+                 details)
 
 
-def _shapes_check(ts: Any, selected: Any) -> Check:
+# how to record shapes, by serving engine (None: any other program)
+RECORD_SHAPES_HINT = {"sglang": "SGLang: SGLANG_PROFILE_RECORD_SHAPES=1 / --profile-record-shapes",
+                      "vllm": "vLLM: VLLM_TORCH_PROFILER_RECORD_SHAPES=1",
+                      None: "torch.profiler(record_shapes=True)"}
+
+
+def _shapes_check(ts: Any, selected: Any, engine: str | None = None) -> Check:
     from traceinspect.measure.gemm import GEMM_CLASSES
 
     k = ts.kernels
@@ -247,12 +267,11 @@ def _shapes_check(ts: Any, selected: Any) -> Check:
     if share >= 0.9:
         return Check("record_shapes", OK, f"{_pct(share)} of eager GEMM kernels have their op's recorded shapes")
     return Check("record_shapes", WARN, f"only {_pct(share)} of eager GEMM kernels have their op's recorded shapes: "
-                 "GEMM efficiency and KV-pool sizes need record_shapes=True (SGLang: "
-                 "SGLANG_PROFILE_RECORD_SHAPES=1 / --profile-record-shapes)",
+                 f"GEMM efficiency and KV-pool sizes need record_shapes=True ({RECORD_SHAPES_HINT[engine]})",
                  [x for x in [_undecided_line(SHAPE_METRICS)] if x])
 
 
-def _graph_check(ts: Any, selected: Any, recovered: Any, label: dict[int, str]) -> Check:
+def _graph_check(ts: Any, selected: Any, recovered: Any, label: dict[int, str], engine: str | None = None) -> Check:
     k = ts.kernels
     k = k[k["step"].isin(selected.index)] if len(selected) else k
     total = float(k["dur"].sum()) or 1.0
@@ -272,15 +291,18 @@ def _graph_check(ts: Any, selected: Any, recovered: Any, label: dict[int, str]) 
     if missing:
         if (line := _undecided_line(SHAPE_METRICS)) is not None:
             details.append(line)
-        return Check("cuda_graphs", WARN, f"{_pct(share)} of kernel time is replayed from CUDA graphs and "
+        how = {"sglang": "start SGLang with --enable-profile-cuda-graph so graph_capture_profile/ capture traces "
+                         "lie beside the rank files",
+               "vllm": "vLLM writes no capture trace: profile with --enforce-eager to record them"}.get(
+            engine, "profile with CUDA graphs off to record them")
+        return Check("cuda_graphs", WARN, f"{_pct(share)} of GPU time is replayed from CUDA graphs and "
                      f"{', '.join(missing)} ha{'s' if len(missing) == 1 else 've'} no graph-capture trace: "
-                     "the replayed kernels' shapes and ops are unknown (capture with "
-                     "graph_capture_profile/ traces beside the rank files)", details)
-    return Check("cuda_graphs", OK, f"{_pct(share)} of kernel time is replayed from CUDA graphs; capture traces "
+                     f"the replayed kernels' shapes and ops are unknown ({how})", details)
+    return Check("cuda_graphs", OK, f"{_pct(share)} of GPU time is replayed from CUDA graphs; capture traces "
                  "are present, so shapes can be recovered", details)
 
 
-def _server_info_check(ts: Any) -> Check:
+def _server_info_check(ts: Any, engine: str | None = None) -> Check:
     from traceinspect.judge import load_rule_set
 
     si = ts.server_info
@@ -295,8 +317,11 @@ def _server_info_check(ts: Any) -> Check:
                 need.setdefault(fld, (what, set()))[1].add(r.id)
     if si is None:
         details = [f"{fld}: needed by {', '.join(sorted(ids))} ({what})" for fld, (what, ids) in sorted(need.items())]
-        return Check("server_info", WARN, "no server_info.json beside the traces (--server-info FILE; "
-                     "`traceinspect capture` saves it): rules that need server metadata cannot decide", details)
+        how = ("--server-info FILE; `traceinspect capture` saves it" if engine == "sglang" else
+               "--server-info FILE, a JSON object with the fields below; --layers, --experts, --top-k"
+               + ("; vLLM writes none" if engine == "vllm" else ""))
+        return Check("server_info", WARN, f"no server_info.json beside the traces ({how}): rules that need "
+                     "server metadata cannot decide", details)
     details, absent = [], []
     for fld, (what, ids) in sorted(need.items()):
         v = _si_value(si, fld)
@@ -308,7 +333,7 @@ def _server_info_check(ts: Any) -> Check:
     return Check("server_info", WARN if absent else OK, summary, details)
 
 
-def _run_model_check(run: Any, graph: bool) -> Check:
+def _run_model_check(run: Any, graph: bool, engine: str | None = None) -> Check:
     """The run model's facts: value, source and confidence; an undecided fact names the rules it
     leaves undecided and how to supply it."""
     from traceinspect.judge.gaps import evidence_table
@@ -321,7 +346,7 @@ def _run_model_check(run: Any, graph: bool) -> Check:
             line = _undecided_line(metrics) if metrics else None
             if line is not None:
                 undecided.append(name)
-            details.append(f"{name}: undecided ({f.detail})" + (f"; {line}; supply: {table.how(name, graph)}"
+            details.append(f"{name}: undecided ({f.detail})" + (f"; {line}; supply: {table.how(name, graph, engine)}"
                                                                  if line else ""))
         else:
             details.append(f"{name}: {f.value} ({f.source}, {f.confidence}: {f.detail})")
@@ -346,28 +371,28 @@ def _clock_check(ts: Any, stepped: Any, sel: Any, phase: str, label: dict[int, s
         if r == ref:
             continue
         applied = c.offsets_applied.get(r, 0.0)
-        details.append(f"{label.get(r, r)} vs {label.get(ref, ref)}: {off:+,.1f} us (spread "
-                       f"{c.offset_noise.get(r, float('nan')):,.1f} us; {'corrected' if applied else 'not corrected'})")
+        details.append(f"{label.get(r, r)} vs {label.get(ref, ref)}: {fmt_us_signed(off)} (spread "
+                       f"{fmt_us(c.offset_noise.get(r))}; {'corrected' if applied else 'not corrected'})")
     warn = clock_warnings(c, ts.ranks)
     ts.warnings += warn
     big = max((abs(v) for v in c.offsets.values() if v == v), default=0.0)
     if warn:
-        return Check("clocks", WARN, f"ranks' clocks differ by up to {big / 1e3:,.3f} ms (> {CLOCK_WARN_US / 1e3:g} "
-                     "ms): offsets from matched collectives are applied where they stand out of the noise", details)
-    return Check("clocks", OK, f"ranks' clocks agree within {big:,.1f} us", details)
+        return Check("clocks", WARN, f"ranks' clocks differ by up to {fmt_us(big)} (more than {fmt_us(CLOCK_WARN_US)}): "
+                     "offsets from matched collectives are applied where they stand out of the noise", details)
+    return Check("clocks", OK, f"ranks' clocks agree within {fmt_us(big)}", details)
 
 
 def _coverage_check(ts: Any, selected: Any) -> Check:
     k = ts.kernels[ts.kernels["step"].isin(selected.index)]
     total = float(k["dur"].sum())
     if not total:
-        return Check("coverage", WARN, "the analysed steps hold no kernel time")
+        return Check("coverage", WARN, "the analysed steps hold no GPU kernel time")
     unknown = k[k["cls"] == "other"]
     share = float(unknown["dur"].sum()) / total
     top = unknown.groupby("name")["dur"].sum().sort_values(ascending=False).head(3)
     details = [f"unclassified: {n[:100]} ({_pct(us / total)})" for n, us in top.items()]
     status = OK if share < 0.05 else WARN
-    return Check("coverage", status, f"{_pct(1 - share)} of kernel time classified"
+    return Check("coverage", status, f"{_pct(1 - share)} of GPU time classified"
                  + ("" if status == OK else " (add patterns with a class table: traceinspect classify)"), details)
 
 
@@ -387,21 +412,22 @@ def _clean(text: str) -> str:
                         else f"\\u{ord(m.group()):04x}", text)
 
 
-def render(paths: Sequence[str], checks: list[Check], analysable: bool, phase: str = "decode") -> str:
+def render(paths: Sequence[str], checks: list[Check], analysable: bool, phase: str = "auto") -> str:
     """The checklist as plain text (trace-derived strings are printed as text, never interpreted)."""
     lines = [f"traceinspect doctor: {' '.join(paths)}"]
     for c in checks:
         lines.append(f"{MARK.get(c.status, c.status)} {c.name}: {c.summary}")
         lines += [f"         {d}" for d in c.details]
     cmd = "traceinspect analyze " + " ".join(shlex.quote(p) for p in paths) + (
-        f" --phase {phase}" if phase != "decode" else "")
+        f" --phase {phase}" if phase != "auto" else "")
     lines.append("verdict: " + (f"analysable ({cmd})" if analysable else "not analysable: fix the [FAIL] items above"))
     return "\n".join(_clean(line) for line in lines)
 
 
 @click.command("doctor")
 @click.argument("paths", nargs=-1, required=True)
-@click.option("--phase", type=PHASES, default="decode", show_default=True, help="Steps to check for.")
+@click.option("--phase", type=PHASES, default="auto", show_default=True,
+              help="Steps to check for (auto: decode, else the one phase the trace holds).")
 @click.option("--server-info", type=click.Path(dir_okay=False), default=None,
               help="server_info.json to use (default: the one beside the traces).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the checklist as JSON.")

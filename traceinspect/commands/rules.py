@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from traceinspect.commands.analyze import analysis_options, build_options
 from traceinspect.units import fmt_pct, fmt_us
 
 RULES_OPT = click.option("--rules", "rules", multiple=True, type=click.Path(),
@@ -114,33 +115,51 @@ def check_cmd(paths: tuple[str, ...]) -> None:
 
 @rules_cmd.command("explain")
 @click.argument("paths", nargs=-1, required=True)
-@RULES_OPT
-@click.option("--only", multiple=True, help="Explain only this rule id (repeatable).")
-@click.option("--phase", type=click.Choice(["decode", "prefill", "all"]), default="decode", show_default=True)
-@click.option("--gpu", default=None, help="GPU spec: a name from rules/tables/gpus.yaml or a YAML file.")
-def explain_cmd(paths: tuple[str, ...], rules: tuple[str, ...], only: tuple[str, ...], phase: str,
-                gpu: str | None) -> None:
+@analysis_options
+def explain_cmd(paths: tuple[str, ...], **kw: Any) -> None:
     """Analyse a trace set and say, for every rule, whether it fired and why (or why not)."""
+    from traceinspect.pipeline import analyze
+
+    a = analyze(list(paths), build_options(**kw))
+    rs = a.rule_set if a.rule_set is not None else _load(tuple(kw.get("rules") or ()), tuple(kw.get("only") or ()))
+    render_explain(a, rs, a.to_json(report=False), _console())
+
+
+def render_explain(a: Any, rs: Any, doc: dict[str, Any], con: Any) -> None:
+    """Every rule's outcome on the analysis ``a``, with the finding as the document ``doc`` (of ``a``) has
+    it: the saving replayed, rank findings merged, as every other output shows it."""
     from rich.markup import escape
 
     from traceinspect.judge import explain
-    from traceinspect.pipeline import Options, analyze
+    from traceinspect.render.story import saving_text
 
-    rs = _load(rules, only)
-    a = analyze(list(paths), Options(phase=phase, rules=rules, only=only, gpu=gpu))
-    con = _console()
     style = {"fired": "bold red", "silent": "green", "undecided": "yellow", "skipped": "dim", "error": "bold magenta"}
     for o in explain(a, rs):
         subj = f" [{escape(o.subject)}]" if o.subject else ""
         con.print(f"[{style.get(o.status, '')}]{o.status:9}[/] [bold]{o.rule}[/bold]{subj}")
         if o.finding is not None:
-            f = o.finding
-            con.print(f"          {escape(f.message)}")
-            if f.est_saving_us_per_step is not None:
-                con.print(f"          est. saving {fmt_us(f.est_saving_us_per_step)} per step; "
-                          f"{fmt_pct(f.share)} of the step time")
+            con.print(f"          {escape(o.finding.message)}")
+            f = _document_finding(doc, o.finding.rule, o.finding.ranks, o.finding.evidence.get("subject"))
+            saving = saving_text(f, doc) if f is not None else None
+            if f is not None and saving is not None:
+                con.print(f"          est. saving {escape(saving)}")
+            elif f is not None:
+                con.print("          est. saving: not available (no fix could be replayed)")
         for why in o.reasons:
             con.print(f"          - {escape(why)}")
+
+
+def _document_finding(doc: dict[str, Any], rule: str, ranks: list[int], subject: Any = None) -> dict[str, Any] | None:
+    """The document's finding of ``rule`` on ``subject``, else the one that covers ``ranks`` (a rank
+    finding is merged into one finding naming every rank it fired on)."""
+    mine = [f for f in doc.get("findings") or [] if f.get("rule") == rule]
+    for f in mine:
+        if subject is not None and (f.get("evidence") or {}).get("subject") == subject:
+            return f
+    for f in mine:
+        if set(ranks) <= set(f.get("ranks") or []):
+            return f
+    return mine[0] if mine else None
 
 
 @dataclass

@@ -10,6 +10,7 @@ import click
 from traceinspect.commands.analyze import analysis_options, build_options
 from traceinspect.errors import ConfigError
 from traceinspect.fileio import write_json_atomic
+from traceinspect.units import fmt_pct_signed, fmt_us, fmt_us_signed
 
 
 def _fix_edits(a: Any, spec: str) -> tuple[list[Any], str]:
@@ -42,10 +43,6 @@ def _fix_edits(a: Any, spec: str) -> tuple[list[Any], str]:
     except EditError as e:
         raise ConfigError(f"--fix {spec}: {e}") from None
     return edits, f"{rule_id}:{rule.fixes[i].variant} ({rule.fixes[i].label})"
-
-
-def _ms(v: float | None) -> str:
-    return "n/a" if v is None else f"{v / 1000:,.3f} ms"
 
 
 @click.command("whatif")
@@ -110,7 +107,14 @@ def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str,
 
 
 def _print(p: Any, doc: dict[str, Any], labels: list[str]) -> None:
-    echo = click.echo
+    for line in whatif_lines(doc, labels):
+        click.echo(line)
+
+
+def whatif_lines(doc: dict[str, Any], labels: list[str]) -> list[str]:
+    """The prediction ``doc`` (a replay's JSON form) as the lines ``whatif`` prints."""
+    out: list[str] = []
+    echo = out.append
     echo("what-if: " + ("; ".join(labels) if labels else "no edits (replay as measured)"))
     for e in doc["edits"]:
         echo(f"  edit: {e['text']}")
@@ -124,18 +128,19 @@ def _print(p: Any, doc: dict[str, Any], labels: list[str]) -> None:
         echo(f"  cannot be decided: {u}")
     echo(f"  {'':10s} {'measured':>12s} {'replayed':>12s} {'predicted':>12s}")
     for r in doc["ranks"]:
-        echo(f"  {'rank ' + str(r['rank']):10s} {_ms(r['measured_step_us']):>12s} {_ms(r['replayed_step_us']):>12s} "
-             f"{_ms(r['predicted_step_us']):>12s}")
-    echo(f"  {'TP step':10s} {_ms(doc['measured_step_us']):>12s} {_ms(doc['replayed_step_us']):>12s} "
-         f"{_ms(doc['predicted_step_us']):>12s}")
+        echo(f"  {'rank ' + str(r['rank']):10s} {fmt_us(r['measured_step_us']):>12s} "
+             f"{fmt_us(r['replayed_step_us']):>12s} {fmt_us(r['predicted_step_us']):>12s}")
+    echo(f"  {'TP step':10s} {fmt_us(doc['measured_step_us']):>12s} {fmt_us(doc['replayed_step_us']):>12s} "
+         f"{fmt_us(doc['predicted_step_us']):>12s}")
     sv = doc["saving_us_per_step"]
     if sv is not None and doc["replayed_step_us"]:
-        echo(f"  predicted change: {-sv / 1000:+,.3f} ms per step ({-sv / doc['replayed_step_us']:+.1%} of the "
-             "replayed step)")
+        echo(f"  predicted change: {fmt_us_signed(-sv)} per step ({fmt_pct_signed(-sv / doc['replayed_step_us'])} "
+             "of the replayed step time)")
     moved = doc["critical_path"]["moved_onto"]
     if moved:
         echo("  moved onto the critical path: " + ", ".join(
-            f"{m['what']} +{m['us_per_step'] / 1000:,.3f} ms" for m in moved))
+            f"{m['what']} {fmt_us_signed(m['us_per_step'])} per step" for m in moved))
     elif doc["edits"] and doc["predicted_step_us"] is not None:  # undecided: nothing to say about the path
         echo("  moved onto the critical path: nothing new")
     echo(f"  medians over {doc['steps_replayed']} replayed step(s) of {doc['model']['steps_available']}")
+    return out

@@ -186,9 +186,19 @@ def trace_sections(a: Analysis) -> dict[str, Any]:
         })
     total = float(a.kernels["dur"].sum()) or 1.0
     per_cls = a.kernels.groupby("cls", observed=True)["dur"].agg(["sum", "count"])
-    denom = max(n_steps, 1) * a.n_ranks
+    # the divisor of every per-step figure: the analysed steps of all ranks (a.kernels are their kernels)
+    denom = max(len(a.selected), 1)
+    step_us = percentile(samples["step_us"], 50)
+    # the step time as the document gives it (steps.median_us): a share the reports compute from the document
+    # (their kernel and op tables) is then the same number, not one rounded differently
+    of_step = json_num(step_us) if np.isfinite(step_us) and step_us > 0 else None
+
+    def step_share(us_per_step: float) -> Any:
+        return json_num(float(us_per_step) / of_step, 15) if of_step else None
+
     classes = {
         c: {"us_per_step": json_num(per_cls.loc[c, "sum"] / denom), "share": json_num(per_cls.loc[c, "sum"] / total, 6),
+            "share_of_step": step_share(per_cls.loc[c, "sum"] / denom),
             "calls_per_step": json_num(per_cls.loc[c, "count"] / denom)}
         for c in CLASSES if c in per_cls.index
     }
@@ -198,7 +208,8 @@ def trace_sections(a: Analysis) -> dict[str, Any]:
         "steps": {
             "phase": a.phase,
             "count": n_steps,
-            "median_us": json_num(percentile(samples["step_us"], 50)),
+            "rank_steps": len(a.selected),
+            "median_us": json_num(step_us),
             "p90_us": json_num(percentile(samples["step_us"], 90)),
             "source": step_sources[0] if len(step_sources) == 1 else step_sources,
             "found": {str(k): int(v) for k, v in a.steps.groupby("phase").size().items()},
@@ -211,7 +222,9 @@ def trace_sections(a: Analysis) -> dict[str, Any]:
         },
         "classes": classes,
         "top_kernels": [{"name": r.name, "cls": r.cls, "calls": int(r.calls), "us": json_num(r.us),
-                         "mean_us": json_num(r.mean_us), "share": json_num(r.share, 6)}
+                         "mean_us": json_num(r.mean_us), "share": json_num(r.share, 6),
+                         "us_per_step": json_num(r.us / denom), "calls_per_step": json_num(r.calls / denom),
+                         "share_of_step": step_share(r.us / denom)}
                         for r in top_kernels(a.kernels).itertuples()],
         "timeline": _timeline_step(a),
         "coverage": _coverage(a),

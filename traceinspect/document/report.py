@@ -30,27 +30,28 @@ TIMELINE_KERNEL_BUDGET = 150_000
 SHAPE_TEXT_WIDTH = 160
 
 
-def launching_ops(kernels: Any) -> dict[str, str]:
-    """For each kernel name, the CPU op that launches it most often ('' when none is linked, as for
-    CUDA-graph replays). ``kernels`` is the analysis' kernels table."""
+def launching_ops(kernels: Any) -> dict[tuple[str, str], str]:
+    """For each (kernel name, class), the CPU op that launches it most often (none when no op is linked,
+    as for CUDA-graph replays). ``kernels`` is the analysis' kernels table."""
     if kernels is None or not len(kernels) or "op_name" not in kernels.columns:
         return {}
     ops = kernels["op_name"]
     linked = text_values(ops) != ""
     if not linked.any():
         return {}
-    # counted on integer codes of the two text columns; ties go to the op name that sorts first
+    # counted on integer codes of the three text columns; ties go to the op name that sorts first
     nc, nu = factorize_text(kernels["name"].to_numpy(dtype=object)[linked])
+    cc, cu = factorize_text(text_values(kernels["cls"])[linked])
     oc, ou = factorize_text(ops[linked])
-    pair, first = groups(nc, oc)
+    pair, first = groups(nc, cc, oc)
     n = np.bincount(pair)
-    best: dict[str, tuple[int, str]] = {}
+    best: dict[tuple[str, str], tuple[int, str]] = {}
     for i, c in zip(first.tolist(), n.tolist(), strict=True):
-        name, op = str(nu[nc[i]]), str(ou[oc[i]])
-        b = best.get(name)
+        key, op = (str(nu[nc[i]]), str(cu[cc[i]])), str(ou[oc[i]])
+        b = best.get(key)
         if b is None or c > b[0] or (c == b[0] and op < b[1]):
-            best[name] = (c, op)
-    return {name: best[name][1] for name in sorted(best)}
+            best[key] = (c, op)
+    return {key: best[key][1] for key in sorted(best)}
 
 
 def _columns(df: pd.DataFrame, cols: list[str]) -> dict[str, list[Any]]:
@@ -58,28 +59,26 @@ def _columns(df: pd.DataFrame, cols: list[str]) -> dict[str, list[Any]]:
 
 
 def kernel_rows(a: Analysis) -> dict[str, list[Any]]:
-    """One entry per kernel name (full name), most total time first: class (of its first launch), the CPU
-    op that launches it most often, calls, total and mean time over the analysed steps (µs)."""
+    """One entry per (kernel name, class), most total time first (launches of one name that got different
+    classes are entries of their own, as in ``top_kernels``): the CPU op that launches it most often,
+    calls, total and mean time over the analysed steps (µs)."""
     k = a.kernels
     cols = ["name", "cls", "launched_by", "calls", "total_us", "mean_us"]
     if not len(k):
         return {c: [] for c in cols}
-    # grouped on codes numbered in the names' sort order: the groups and their order are those of grouping
-    # the name column, without hashing a string per kernel
+    # grouped on codes numbered in the names' (then classes') sort order: the groups and their order are
+    # those of grouping the two text columns, without hashing a string per kernel
     codes, names = sorted_text_codes(k["name"])
-    g = pd.Series(k["dur"].to_numpy()).groupby(codes).agg(["size", "sum", "mean"])
+    ccodes, classes = sorted_text_codes(k["cls"])
+    key = codes.astype(np.int64) * (len(classes) + 1) + ccodes
+    g = pd.Series(k["dur"].to_numpy()).groupby(key).agg(["size", "sum", "mean"])
     g.columns = ["calls", "total_us", "mean_us"]
-    cls = k["cls"]
-    known = cls.notna().to_numpy()  # a group's class: its first row that has one ("first" skips missing)
-    rows = np.flatnonzero(known)
-    first = np.full(len(names), len(k), dtype=np.int64)
-    np.minimum.at(first, codes[rows], rows)
-    ctext = np.append(text_values(cls), "nan")  # the last slot, "nan": no row of the name has a class
-    g.insert(0, "cls", ctext[first[g.index.to_numpy()]])
-    g.insert(0, "name", names[g.index.to_numpy()])
+    gk = g.index.to_numpy()
+    g.insert(0, "cls", classes[gk % (len(classes) + 1)])
+    g.insert(0, "name", names[gk // (len(classes) + 1)])
     ops = launching_ops(k)
-    g["launched_by"] = [ops.get(n, "") for n in g["name"]]
-    return _columns(g.sort_values("total_us", ascending=False), cols)
+    g["launched_by"] = [ops.get((n, c), "") for n, c in zip(g["name"], g["cls"], strict=True)]
+    return _columns(g.sort_values("total_us", ascending=False, kind="stable"), cols)
 
 
 def op_rows(a: Analysis) -> dict[str, list[Any]]:
@@ -244,7 +243,9 @@ def rule_texts(a: Analysis) -> dict[str, dict[str, Any]]:
 def report_section(a: Analysis, budget: int = TIMELINE_KERNEL_BUDGET) -> dict[str, Any]:
     """The ``report`` section of the document."""
     kernels = kernel_rows(a)
-    name_index = {n: i for i, n in enumerate(kernels["name"])}
+    name_index: dict[str, int] = {}
+    for i, n in enumerate(kernels["name"]):
+        name_index.setdefault(n, i)  # a name's first row (of its classes, the one with the most time)
     return {"kernels": kernels, "ops": op_rows(a), "timeline": timeline(a, name_index, budget),
             "after_timeline": after_timeline(a, name_index, budget), "rules": rule_texts(a)}
 

@@ -35,6 +35,7 @@ from traceinspect.gate.thresholds import (
     thresholds_for,
 )
 from traceinspect.render import fmt_us
+from traceinspect.units import fmt_pct_signed, fmt_us_signed
 
 FAIL_ON = ("critical", "warning", "info", "never")
 DEFAULT_FAIL_ON = "warning"
@@ -46,7 +47,7 @@ EXPLAINED_BY = 3  # classes named in the verdict line
 
 
 def _signed_us(v: float) -> str:
-    return ("+" if v >= 0 else "-") + fmt_us(abs(v))
+    return fmt_us_signed(v)
 
 
 def fmt_rate(v: float | None) -> str:
@@ -309,7 +310,7 @@ class Gate:
                          {"metric": m.metric, "base": m.base, "cand": m.cand, "regressed": False})
         delta = m.cand - m.base
         pct = m.pct
-        rel = f"{pct:+.1f}%" if pct is not None else ("new" if m.base == 0 and m.cand > 0 else "n/a")
+        rel = fmt_pct_signed(pct / 100) if pct is not None else ("new" if m.base == 0 and m.cand > 0 else "n/a")
         change = f"{fmt_us(m.base)} -> {fmt_us(m.cand)} {what} ({_signed_us(delta)}, {rel})"
         data: dict[str, Any] = {"metric": m.metric, "base": round(m.base, 3), "cand": round(m.cand, 3),
                                 "delta": round(delta, 3), "pct": None if pct is None else round(pct, 3),

@@ -23,6 +23,7 @@ from traceinspect.gate.document import (
     step_samples,
     step_value,
 )
+from traceinspect.units import fmt_pct
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 
@@ -293,7 +294,7 @@ def _findings(base: dict[str, Any], cand: dict[str, Any], disabled: set[str]
             what.append(f"severity {b.get('severity')} -> {c.get('severity')}")
         bs, cs = num(b.get("share")), num(c.get("share"))
         if bs is not None and cs is not None and abs(cs - bs) >= 0.01:
-            what.append(f"share {100 * bs:.1f}% -> {100 * cs:.1f}%")
+            what.append(f"saving {fmt_pct(bs)} -> {fmt_pct(cs)} of the step time")
         if sorted(b.get("ranks") or []) != sorted(c.get("ranks") or []):
             what.append(f"ranks {b.get('ranks')} -> {c.get('ranks')}")
         row = {"rule": c.get("rule"), "base": _brief(b), "cand": _brief(c), "changes": what}

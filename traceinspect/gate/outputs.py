@@ -126,11 +126,22 @@ def _us(v: float | None) -> str:
 
 
 def _sus(v: float | None) -> str:
-    return "n/a" if v is None else ("+" if v >= 0 else "-") + _us(abs(v))
+    from traceinspect.units import fmt_us_signed
+
+    return fmt_us_signed(v)
 
 
 def _pct(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:+.1f}%"
+    """A change given in percent (4.2 for +4.2%), signed; never '-0.0%'."""
+    from traceinspect.units import fmt_pct_signed
+
+    return "n/a" if v is None else fmt_pct_signed(v / 100)
+
+
+def _val(v: Any, missing: str = "unknown") -> Any:
+    """A run fact or setting as shown: ``missing`` ('unknown'; a server setting one side lacks: 'absent')
+    where there is none, never 'None' or blank."""
+    return missing if v is None or v == "" else v
 
 
 def _shape(g: dict[str, Any]) -> str:
@@ -155,7 +166,7 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
     """The diff as Markdown sections."""
     lines = [f"{heading} traceinspect diff", "",
              f"Baseline: {md_escape(diff.base_label)}  ", f"Candidate: {md_escape(diff.cand_label)}", ""]
-    ctx_rows = [[md_escape(r["label"]), md_escape(r["base"]), md_escape(r["cand"]),
+    ctx_rows = [[md_escape(r["label"]), md_escape(_val(r["base"])), md_escape(_val(r["cand"])),
                  "" if r["same"] else ("unknown" if r["same"] is None else "**changed**")]
                 for r in diff.context if r["compat"] or r["same"] is False]
     lines += _table(["run", "baseline", "candidate", ""], ctx_rows) + [""]
@@ -169,7 +180,7 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
     lines += _table(["metric", "baseline", "candidate", "delta", "change"], rows) + [""]
     if t is None:
         lines += [md_escape(throughput_text(diff)), ""]
-    lines += [f"{heading}# GPU time per step by class", ""]
+    lines += [f"{heading}# GPU time per step by class (mean per rank)", ""]
     if diff.classes_note:
         lines += [md_escape(diff.classes_note), ""]
     else:
@@ -191,7 +202,7 @@ def diff_markdown(diff: Diff, heading: str = "##") -> str:
                          md_escape(g.get("dtype")), md_escape(g["status"]), _us(g["base_us_per_step"]),
                          _us(g["cand_us_per_step"]), tf(g["base_tflops"]), tf(g["cand_tflops"]),
                          _pct(g["tflops_pct"]), pk(g["base_pct_peak"]), pk(g["cand_pct_peak"])])
-        lines += _table(["shape", "class", "op", "dtype", "in", "us/step base", "us/step cand", "TFLOPS base",
+        lines += _table(["shape", "class", "op", "dtype", "in", "time per step base", "time per step cand", "TFLOPS base",
                          "TFLOPS cand", "change", "% peak base", "% peak cand"], rows)
         if len(diff.gemm) > 30:
             lines.append(f"\n{len(diff.gemm) - 30} more shape(s) in the JSON output.")
@@ -280,7 +291,7 @@ SERVER_CONFIG_SHOWN = 10  # server-config keys listed in the text and Markdown o
 def _short_pair(base: Any, cand: Any, width: int = 60) -> tuple[str, str]:
     """Two values of one server-config key, shortened where long: only the words that differ, each with the
     word before it (a launch command's changed arguments), the words both share becoming ``...``."""
-    b, c = plain(base), plain(cand)
+    b, c = plain(_val(base, "absent")), plain(_val(cand, "absent"))
     if len(b) <= width and len(c) <= width:
         return b, c
     import difflib
@@ -339,7 +350,7 @@ def diff_text(diff: Diff, show_all: bool = False) -> str:
     for r in diff.context:
         if r["same"] is False:
             tag = "MISMATCH" if r["compat"] else "changed"
-            lines.append(f"  {tag}: {r['label']}: {plain(r['base'])} -> {plain(r['cand'])}")
+            lines.append(f"  {tag}: {r['label']}: {plain(_val(r['base']))} -> {plain(_val(r['cand']))}")
     lines += server_config_lines(diff)
     s = diff.step
     lines.append(f"  median step: {_us(s.base)} -> {_us(s.cand)} ({_sus(s.delta)}, {_pct(s.pct)})")
@@ -348,7 +359,7 @@ def diff_text(diff: Diff, show_all: bool = False) -> str:
     if diff.classes_note:
         lines.append(f"  classes: {plain(diff.classes_note)}")
     else:
-        rows = [["class (us/step)", "baseline", "candidate", "delta", "change"]]
+        rows = [["class (time per step)", "baseline", "candidate", "delta", "change"]]
         for m in diff.classes:
             if not show_all and m.delta is not None and abs(m.delta) < 0.05:
                 continue

@@ -4,6 +4,8 @@ definitions of the metrics the rule reads."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from traceinspect.judge import metrics as M
 from traceinspect.judge.rule import Rule, RuleSet
 
@@ -74,9 +76,8 @@ def rule_markdown(rule: Rule, generated_note: bool = True) -> str:
                 "`est_saving_us_per_step` is the first variant's replayed step minus its predicted step "
                 "(`share`: that over the replayed step). Fixes (`traceinspect whatif --fix ID:VARIANT`):", ""]
         for fx in rule.fixes:
-            edits = "; ".join(" ".join(f"{k}: {v}" for k, v in fe.spec.items())
-                              + (f" value: `{fe.value.source}`" if fe.value is not None else "") for fe in fx.edits)
-            out.append(f"- `{rule.id}:{fx.variant}`: {fx.label} (edits: {edits})")
+            edits = "; ".join(_edit_text(fe) for fe in fx.edits)
+            out.append(f"- `{rule.id}:{fx.variant}`: {fx.label} ({'edit' if len(fx.edits) == 1 else 'edits'}: {edits})")
         out += [""]
     out += [f"- impact (time per step of what the rule points at): `{impact}`, over {basis}",
             f"- the rule's own local estimate (`evidence.rule_estimate_us_per_step`): `{rule.estimate.source}`, "
@@ -135,3 +136,27 @@ def metrics_markdown() -> str:
             out.append(f"| `{m.name}` | {m.unit} | {m.definition.replace('|', '/')} |")
         out.append("")
     return "\n".join(out)
+
+
+def _edit_text(fe: Any) -> str:
+    """One declared fix edit in words: ``kv-rows on the rule's subject``, ``host-stalls with value `x```."""
+    spec = dict(fe.spec)
+    text = f"`{spec.pop('edit', '?')}`"
+    sel = spec.pop("select", None)
+    if sel is not None:
+        if sel == "subject":
+            text += " on the rule's subject"
+        elif isinstance(sel, dict):
+            text += " on the kernels with " + ", ".join(f"{k} `{v}`" for k, v in sel.items())
+        else:
+            text += f" on `{sel}`"
+    rank = spec.pop("rank", None)
+    if rank is not None:
+        text += " of the subject's ranks" if rank == "subject" else f" of rank `{rank}`"
+    src = spec.pop("from", None)
+    if src is not None:
+        text += f" from `{src}`"
+    text += "".join(f", {k} `{v}`" for k, v in spec.items() if k != "value")
+    if fe.value is not None:
+        text += f" with value `{fe.value.source}`"
+    return text

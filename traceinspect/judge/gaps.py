@@ -25,6 +25,35 @@ DERIVED = {"kv_pool_bytes_per_layer": ("kv_pool_tokens", "kv_row_bytes"), "kv_ro
            "calls_per_layer": ("layers",)}
 
 
+# the serving engines the supply texts of rules/tables/evidence.yaml may be written for (``any``: the rest)
+ENGINE_KEYS = frozenset({"sglang", "vllm", "any"})
+# CPU-op namespaces (``ns::op``) each engine registers
+_ENGINE_OPS = {"sglang": ("sglang", "sgl_kernel", "sglang_profiler"), "vllm": ("vllm", "_vllm_", "_C_cache_ops")}
+
+
+def serving_engine(op_names: Any, step_sources: Any, server_info: Any = None) -> str | None:
+    """The serving engine that wrote a trace set: ``sglang`` (its ``step[...]`` spans, its ops, or a
+    server_info.json beside the traces), ``vllm`` (its ``execute_model`` forward markers or its ops), or
+    None (another program, or not known)."""
+    sources = {str(s) for s in step_sources}
+    names = {str(n).split("::", 1)[0] for n in op_names if "::" in str(n)}
+    votes = {e: any(n == p or (p.endswith("_") and n.startswith(p)) for n in names for p in prefixes)
+             for e, prefixes in _ENGINE_OPS.items()}
+    if "step_span" in sources or server_info:
+        votes["sglang"] = True
+    if "forward_marker" in sources:
+        votes["vllm"] = True
+    found = [e for e, v in votes.items() if v]
+    return found[0] if len(found) == 1 else None
+
+
+def analysis_engine(a: Analysis) -> str | None:
+    """:func:`serving_engine` of an analysis."""
+    ops = a.trace.cpu_ops
+    names = ops["name"].astype(str).unique() if len(ops) else []
+    return serving_engine(names, a.steps["source"].unique(), a.server_info)
+
+
 class EvidenceTable(msgspec.Struct, frozen=True):
     """rules/tables/evidence.yaml, read."""
 
@@ -33,8 +62,12 @@ class EvidenceTable(msgspec.Struct, frozen=True):
     supply: dict[str, Any]
     about: dict[str, tuple[str, ...]]
 
-    def how(self, metric: str, graph: bool) -> str:
+    def how(self, metric: str, graph: bool, engine: str | None = None) -> str:
+        """How to supply ``metric``: the text for the serving ``engine`` (``sglang``, ``vllm``) when the
+        table has one, else its ``any`` text; of that, the ``graph`` or ``eager`` text."""
         v = self.supply.get(metric, self.supply.get("default", ""))
+        if isinstance(v, dict) and set(v) & ENGINE_KEYS:
+            v = v.get(engine or "any", v.get("any", ""))
         if isinstance(v, dict):
             v = v.get("graph" if graph else "eager") or next(iter(v.values()), "")
         return " ".join(str(v).split())
@@ -94,14 +127,15 @@ def _condition_metrics(rule: Rule) -> set[str]:
     return out
 
 
-def _supply(metrics: dict[str, str], run_missing: dict[str, str], graph: bool, table: EvidenceTable) -> list[str]:
+def _supply(metrics: dict[str, str], run_missing: dict[str, str], graph: bool, table: EvidenceTable,
+            engine: str | None = None) -> list[str]:
     out: dict[str, None] = {}
     for m in metrics:
         roots = [d for d in DERIVED.get(m, ()) if d in run_missing] or [m]
         for r in roots:
             roots2 = [d for d in DERIVED.get(r, ()) if d in run_missing] or [r]
             for r2 in roots2:
-                out.setdefault(table.how(r2, graph), None)
+                out.setdefault(table.how(r2, graph, engine), None)
     return [s for s in out if s]
 
 
@@ -111,6 +145,7 @@ def find_gaps(a: Analysis, rule_set: RuleSet, outcomes: list[Outcome]) -> Gaps:
     gaps = Gaps()
     rules = {r.id: r for r in rule_set}
     rm = a.run_model
+    engine = analysis_engine(a)
     run_missing = {n: why for n in rm.facts if (why := rm.missing(n)) is not None}
     for o in outcomes:
         if o.status != "undecided":
@@ -125,7 +160,7 @@ def find_gaps(a: Analysis, rule_set: RuleSet, outcomes: list[Outcome]) -> Gaps:
             "rule": o.rule, "title": rule.title if rule is not None else "", "subject": o.subject,
             "share": round(share, 6),
             "missing": [f"{m}: {why}" for m, why in o.missing.items()] or list(o.reasons),
-            "how_to_supply": _supply(o.missing, run_missing, graph, table),
+            "how_to_supply": _supply(o.missing, run_missing, graph, table, engine),
         })
     gaps.undecided.sort(key=lambda u: -u["share"])
 
@@ -152,7 +187,7 @@ def find_gaps(a: Analysis, rule_set: RuleSet, outcomes: list[Outcome]) -> Gaps:
         for o in mine:
             if o.status == "undecided":
                 miss = ", ".join(o.missing) or "; ".join(o.reasons)
-                sup = _supply(o.missing, run_missing, bool(k["graph_replay"].mean() > 0.5), table)
+                sup = _supply(o.missing, run_missing, bool(k["graph_replay"].mean() > 0.5), table, engine)
                 explain.append(f"rule {o.rule} could not decide (missing: {miss})"
                                + (f": {sup[0]}" if sup else ""))
             elif o.status == "silent":

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from traceinspect.measure.comm_settings import _median, load_settings
+from traceinspect.units import fmt_pct
 
 if TYPE_CHECKING:
     from traceinspect.measure.collectives import Collectives
@@ -22,12 +23,16 @@ def _straggler(res: Collectives) -> dict[str, Any]:
     step_med = _median(res.per_step.groupby("pos")["step_us"].max()) if len(res.per_step) else float("nan")
     caused_share = float(cand["wait_caused_us"]) / total_wait if total_wait > 0 else 0.0
     step_frac = float(cand["wait_caused_us_per_step"]) / step_med if step_med > 0 else float("nan")
+    label = f"rank {int(cand['rank'])}"
     checks = {
-        "late_share": (float(cand["late_share"]), min_late),
-        "wait_caused_share": (caused_share, cfg.straggler_min_wait_share),
-        "wait_caused_step_fraction": (step_frac, cfg.straggler_min_step_fraction),
+        f"{label} arrives last at {fmt_pct(float(cand['late_share']))} of the collectives": (
+            float(cand["late_share"]), min_late, f"{fmt_pct(min_late)} or more"),
+        f"it causes {fmt_pct(caused_share)} of the waiting": (
+            caused_share, cfg.straggler_min_wait_share, f"{fmt_pct(cfg.straggler_min_wait_share)} or more"),
+        f"the wait it causes is {fmt_pct(step_frac)} of the step time": (
+            step_frac, cfg.straggler_min_step_fraction, f"{fmt_pct(cfg.straggler_min_step_fraction)} or more"),
     }
-    failed = [f"{name} {v:.3g} < {lim:.3g}" for name, (v, lim) in checks.items() if not (v >= lim)]
+    failed = [f"{what} (a straggler: {need})" for what, (v, lim, need) in checks.items() if not (v >= lim)]
     others = pr[pr["rank"] != cand["rank"]]
     return {
         "rank": None if failed else int(cand["rank"]),

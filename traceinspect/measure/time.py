@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from traceinspect.tables import factorize_text
+from traceinspect.tables import factorize_text, groups, text_values
 
 
 def class_step_time(kernels: pd.DataFrame) -> pd.DataFrame:
@@ -26,20 +26,23 @@ def class_totals(kernels: pd.DataFrame) -> pd.DataFrame:
 
 
 def top_kernels(kernels: pd.DataFrame, n: int = 25) -> pd.DataFrame:
-    """The kernels (by name) with the most time across all analysed ranks and steps."""
+    """The kernels with the most time across all analysed ranks and steps, one row per (name, class):
+    launches of one name that got different classes (by the evidence of their launching op) are rows of
+    their own, as every output lists them."""
     if not len(kernels):
         return pd.DataFrame(columns=["name", "cls", "calls", "us", "mean_us", "share"])
     total = kernels["dur"].sum()
-    codes, names = factorize_text(kernels["name"])  # grouped on integer codes, then named and sorted
+    ncodes, names = factorize_text(kernels["name"])  # grouped on integer codes, then named and sorted
+    ccodes, classes = factorize_text(text_values(kernels["cls"]))
+    key, first = groups(ncodes, ccodes)
     # one groupby per column: what a named aggregation computes, without its per-call overhead (half the time)
-    dur = kernels["dur"].groupby(codes, sort=False).agg(["count", "sum", "mean"])
-    t = pd.DataFrame({"cls": kernels["cls"].groupby(codes, sort=False).first(), "calls": dur["count"],
-                      "us": dur["sum"], "mean_us": dur["mean"],
-                      "ranks": kernels["rank"].groupby(codes, sort=False).nunique()})
-    t.index = pd.Index(names[t.index.to_numpy()], name="name", dtype=object)
-    t = t.sort_index()
+    dur = kernels["dur"].groupby(key, sort=False).agg(["count", "sum", "mean"])
+    rows = first[dur.index.to_numpy()]
+    t = pd.DataFrame({"name": names[ncodes[rows]], "cls": classes[ccodes[rows]], "calls": dur["count"].to_numpy(),
+                      "us": dur["sum"].to_numpy(), "mean_us": dur["mean"].to_numpy()})
+    t = t.sort_values(["name", "cls"], kind="stable")
     t["share"] = t["us"] / total if total else 0.0
-    return t.sort_values("us", ascending=False).head(n).reset_index()
+    return t.sort_values("us", ascending=False, kind="stable").head(n).reset_index(drop=True)
 
 
 def percentile(values: np.ndarray | pd.Series, q: float) -> float:

@@ -11,7 +11,7 @@ from markupsafe import Markup
 
 from traceinspect.render import short_name
 from traceinspect.render.palette import IDLE_STROKE, PATH_COLORS, class_color, text_color
-from traceinspect.render.story import step_share
+from traceinspect.render.story import share_of_step, step_share
 from traceinspect.render.svg import WIDTH, bar_axis, coord, el, get, isnum, svg
 from traceinspect.units import fmt_pct, fmt_us
 
@@ -45,9 +45,9 @@ def class_breakdown_svg(doc: dict[str, Any]) -> tuple[Markup, list[str]]:
             tip = f"{r.get('label')} · {c}: {fmt_us(us)} per step ({fmt_pct(share)} of the step time)"
             kids = [el("title", None, tip)]
             out.append(el("rect", {"x": x, "y": y, "width": max(w, 0.0), "height": bar_h, "fill": fill}, *kids))
-            if w > 34:
+            if w > 42:
                 out.append(el("text", {"x": x + w / 2, "y": y + bar_h / 2 + 4, "text-anchor": "middle",
-                                       "fill": text_color(fill), "class": "seg"}, fmt_pct(share, 0)))
+                                       "fill": text_color(fill), "class": "seg"}, fmt_pct(share)))
             x += w
         if idle > 0:
             w = idle * scale
@@ -82,16 +82,16 @@ def glance_svg(doc: dict[str, Any]) -> Markup:
     for c, us in classes:
         w = us / total * width
         fill = class_color(c)
-        share = step_share(us, doc) or 0.0
+        share = share_of_step(doc["classes"][c], doc) or 0.0
         out.append(el("rect", {"x": x, "y": 0, "width": w, "height": h, "fill": fill},
                       el("title", None, f"{c}: {fmt_us(us)} per step ({fmt_pct(share)} of the step time)")))
-        label = f"{c} {fmt_pct(share, 0)}"
+        label = f"{c} {fmt_pct(share)}"
         if w > 7 * len(label) + 10:
             out.append(el("text", {"x": x + 6, "y": h / 2 + 4.5, "fill": text_color(fill), "class": "seg",
                                    "font-size": "12.5"}, label))
-        elif w > 7 * 4 + 6:
+        elif w > 7 * 5 + 6:
             out.append(el("text", {"x": x + 4, "y": h / 2 + 4.5, "fill": text_color(fill), "class": "seg"},
-                          fmt_pct(share, 0)))
+                          fmt_pct(share)))
         x += w
     if idle_us > 0:
         w = idle_us / total * width
@@ -101,7 +101,7 @@ def glance_svg(doc: dict[str, Any]) -> Markup:
                                         f"({fmt_pct(step_share(idle_us, doc))} of the step time)")))
         if w > 70:
             out.append(el("text", {"x": x + 6, "y": h / 2 + 4.5, "class": "seg", "fill": "#444"},
-                          f"idle {fmt_pct(step_share(idle_us, doc), 0)}"))
+                          f"idle {fmt_pct(step_share(idle_us, doc))}"))
     defs = el("defs", None, el("pattern", {"id": "glance-hatch", "width": 6, "height": 6,
                                            "patternUnits": "userSpaceOnUse", "patternTransform": "rotate(45)"},
                                el("rect", {"width": 6, "height": 6, "fill": "#ffffff"}),
@@ -296,14 +296,14 @@ def critical_path_svg(doc: dict[str, Any]) -> tuple[Markup, str | None, list[str
         fill = path_color(c)
         out.append(el("rect", {"x": x, "y": top, "width": w, "height": bar_h, "fill": fill},
                       el("title", None, f"{c}: {fmt_us(us)} per step on the critical path "
-                                        f"({fmt_pct(share)})")))
-        label = f"{c} {fmt_pct(share, 0)}"
+                                        f"({fmt_pct(share)} of the critical path)")))
+        label = f"{c} {fmt_pct(share)}"
         if w > 6.2 * len(label) + 10:
             out.append(el("text", {"x": x + 5, "y": top + bar_h / 2 + 4, "fill": text_color(fill),
                                    "class": "seg"}, label))
-        elif w > 6.2 * 4 + 6:
+        elif w > 6.2 * 5 + 6:
             out.append(el("text", {"x": x + 3, "y": top + bar_h / 2 + 4, "fill": text_color(fill),
-                                   "class": "seg"}, fmt_pct(share, 0)))
+                                   "class": "seg"}, fmt_pct(share)))
         x += w
     return svg(WIDTH, top + bar_h + 6, "critical path composition", *out), None, [c for c, _, _ in segs]
 

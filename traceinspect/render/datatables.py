@@ -41,15 +41,15 @@ def data_tables(doc: dict[str, Any]) -> list[dict[str, Any]]:
                      {"t": short_name(r.launched_by, 34) if r.launched_by else "–", "cls": "op",
                       "title": r.launched_by if len(r.launched_by) > 34 else None, "v": None},
                      {"t": r.cls, "cls": "cls", "color": class_color(r.cls), "v": None},
-                     _cell_num(r.calls, str(int(r.calls))), _cell_num(r.calls_per_step, fmt_count(r.calls_per_step)),
+                     _cell_num(r.calls, fmt_count(r.calls)), _cell_num(r.calls_per_step, fmt_count(r.calls_per_step)),
                      _cell_num(r.total_us, fmt_us(r.total_us)), _cell_num(r.mean_us, fmt_us(r.mean_us)),
                      _cell_num(r.us_per_step, fmt_us(r.us_per_step)), _cell_num(r.share_of_step, fmt_pct(r.share_of_step))])
     out.append({"id": "kernel-table", "title": "Kernels", "file": "kernels.csv", "csv": _csv_uri(kt),
                 "total": len(kt), "shown": len(head), "rows": rows, "empty": empty,
                 "cols": [{"h": "#", "num": True}, {"h": "kernel"}, {"h": "launched by"}, {"h": "class"},
-                         {"h": "calls", "num": True}, {"h": "calls/step", "num": True}, {"h": "total", "num": True},
+                         {"h": "calls", "num": True}, {"h": "calls per step", "num": True}, {"h": "total", "num": True},
                          {"h": "mean", "num": True}, {"h": "per step", "num": True},
-                         {"h": "share of step", "num": True}]})
+                         {"h": "of the step time", "num": True}]})
     gt = tables["gemm"]
     rows = []
     for r in gt.head(TABLE_ROWS).itertuples(index=False):
@@ -83,6 +83,6 @@ def data_tables(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 "total": len(ot), "shown": min(len(ot), TABLE_ROWS), "rows": rows,
                 "empty": empty,
                 "cols": [{"h": "op"}, {"h": "kernel names", "num": True}, {"h": "calls", "num": True},
-                         {"h": "calls/step", "num": True}, {"h": "total", "num": True}, {"h": "per step", "num": True},
-                         {"h": "share of step", "num": True}, {"h": "classes (most time first)"}]})
+                         {"h": "calls per step", "num": True}, {"h": "total", "num": True}, {"h": "per step", "num": True},
+                         {"h": "of the step time", "num": True}, {"h": "classes (most time first)"}]})
     return out

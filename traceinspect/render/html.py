@@ -33,7 +33,7 @@ from traceinspect.render.charts import (
 )
 from traceinspect.render.datatables import data_tables
 from traceinspect.render.gaps import gap_items
-from traceinspect.render.story import step_share, story
+from traceinspect.render.story import share_of_step, story
 from traceinspect.render.svg import el, get, isnum, legend_html, script_json
 from traceinspect.render.timeline import TimelineInfo, after_timeline, timeline_svg
 from traceinspect.render.views import (
@@ -83,7 +83,7 @@ def build_context(doc: dict[str, Any]) -> dict[str, Any]:
         ("GPU busy per step", fmt_us(float(np.median(busy))) if busy else "n/a",
          f"idle {fmt_us(float(np.median(idle)))}" if idle else ""),
         ("largest class", top_cls[0] if top_cls else "n/a",
-         f"{fmt_pct(step_share(top_cls[1].get('us_per_step'), doc))} of the step time" if top_cls else ""),
+         f"{fmt_pct(share_of_step(top_cls[1], doc))} of the step time" if top_cls else ""),
         ("findings", str(len(findings)),
          ", ".join(f"{n} {s}" for s in ("critical", "warning", "info")
                    if (n := sum(1 for f in findings if f.get("severity") == s)))),
@@ -101,7 +101,8 @@ def build_context(doc: dict[str, Any]) -> dict[str, Any]:
                      for i, f in enumerate(findings)],
         "gaps": gap_items(doc),
         "breakdown_svg": breakdown,
-        "breakdown_legend": legend_html(order, {c: (doc["classes"][c].get("share")) for c in order}),
+        "breakdown_legend": legend_html(order, {c: share_of_step(doc["classes"][c], doc) for c in order},
+                                        basis="mean per rank, of the step time:"),
         "class_rows": class_rows(doc),
         "timeline": timeline,
         "after_timeline": after_tl, "after_label": after_label,

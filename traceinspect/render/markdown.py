@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from traceinspect.fileio import write_text_atomic
-from traceinspect.render import fmt_pct, fmt_us, kernel_labels, short_name
-from traceinspect.render.story import saving_text, step_share, story
+from traceinspect.render import fmt_count, fmt_pct, fmt_us, kernel_labels, short_name
+from traceinspect.render.story import saving_text, share_of_step, step_share, story
 from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
 from traceinspect.units import is_number
 from traceinspect.version import __version__
@@ -86,7 +86,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "| | |",
         "|---|---|",
         f"| Model | {md(run.get('model') or 'unknown')} |",
-        f"| Device | {md(run.get('device') or 'unknown')} × {md(ranks)} (TP {md(run.get('tp_size'))}) |",
+        f"| Device | {md(run.get('device') or 'unknown')} × {md(ranks)} (TP {md(run.get('tp_size') or 'unknown')}) |",
         f"| KV cache dtype | {md(run.get('kv_cache_dtype') or 'unknown')} |",
         f"| Batch (median) | {f'{bm:g}' if is_number(bm := run.get('batch_median')) else md(bm or 'unknown')} |",
         f"| {md(str(steps.get('phase', 'decode')).capitalize())} step | median {md(fmt_us(step_us))}, "
@@ -138,11 +138,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
 
     classes = sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("us_per_step") or 0))
     if classes:
-        out += ["#### GPU time by class (per rank per step)", "", "| class | time | share of the step |",
+        out += ["#### GPU time by class (mean per rank per step)", "",
+                "| class | time per step | of the step time |",
                 "|---|---:|---:|"]
         for c, v in classes[:TOP_CLASSES]:
             out.append(f"| {md(c)} | {md(fmt_us(v.get('us_per_step')))} | "
-                       f"{md(fmt_pct(step_share(v.get('us_per_step'), doc)))} |")
+                       f"{md(fmt_pct(share_of_step(v, doc)))} |")
         rest = classes[TOP_CLASSES:]
         if rest:
             share = step_share(sum(v.get("us_per_step") or 0 for _, v in rest), doc)
@@ -152,20 +153,19 @@ def render_markdown(doc: dict[str, Any]) -> str:
     kernels = doc.get("top_kernels") or []
     if kernels:
         ops = launched_by(doc)
-        per = max(int(steps.get("count") or 1), 1) * max(int(run.get("ranks") or 1), 1)
-        out += ["#### Top kernels", "", "| kernel | launched by | class | share of the step |", "|---|---|---|---:|"]
+        out += ["#### Top kernels", "", "| kernel | launched by | class | calls | of the step time |",
+                "|---|---|---|---:|---:|"]
         labels = kernel_labels([str(k.get("name", "")) for k in kernels[:TOP_KERNELS]], 80)
         for k in kernels[:TOP_KERNELS]:
             name = str(k.get("name", ""))
-            op = ops.get(name, "")
-            us = k.get("us")
+            op = ops.get((name, str(k.get("cls"))), "") or ops.get(name, "")
             out.append(f"| {md(labels[name])} | {md(short_name(op, 40)) if op else '–'} | "
-                       f"{md(k.get('cls'))} | {fmt_pct(step_share(us / per, doc) if is_number(us) else None)} |")
+                       f"{md(k.get('cls'))} | {md(fmt_count(k.get('calls')))} | {md(fmt_pct(share_of_step(k, doc)))} |")
         out.append("")
 
     cov = doc.get("coverage") or {}
     if is_number(cov.get("unknown_share")):
-        out.append(f"Classified: {md(fmt_pct(1 - cov['unknown_share']))} of kernel time.")
+        out.append(f"Classified: {md(fmt_pct(1 - cov['unknown_share']))} of GPU time.")
     for w in (doc.get("warnings") or [])[:5]:
         out.append(f"> warning: {md(w)}")
     cmd = (doc.get("source") or {}).get("command")
@@ -176,12 +176,20 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def launched_by(doc: dict[str, Any]) -> dict[str, str]:
-    """For each kernel name, the CPU op that launches it most often (the document's kernel table)."""
+def launched_by(doc: dict[str, Any]) -> dict[Any, str]:
+    """For each (kernel name, class), and for each kernel name, the CPU op that launches it most often (the
+    document's kernel table)."""
     kt = (doc.get("report") or {}).get("kernels") if isinstance(doc.get("report"), dict) else None
     if not isinstance(kt, dict):
         return {}
-    return {str(n): str(o) for n, o in zip(kt.get("name") or [], kt.get("launched_by") or [], strict=False) if o}
+    names, ops = kt.get("name") or [], kt.get("launched_by") or []
+    classes = kt.get("cls") or [None] * len(names)
+    out: dict[Any, str] = {}
+    for n, c, o in zip(names, classes, ops, strict=False):
+        if o:
+            out[(str(n), str(c))] = str(o)
+            out.setdefault(str(n), str(o))
+    return out
 
 
 def write_markdown(doc: dict[str, Any], path: str | Path) -> Path:

@@ -37,6 +37,37 @@ def step_share(us_per_step: Any, doc: dict[str, Any]) -> float | None:
     return us / step if us is not None and step else None
 
 
+def rank_steps(doc: dict[str, Any]) -> int:
+    """The analysed steps of all ranks: the divisor of every per-step figure (``steps.rank_steps``; in an
+    older document, the sum of ``ranks[].steps``)."""
+    n = (doc.get("steps") or {}).get("rank_steps")
+    if not is_number(n):
+        n = sum(r.get("steps") or 0 for r in doc.get("ranks") or []
+                if isinstance(r, dict) and is_number(r.get("steps")))
+    return max(int(n), 1)
+
+
+def share_of_step(entry: dict[str, Any], doc: dict[str, Any]) -> float | None:
+    """The share of the step time of a ``classes`` or ``top_kernels`` entry: the document's
+    ``share_of_step`` (an older document: its time per step over the step time)."""
+    v = _num(entry.get("share_of_step"))
+    if v is not None:
+        return v
+    us = _num(entry.get("us_per_step"))
+    if us is None and _num(entry.get("us")) is not None:
+        us = float(entry["us"]) / rank_steps(doc)
+    return step_share(us, doc)
+
+
+def kernel_per_step(entry: dict[str, Any], doc: dict[str, Any], key: str = "us") -> float | None:
+    """A ``top_kernels`` entry's time (``key="us"``) or calls (``"calls"``) per rank per step."""
+    v = _num(entry.get(f"{key}_per_step"))
+    if v is not None:
+        return v
+    total = _num(entry.get(key))
+    return total / rank_steps(doc) if total is not None else None
+
+
 def saving_share(f: dict[str, Any], doc: dict[str, Any]) -> float | None:
     """A finding's estimated saving as a fraction of the step time (the judge's figure when it gave one)."""
     ev = f.get("evidence") if isinstance(f.get("evidence"), dict) else {}
@@ -51,6 +82,13 @@ def saving_text(f: dict[str, Any], doc: dict[str, Any]) -> str | None:
         return None
     share = saving_share(f, doc)
     return f"{fmt_us(saving)} per step" + (f" ({fmt_pct(share)} of the {SHARE_BASIS})" if share is not None else "")
+
+
+def source_text(source: Any) -> str:
+    """Where the steps came from (``steps.source``: one source or a list of them) as text."""
+    if isinstance(source, (list, tuple)):
+        return ", ".join(str(x) for x in source) or "none"
+    return str(source) if source not in (None, "") else "none"
 
 
 def basis_text(doc: dict[str, Any]) -> str:
@@ -96,23 +134,29 @@ def gpu_to_step_share(share: float | None, doc: dict[str, Any]) -> float | None:
     return share * kernel / step if share is not None and step and kernel else None
 
 
+def gap_share(entry: dict[str, Any], doc: dict[str, Any]) -> float | None:
+    """An ``unexplained`` or ``undecided`` entry's share (the analysis gives it of GPU time) as a share of
+    the step time: an unexplained class's as the class tables give it, the rest converted."""
+    cls = entry.get("cls")
+    c = (doc.get("classes") or {}).get(str(cls)) if cls else None
+    share = share_of_step(c, doc) if isinstance(c, dict) else None
+    return share if share is not None else gpu_to_step_share(_num(entry.get("share")), doc)
+
+
 def _open_items(doc: dict[str, Any]) -> list[Open]:
     out: list[Open] = []
-    classes = doc.get("classes") or {}
     for u in doc.get("unexplained") or []:
         if not isinstance(u, dict) or not u.get("cls"):
             continue
         cls = str(u["cls"])
-        share = step_share((classes.get(cls) or {}).get("us_per_step"), doc)
-        if share is None:
-            share = gpu_to_step_share(_num(u.get("share")), doc)
+        share = gap_share(u, doc)
         how = _words(u.get("explain_with"))
         out.append(Open("unexplained", f"Unexplained: {cls} takes {fmt_pct(share)} of the {SHARE_BASIS} and no "
                         "finding explains it" + (f"; what would explain it: {how}" if how else "") + ".", cls, share))
     for u in doc.get("undecided") or []:
         if not isinstance(u, dict) or not u.get("rule"):
             continue
-        share = gpu_to_step_share(_num(u.get("share")), doc)  # the analysis gives it of GPU time
+        share = gap_share(u, doc)  # (the analysis gives it of GPU time)
         text = f"Undecided: {u['rule']}" + (f" (at stake: {fmt_pct(share)} of the {SHARE_BASIS})"
                                             if share is not None else "")
         missing = _words(u.get("missing"))

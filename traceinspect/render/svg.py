@@ -129,9 +129,11 @@ def svg(width: float, height: float, label: str, *children: Any) -> Markup:
                       "class": "chart", "font-size": "11"}, *children)
 
 
-def legend_html(classes: Iterable[str], extra: dict[str, float] | None = None, color: Any = None) -> Markup:
-    """A colour legend: one swatch per class, with its share where ``extra`` gives one."""
-    items = []
+def legend_html(classes: Iterable[str], extra: dict[str, float | None] | None = None, color: Any = None,
+                basis: str = "") -> Markup:
+    """A colour legend: one swatch per class, with its share where ``extra`` gives one, and what the
+    shares are of (``basis``, e.g. 'shares of the step time') before them."""
+    items = [el("span", {"class": "lg lg-basis"}, basis)] if basis and extra else []
     for c in classes:
         share = (extra or {}).get(c)
         fill = (color or class_color)(c)

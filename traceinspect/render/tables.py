@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.fileio import write_text_atomic
-from traceinspect.render.story import step_us_of
+from traceinspect.render.story import rank_steps, step_us_of
 
 TABLES = ("kernels", "gemm", "ops")
 KERNEL_COLUMNS = ["name", "cls", "launched_by", "calls", "calls_per_step", "total_us", "mean_us", "us_per_step",
@@ -22,12 +22,6 @@ KERNEL_COLUMNS = ["name", "cls", "launched_by", "calls", "calls_per_step", "tota
 GEMM_COLUMNS = ["op", "cls", "dtype", "m", "n", "k", "batch", "groups", "calls", "us_per_step", "mean_us", "tflops",
                 "pct_peak", "gbps", "shape_source", "reason"]
 OP_COLUMNS = ["op", "kernels", "calls", "calls_per_step", "total_us", "us_per_step", "share_of_step", "classes"]
-
-
-def rank_steps(doc: dict[str, Any]) -> int:
-    """Rank-steps the totals are over (the divisor of every per-step figure): the analysed steps of all ranks."""
-    n = sum(r.get("steps") or 0 for r in doc.get("ranks") or [] if isinstance(r, dict) and isinstance(r.get("steps"), int))
-    return max(n, 1)
 
 
 def _section(doc: dict[str, Any], name: str) -> pd.DataFrame | None:

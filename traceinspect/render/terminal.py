@@ -12,9 +12,10 @@ from rich.table import Table
 from traceinspect.render import fmt_count, kernel_labels
 from traceinspect.render import fmt_pct as _pct
 from traceinspect.render import fmt_us as _us
-from traceinspect.render.story import saving_text, step_share, story
+from traceinspect.render.story import saving_text, share_of_step, source_text, story
 from traceinspect.render.whatif import all_fixed_line, group_note, variant_lines
 
+KERNEL_LABEL_WIDTH = 70  # characters of a kernel name in the top-kernels table
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but tab and newline
 
@@ -43,13 +44,13 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     run, steps = doc["run"], doc["steps"]
     con.print(f"[bold]traceinspect[/bold] {escape(', '.join(doc['source']['paths']))}")
     con.print(
-        f"  {run['ranks']} rank(s) on {escape(str(run['device']))}"
+        f"  {run['ranks']} rank(s) on {escape(str(run['device'] or 'an unknown device'))}"
         f"  model {escape(str(run['model'] or 'unknown'))}"
         f"  KV dtype {escape(str(run['kv_cache_dtype'] or 'unknown'))}"
         f"  CUDA graph {'yes' if run['cuda_graph'] else 'no'}"
     )
     found = ", ".join(f"{k} {v}" for k, v in sorted(steps["found"].items()))
-    con.print(f"  steps found per phase (all ranks): {escape(found)}; source: {escape(str(steps['source']))};"
+    con.print(f"  steps found per phase (all ranks): {escape(found)}; source: {escape(source_text(steps.get('source')))};"
               f" edge steps excluded: {steps['excluded_edge']}")
     con.print(f"  [bold]{steps['phase']} step[/bold] (slowest rank's GPU span): median {_us(steps['median_us'])},"
               f" p90 {_us(steps['p90_us'])} over {steps['count']} step(s) per rank")
@@ -71,30 +72,30 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     for col in ("rank", "device", "steps", "step", "p90", "GPU busy", "GPU idle"):
         rt.add_column(col, justify="right" if col not in ("device",) else "left")
     for r in doc["ranks"]:
-        rt.add_row(escape(r["label"]), escape(str(r["device"])), str(r["steps"]), _us(r["step_us"]["median"]),
+        rt.add_row(escape(r["label"]), escape(str(r["device"] or "unknown")), str(r["steps"]), _us(r["step_us"]["median"]),
                    _us(r["step_us"]["p90"]), _us(r["gpu_busy_us"]), _us(r["idle_us"]))
     con.print(rt)
 
     ct = Table(title="GPU time by class (mean per rank per step)", title_justify="left")
-    for col in ("class", "us/step", "share", "calls/step"):
+    for col in ("class", "time per step", "of the step time", "calls per step"):
         ct.add_column(col, justify="left" if col == "class" else "right")
     for cls, v in sorted(doc["classes"].items(), key=lambda kv: -(kv[1]["us_per_step"] or 0)):
-        ct.add_row(cls, _us(v["us_per_step"]), _pct(step_share(v["us_per_step"], doc)), fmt_count(v["calls_per_step"]))
+        ct.add_row(cls, _us(v["us_per_step"]), _pct(share_of_step(v, doc)), fmt_count(v["calls_per_step"]))
     con.print(ct)
 
-    kt = Table(title="Top kernels", title_justify="left")
+    kt = Table(title="Top kernels (calls and total over the analysed steps of all ranks; share: of the step time)",
+               title_justify="left")
     for col in ("kernel", "class", "calls", "total", "mean", "share"):
         kt.add_column(col, justify="left" if col in ("kernel", "class") else "right", overflow="fold")
-    per = max(int(steps.get("count") or 1), 1) * max(len(doc.get("ranks") or []), 1)
     top = doc["top_kernels"][:12]
-    labels = kernel_labels([k["name"] for k in top], 70)
+    labels = kernel_labels([k["name"] for k in top], KERNEL_LABEL_WIDTH)
     for k in top:
-        kt.add_row(escape(labels[k["name"]]), k["cls"], str(k["calls"]), _us(k["us"]), _us(k["mean_us"]),
-                   _pct(step_share((k["us"] or 0) / per, doc)))
+        kt.add_row(escape(labels[k["name"]]), k["cls"], fmt_count(k["calls"]), _us(k["us"]), _us(k["mean_us"]),
+                   _pct(share_of_step(k, doc)))
     con.print(kt)
 
     cov = doc["coverage"]
-    con.print(f"  classified: {_pct(1 - (cov['unknown_share'] or 0))} of kernel time"
+    con.print(f"  classified: {_pct(1 - (cov['unknown_share'] or 0))} of GPU time"
               f" (other {_pct(cov['unknown_share'])}); graph-replayed {_pct(cov['graph_replay_share'])};"
               f" with CPU op {_pct(cov['cpu_op_linked_share'])}")
     con.print(f"  {escape(st.basis)}")

@@ -13,7 +13,15 @@ import numpy as np
 
 from traceinspect.render import kernel_label, kernel_labels
 from traceinspect.render.palette import class_color, severity_color
-from traceinspect.render.story import Open, saving_share, saving_text, step_share, story
+from traceinspect.render.story import (
+    Open,
+    rank_steps,
+    saving_share,
+    saving_text,
+    share_of_step,
+    step_share,
+    story,
+)
 from traceinspect.render.svg import get, isnum
 from traceinspect.render.whatif import group_note, variant_lines
 from traceinspect.units import fmt_bytes, fmt_count, fmt_pct, fmt_us
@@ -35,7 +43,7 @@ def fmt_value(key: str, v: Any) -> str:
         if "share" in k or k.endswith("_frac") or k.endswith("fraction"):
             return fmt_pct(float(v)) if abs(float(v)) <= 1.5 else f"{float(v):,.3g}"
         if k.startswith("pct_") or k.endswith("_pct"):
-            return f"{float(v):.1f}%"
+            return fmt_pct(float(v) / 100)
         if "bytes" in k:
             return fmt_bytes(float(v))
         if k.endswith("per_step") or k.startswith("calls") or k in ("layers", "shapes", "names", "gaps"):
@@ -232,7 +240,7 @@ def files_view(doc: dict[str, Any]) -> list[dict[str, str]]:
 def class_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for c, v in sorted((doc.get("classes") or {}).items(), key=lambda kv: -(kv[1].get("us_per_step") or 0)):
-        share = step_share(v.get("us_per_step"), doc)
+        share = share_of_step(v, doc)
         rows.append({"cls": c, "color": class_color(c), "us": v.get("us_per_step"), "us_t": fmt_us(v.get("us_per_step")),
                      "share": share, "share_t": fmt_pct(share),
                      "calls": v.get("calls_per_step"),
@@ -267,7 +275,7 @@ def memory_view(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
         mem = mem.get("rows") or []
     if not isinstance(mem, list) or not mem:
         return [], "no memory-bound kernel with known bytes moved (needs recorded shapes)"
-    per = max(int(get(doc, "steps", "count") or 1), 1) * max(len(doc.get("ranks") or []), 1)
+    per = rank_steps(doc)
     rows = []
     labels = kernel_labels([str(r.get("family") or "") for r in mem[:20] if isinstance(r, dict)], 70)
     for r in mem[:20]:
@@ -285,7 +293,7 @@ def memory_view(doc: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
             "bytes_call": fmt_bytes(float(r["bytes"]) / calls) if isnum(r.get("bytes")) and calls else "n/a",
             "us": us / per if isnum(us) else None, "us_t": fmt_us(us / per) if isnum(us) else "n/a",
             "gbps": f"{r['gbps']:,.0f}" if isnum(r.get("gbps")) else "n/a",
-            "pct": r.get("pct_bw"), "pct_t": f"{r['pct_bw']:.0f}%" if isnum(r.get("pct_bw")) else "n/a",
+            "pct": r.get("pct_bw"), "pct_t": fmt_pct(r["pct_bw"] / 100) if isnum(r.get("pct_bw")) else "n/a",
             "note": str(r.get("reason") or ""),
         })
     return rows, None
@@ -357,7 +365,7 @@ def coll_notes(doc: dict[str, Any]) -> list[str]:
         notes.append(f"No straggler ({st['reason']}).")
     for bk in coll.get("by_kind") or []:
         if isinstance(bk, dict) and bk.get("kind"):
-            notes.append(f"{bk['kind']}: {bk.get('instances_per_step', 0):.3g} per step, transfer "
+            notes.append(f"{bk['kind']}: {fmt_count(bk.get('instances_per_step', 0))} per step on average, transfer "
                          f"{fmt_us(bk.get('transfer_us_median'))} median"
                          + (f", {fmt_bytes(float(bk['bytes_median']))}" if isnum(bk.get("bytes_median")) else "")
                          + (f", bus bandwidth {bk['busbw_gbps_median']:.1f} GB/s"
