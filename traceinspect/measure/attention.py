@@ -191,7 +191,7 @@ def _bmm_pairs(a: Analysis, calls: pd.DataFrame) -> list[dict[str, Any]]:
         return []
     k = a.kernels
     ts = k.loc[c["kernel"].to_numpy(), "ts"].to_numpy(dtype=float)
-    c = c.assign(_ts=ts).sort_values(["rank", "_ts"], kind="stable")
+    c = c.assign(t_start=ts).sort_values(["rank", "t_start"], kind="stable")
     soft = k[k["op_path"].astype(str).str.contains("softmax", case=False, regex=False).to_numpy()] \
         if "op_path" in k else k.iloc[:0]
     soft_ts = {int(r): np.sort(g["ts"].to_numpy(dtype=float)) for r, g in soft.groupby("rank")}
@@ -202,7 +202,7 @@ def _bmm_pairs(a: Analysis, calls: pd.DataFrame) -> list[dict[str, Any]]:
         q, p = rows[i], rows[i + 1]
         st = soft_ts.get(int(q.rank))
         ok = (q.rank == p.rank and q.batch == p.batch and q.m == p.m and q.n == p.k and st is not None
-              and bool(((st > q._ts) & (st < p._ts)).any()))
+              and bool(((st > q.t_start) & (st < p.t_start)).any()))
         if not ok:
             i += 1
             continue
