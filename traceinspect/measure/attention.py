@@ -25,6 +25,7 @@ import pandas as pd
 
 from traceinspect.measure.roofline import floors, group_roofline
 from traceinspect.model.shapes import _decode, dtype_of
+from traceinspect.tables import per_distinct
 
 if TYPE_CHECKING:
     from traceinspect.analysis import Analysis
@@ -192,8 +193,14 @@ def _bmm_pairs(a: Analysis, calls: pd.DataFrame) -> list[dict[str, Any]]:
     k = a.kernels
     ts = k.loc[c["kernel"].to_numpy(), "ts"].to_numpy(dtype=float)
     c = c.assign(t_start=ts).sort_values(["rank", "t_start"], kind="stable")
-    soft = k[k["op_path"].astype(str).str.contains("softmax", case=False, regex=False).to_numpy()] \
-        if "op_path" in k else k.iloc[:0]
+    # the softmax between them: by its op (eager) or its kernel's name (a CUDA-graph replay has no op)
+    def has_softmax(v: Any) -> bool:
+        return "softmax" in str(v).lower()
+
+    soft_mask = np.asarray(per_distinct(k["name"], has_softmax), dtype=bool)
+    if "op_path" in k:
+        soft_mask = soft_mask | np.asarray(per_distinct(k["op_path"], has_softmax), dtype=bool)
+    soft = k[soft_mask]
     soft_ts = {int(r): np.sort(g["ts"].to_numpy(dtype=float)) for r, g in soft.groupby("rank")}
     out = []
     rows = list(c.itertuples(index=False))

@@ -23,7 +23,6 @@ import numpy as np
 from markupsafe import Markup, escape
 
 from traceinspect.fileio import write_text_atomic
-from traceinspect.render.roofline import no_floor_note, roofline_svg, roofline_view
 from traceinspect.render.charts import (
     class_breakdown_svg,
     collectives_svg,
@@ -34,6 +33,7 @@ from traceinspect.render.charts import (
 )
 from traceinspect.render.datatables import data_tables
 from traceinspect.render.gaps import gap_items
+from traceinspect.render.roofline import no_floor_note, roofline_svg, roofline_view
 from traceinspect.render.story import step_share, story
 from traceinspect.render.svg import el, get, isnum, legend_html, script_json
 from traceinspect.render.timeline import TimelineInfo, after_timeline, timeline_svg

@@ -32,9 +32,9 @@ def _shape(kind: str, r: dict[str, Any]) -> str:
         return txt
     if kind == "attention":
         if isnum(r.get("ctx")):
-            return (f"{r.get('family')} {r.get('dtype') or ''} B={r.get('batch')} H={r.get('heads')} "
+            return (f"{kernel_label(str(r.get('family')), 50)} {r.get('dtype') or ''} B={r.get('batch')} H={r.get('heads')} "
                     f"q={r.get('q_len')} ctx={r.get('ctx')} D={r.get('d')}/{r.get('dv')}")
-        return str(r.get("family") or "attention")
+        return kernel_label(str(r.get("family") or "attention"), 60)
     return kernel_label(str(r.get("family") or ""), 60) + (f" {'/'.join(r['dtypes'])}"
                                                              if isinstance(r.get("dtypes"), list) and r["dtypes"] else "")
 

@@ -323,7 +323,7 @@ def op_floors(a: Analysis, m: Model, cache: dict[str, Any] | None = None) -> np.
     fl = np.full(m.n_ops, np.nan)
     if kf is not None and len(kf):
         fl = kf.reindex(m.g_kidx).to_numpy(dtype=np.float64)
-    fl = np.where(m.g_inst >= 0, np.nan, np.fmin(fl, m.g_dur))
+    fl = np.where((m.g_inst >= 0) | ~np.isfinite(fl), np.nan, np.minimum(fl, m.g_dur))
     if cache is not None:
         cache["op_floors"] = fl
     return fl
