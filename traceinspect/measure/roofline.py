@@ -194,3 +194,27 @@ def roof_json(r: Any) -> dict[str, Any]:
     return {"floor_us": json_num(getattr(r, "floor_us", None)), "bound": b if isinstance(b, str) else None,
             "pct_roofline": json_num(getattr(r, "pct_roofline", None), 2),
             "intensity": json_num(getattr(r, "intensity", None)), "pct_bw": json_num(getattr(r, "pct_bw", None), 2)}
+
+
+def class_roofline(kernels: pd.DataFrame, eff: Any, denom: float) -> dict[str, dict[str, Any]]:
+    """Per kernel class: the floor per rank per step of its kernels with a floor (``floor_us_per_step``),
+    the share of the class's time those kernels take (``roofline_covered_share``) and the % of roofline
+    they reach (``pct_roofline``: their floor over their time)."""
+    from traceinspect.units import json_num
+
+    kf = kernel_floors(eff)
+    if not len(kernels):
+        return {}
+    fl = kf.reindex(kernels.index).to_numpy(dtype=float) if len(kf) else np.full(len(kernels), np.nan)
+    dur = kernels["dur"].to_numpy(dtype=float)
+    has = np.isfinite(fl)
+    cls = kernels["cls"].astype(str).to_numpy()
+    out: dict[str, dict[str, Any]] = {}
+    for c in np.unique(cls).tolist():
+        m = cls == c
+        tot, cov = float(dur[m].sum()), float(dur[m & has].sum())
+        f = float(np.minimum(fl[m & has], dur[m & has]).sum()) if cov > 0 else 0.0
+        out[c] = {"floor_us_per_step": json_num(f / denom) if cov > 0 else None,
+                  "roofline_covered_share": json_num(cov / tot, 4) if tot > 0 else None,
+                  "pct_roofline": json_num(100.0 * f / cov, 2) if cov > 0 else None}
+    return out
