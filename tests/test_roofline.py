@@ -170,8 +170,8 @@ def test_launch_bound_saving_beyond_the_idle_says_where_the_rest_comes_from() ->
 def test_to_roofline_is_undecided_where_shapes_are_unknown() -> None:
     a = _analysed("tp1-l6-full-graph")
     rp = replayer(a)
-    # SiLU has no byte model here: no floor, so no number
-    p = rp.predict([parse_edit("to-roofline class=activation 100")])
+    # top-k has no byte model: no floor, so no number
+    p = rp.predict([parse_edit("to-roofline name~=gatherTopK 100")])
     assert not p.decided and p.predicted_step_us is None and "no roofline floor" in p.undecided[0]
     # the KV cast has one: decided, and no faster than its floor
     p = rp.predict([parse_edit("to-roofline class=kv_cast 100")])
