@@ -216,3 +216,17 @@ def test_no_replayed_kernel_below_its_floor_and_no_saving_above_its_bound(name: 
 
 def test_fixture_list_is_not_empty() -> None:
     assert len(FIXTURES_WITH_SHAPES) >= 10 and Path(FIXTURES).is_dir()
+
+
+def test_trim_and_scale_stop_at_the_floor() -> None:
+    a = _analysed("tp1-l6-full-graph")
+    rp = replayer(a)
+    m = rp.model
+    sel = np.isin(m.g_cls, ["kv_cast"])
+    steps = len(m.pos) * len(m.ranks)
+    base = float(rp.base_params.dur[sel].sum()) / steps
+    p = rp.predict([parse_edit("trim class=kv_cast 100")])  # a little: taken as asked
+    assert float(p.params.dur[sel].sum()) / steps == pytest.approx(base - 100, abs=0.5)
+    p = rp.predict([parse_edit("scale class=kv_cast 0")])  # all of it: held at the floor, never removed
+    assert (p.params.dur[sel] > 0).all() and np.allclose(p.params.dur[sel], p.floors[sel])
+    assert any("held at their roofline floor" in n for n in p.notes)

@@ -367,6 +367,7 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
                     out.undecided.append(f"{e.describe()}: the share of the roofline must be above 0")
                     continue
                 p.dur[sel] = np.minimum(p.dur[sel], floor[sel] / min(pct / 100.0, 1.0))
+            elif e.kind == "trim":
                 total = float(p.dur[mask & ~coll].sum() + p.res[mask & coll].sum())
                 per_step = total / max(len(m.pos) * len(m.ranks), 1)
                 if e.value is None:
