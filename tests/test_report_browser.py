@@ -312,3 +312,32 @@ def test_after_fix_timeline_beside_the_measured_one(browser, tmp_path: Path) -> 
         assert "gather-then-cast" in page.locator("#f-0").inner_text()
     finally:
         page.close()
+
+
+@pytest.mark.parametrize("variant", ["moe-small-m-eager", "kv-full-cast-graph"])
+def test_roofline_chart_plots_every_kernel_row_with_shapes(browser, variant: str, tmp_path: Path) -> None:
+    """One point per GEMM and attention row with a roofline floor and FLOPs, each with its name on hover,
+    under the roofs of the dtypes present."""
+    from traceinspect.render.html import write_html
+
+    doc = _analysis(_present(variant)).to_json()
+    rows = [r for key in ("gemm", "attention") for r in doc[key]
+            if r.get("floor_us") is not None and r.get("intensity") and r.get("tflops")]
+    assert rows
+    path = write_html(doc, tmp_path / f"roofline-{variant}.html")
+    page, seen = open_report(browser, path)
+    try:
+        assert seen["console"] == [] and seen["pageerror"] == [], seen
+        chart = page.locator("#roofline-chart svg.chart")
+        assert chart.is_visible()
+        pts = chart.locator("circle.roof-pt")
+        assert pts.count() == len(rows)
+        titles = [t for t in chart.locator("circle.roof-pt title").all_text_contents()]
+        assert all("FLOP/byte" in t and "of roofline" in t for t in titles)
+        dtypes = {r["dtype"] for r in rows if r.get("dtype") in (doc["gpu"].get("peak_tflops") or {})}
+        assert chart.locator("path.roof").count() == len(dtypes) >= 1
+        # the table beside it: one row per kernel row with a floor (GEMM, attention, memory), at most 40
+        n = sum(1 for key in ("gemm", "attention", "memory_bound") for r in doc[key] if r.get("floor_us") is not None)
+        assert page.locator("#roofline-table tbody tr").count() == min(n, 40)
+    finally:
+        page.close()

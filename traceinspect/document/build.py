@@ -267,6 +267,10 @@ def build_document(a: Analysis, report: bool = True) -> dict[str, Any]:
     }
     if a.efficiency is not None:
         doc.update(a.efficiency.to_json())
+        from traceinspect.measure.roofline import class_roofline
+
+        roof = class_roofline(a.kernels, a.efficiency, max(a.steps_per_rank(), 1) * a.n_ranks)
+        doc["classes"] = {c: {**v, **roof.get(c, {})} for c, v in doc["classes"].items()}
     if a.collectives is not None:
         doc.update(a.collectives.to_json())
     doc["replay"] = replay_json(a)

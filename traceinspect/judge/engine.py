@@ -379,6 +379,8 @@ def _fix_context(rule: Rule, sub: M.Subject, env: dict[str, Any], est: float | N
             spec["class"] = sub.values["cls"]
     elif sel.scope == "gemm":
         spec["class"] = ["moe_gemm"] if sub.values.get("is_moe") else ["fp4_gemm", "fp8_gemm", "bf16_gemm", "moe_gemm"]
+        if sub.kernels is not None:
+            spec["kernels"] = sub.kernels
     elif sel.scope == "class" and isinstance(sub.values.get("cls"), str):
         spec["class"] = sub.values["cls"]
     ctx["select"] = spec

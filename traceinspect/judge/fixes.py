@@ -154,6 +154,7 @@ def replay_findings(a: Analysis, findings: list[Finding], rule_set: RuleSet) -> 
         f.evidence["saving_share"] = f.share
         f.evidence["replayed_step_us"] = _r(p.replayed_step_us)
         f.evidence["predicted_step_us"] = _r(p.predicted_step_us)
+        _explain_saving(rp, f, p, saving)
         _cap_severity(f, saving, p.replayed_step_us)
         chosen[n] = (f, edits, p)
     _group(rp, chosen)
@@ -238,3 +239,75 @@ def order_findings(findings: list[Finding]) -> list[Finding]:
     from traceinspect.judge.engine import sort_findings
 
     return group_children(sort_findings(findings), lambda f: f.rule, lambda f: f.parent)
+
+
+def saving_parts(rp: Replayer, p: Prediction) -> dict[str, Any] | None:
+    """Where a replay's saving comes from, per rank and step: GPU idle removed, kernel time removed (each
+    kernel at most to its roofline floor) and collective time removed (a rank's wait for another), and
+    the bound no saving of the replay can exceed: the largest over the replayed steps and ranks of the
+    replayed idle plus the time the edits took off the operations (``bound_us``). The medians are of the
+    slowest rank of each step. None without a replay run."""
+    run, base = p.run, rp.base
+    if run is None or p.per_step is None or not len(p.per_step):
+        return None
+    m = rp.model
+    d0, d1 = base.g_end - base.g_start, run.g_end - run.g_start
+    cut = np.maximum(d0 - d1, 0.0)
+    coll = m.g_inst >= 0
+    key = m.g_rank.astype(np.int64) * 1_000_000 + m.g_pos.astype(np.int64)
+    ks, inv = np.unique(key, return_inverse=True)
+    kern = np.bincount(inv, weights=np.where(coll, 0.0, cut), minlength=len(ks))
+    comm = np.bincount(inv, weights=np.where(coll, cut, 0.0), minlength=len(ks))
+    ps = p.per_step
+    rk = ps["rank"].to_numpy().astype(np.int64) * 1_000_000 + ps["pos"].to_numpy().astype(np.int64)
+    at = np.searchsorted(ks, rk)
+    at = np.clip(at, 0, max(len(ks) - 1, 0))
+    found = ks[at] == rk if len(ks) else np.zeros(len(rk), dtype=bool)
+    k_cut = np.where(found, kern[at], 0.0)
+    c_cut = np.where(found, comm[at], 0.0)
+    idle0 = (ps["replayed_us"] - ps["replayed_busy_us"]).to_numpy(dtype=float)
+    idle1 = (ps["predicted_us"] - ps["predicted_busy_us"]).to_numpy(dtype=float)
+    bound = idle0 + k_cut + c_cut
+    # per step position: the slowest rank as replayed
+    pos = ps["pos"].to_numpy()
+    span = ps["replayed_us"].to_numpy(dtype=float)
+    rows = [int(np.flatnonzero(pos == q)[np.argmax(span[pos == q])]) for q in np.unique(pos)]
+    others = [float(np.max(c_cut[(pos == pos[i]) & (np.arange(len(pos)) != i)], initial=0.0)) for i in rows]
+    med = {k: float(np.median(v[rows])) for k, v in
+           (("idle_us", np.maximum(idle0 - idle1, 0.0)), ("kernel_us", k_cut), ("collective_us", c_cut),
+            ("slowest_idle_us", idle0))}
+    med["others_collective_us"] = float(np.median(others)) if others else 0.0
+    slow = ps["rank"].to_numpy()[rows]
+    vals, counts = np.unique(slow, return_counts=True)
+    return {**{k: _r(v) for k, v in med.items()}, "bound_us": _r(float(bound.max())),
+            "slowest_rank": int(vals[np.argmax(counts)])}
+
+
+def _explain_saving(rp: Replayer, f: Finding, p: Prediction, saving: float) -> None:
+    """Record where the saving comes from and its bound; a saving larger than the idle or class time the
+    finding names says where the rest comes from, with the numbers."""
+    parts = saving_parts(rp, p)
+    if parts is None:
+        return
+    f.evidence["saving_from"] = {k: parts[k] for k in ("idle_us", "kernel_us", "collective_us",
+                                                       "others_collective_us", "slowest_rank")}
+    f.evidence["saving_bound_us_per_step"] = parts["bound_us"]
+    named = f.evidence.get("impact_us_per_step")
+    if not isinstance(named, (int, float)) or saving <= float(named) * 1.01 + 1.0:
+        return
+    what = "GPU idle (over the ranks)" if "idle_us_per_step" in f.evidence else "time"
+    bits = []
+    if (parts["idle_us"] or 0) > 0:
+        bits.append(f"{parts['idle_us']:,.0f} µs of its {parts['slowest_idle_us']:,.0f} µs of GPU idle")
+    if (parts["collective_us"] or 0) > 0:
+        bits.append(f"{parts['collective_us']:,.0f} µs of its time inside collectives")
+    if (parts["kernel_us"] or 0) > 0:
+        bits.append(f"{parts['kernel_us']:,.0f} µs of kernel time (no kernel below its roofline floor)")
+    tail = ""
+    if (parts["others_collective_us"] or 0) > 0:
+        tail = (f"; the other ranks' GPUs spend up to {parts['others_collective_us']:,.0f} µs of that time inside "
+                "collectives waiting for it, which the fix removes too")
+    if bits:
+        f.message = (f"{f.message} The replayed saving ({saving:,.0f} µs per step) is more than the "
+                     f"{float(named):,.0f} µs of {what} named above: the slowest rank, TP{parts['slowest_rank']}, "
+                     "sets the step, and per step the fix removes " + ", ".join(bits) + tail + ".")

@@ -16,7 +16,9 @@ import msgspec
 import numpy as np
 import pandas as pd
 
+from traceinspect.measure.attention import attention_calls, attention_json, attention_table
 from traceinspect.measure.gemm_shapes import filled, gemm_shapes, key_frame, key_groups, numbers
+from traceinspect.measure.roofline import ROOF_COLUMNS, ROOF_ROW, add_row_roofline, apply_to_calls, roof_json
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
 from traceinspect.model.classes import GEMM_CLASSES
 from traceinspect.model.shapes import (  # noqa: F401 - importable from here
@@ -62,6 +64,8 @@ class Efficiency(msgspec.Struct, eq=False):
     memory_bound: pd.DataFrame
     moe: dict[str, Any] = msgspec.field(default_factory=dict)
     spec: GpuSpec | None = None
+    attention: pd.DataFrame | None = None  # per attention kernel family and shape (measure/attention.py)
+    attention_calls: pd.DataFrame | None = None
     spec_reason: str = ""
     _gemm_calls: pd.DataFrame | None = None
     _shapes: tuple[pd.DataFrame | None] | None = None
@@ -90,19 +94,20 @@ class Efficiency(msgspec.Struct, eq=False):
                 "calls": int(r.calls), "us": json_num(r.us), "mean_us": json_num(r.mean_us),
                 "gflop": json_num(r.flops / 1e9 if r.flops == r.flops else None),
                 "tflops": json_num(r.tflops), "pct_peak": json_num(r.pct_peak, 2), "gbps": json_num(r.gbps),
-                "shape_source": r.shape_source, "reason": r.reason or None,
+                "shape_source": r.shape_source, "reason": r.reason or None, **roof_json(r),
             })
         mem = []
         for r in self.memory_bound.itertuples(index=False):
             mem.append({
                 "family": r.family, "cls": r.cls, "dtypes": r.dtypes, "calls": int(r.calls),
                 "bytes": json_num(r.bytes, 0), "us": json_num(r.us), "gbps": json_num(r.gbps), "pct_bw": json_num(r.pct_bw, 2),
-                "reason": r.reason or None,
+                "reason": r.reason or None, **roof_json(r),
             })
         spec = self.spec
         gpu: dict[str, Any] = ({**spec.to_json(), "matched_by": self.spec_reason} if spec
                                else {"name": None, "reason": self.spec_reason})
-        return {"gemm": gemm, "memory_bound": mem, "moe": _json_safe(self.moe), "gpu": gpu}
+        return {"gemm": gemm, "attention": attention_json(self.attention), "memory_bound": mem,
+                "moe": _json_safe(self.moe), "gpu": gpu}
 
 
 def _int(x: Any) -> int | None:
@@ -145,9 +150,12 @@ def measure_efficiency(a: Analysis) -> Efficiency:
     calls = pd.concat([_calls(src), _copy_events(k)], ignore_index=True) if len(k) else \
         pd.DataFrame(columns=CALL_COLUMNS)
     _rates(calls, spec)
+    apply_to_calls(calls, spec)
     gemm_calls = _gemm_rows(calls)
-    return Efficiency(calls=calls, gemm=_gemm_table(gemm_calls), memory_bound=_memory_table(calls, spec),
-                      moe=_moe(a, calls), spec=spec, spec_reason=why, _gemm_calls=gemm_calls)
+    att_calls, att = attention_table(attention_calls(a, gemm_calls), spec)
+    return Efficiency(calls=calls, gemm=_gemm_table(gemm_calls, spec), memory_bound=_memory_table(calls, spec),
+                      moe=_moe(a, calls), spec=spec, spec_reason=why, _gemm_calls=gemm_calls, attention=att,
+                      attention_calls=att_calls)
 
 
 def _gemm_rows(calls: pd.DataFrame) -> pd.DataFrame:
@@ -476,7 +484,7 @@ def _peak(spec: GpuSpec | None, dtype: Any) -> float:
 
 
 GEMM_TABLE_COLUMNS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "groups", "calls", "us", "mean_us",
-                      "flops", "tflops", "pct_peak", "gbps", "shape_source", "reason"]
+                      "flops", "tflops", "pct_peak", "gbps", "shape_source", "reason", "bytes", *ROOF_ROW]
 
 
 _GEMM_KEYS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "groups", "shape_source", "reason"]
@@ -498,10 +506,10 @@ def _gemm_keys(g: pd.DataFrame) -> pd.DataFrame:
     return key_frame(col, g.index)
 
 
-def _gemm_table(gemm_calls: pd.DataFrame) -> pd.DataFrame:
+def _gemm_table(gemm_calls: pd.DataFrame, spec: GpuSpec | None = None) -> pd.DataFrame:
     if not len(gemm_calls):
         return pd.DataFrame(columns=GEMM_TABLE_COLUMNS)
-    g = gemm_calls[[*_GEMM_KEYS, "us", "flops", "bytes", "peak_tflops"]]
+    g = gemm_calls[[*_GEMM_KEYS, "us", "flops", "bytes", "peak_tflops", *ROOF_COLUMNS]]
     # the keys are prepared once per distinct combination of their columns (a few per shape), the sums
     # run over all rows in row order as grouping by the keys would
     agg, grp = key_groups(g, _GEMM_KEYS, _gemm_keys, _GEMM_KEYS)
@@ -518,6 +526,7 @@ def _gemm_table(gemm_calls: pd.DataFrame) -> pd.DataFrame:
         agg["tflops"] = np.where(agg["us"] > 0, agg["flops"] / agg["us"] / 1e6, np.nan)
         agg["gbps"] = np.where(agg["us"] > 0, agg["bytes"] / agg["us"] / 1e3, np.nan)
     agg["pct_peak"] = 100.0 * agg["tflops"] / agg["peak"]
+    add_row_roofline(agg, g, grp, spec)
     for c in ("m", "n", "k", "batch", "groups"):
         v = agg[c].to_numpy()
         agg[c] = _obj(np.where(v >= 0, v.astype(object), None))
@@ -536,7 +545,7 @@ def _sums_or_nan(v: np.ndarray, bounds: np.ndarray) -> list[Any]:
     return out
 
 
-MEMORY_TABLE_COLUMNS = ["family", "cls", "dtypes", "calls", "bytes", "us", "gbps", "pct_bw", "reason"]
+MEMORY_TABLE_COLUMNS = ["family", "cls", "dtypes", "calls", "bytes", "us", "gbps", "pct_bw", "reason", *ROOF_ROW]
 
 
 def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
@@ -585,6 +594,7 @@ def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
     agg["pct_bw"] = np.where(agg["host"] | (bw is None), np.nan, 100.0 * agg["gbps"] / (bw or 1.0))
     agg["reason"] = np.where(agg["host"], "host link copy: not bounded by device memory bandwidth",
                              "" if bw else "GPU not in the spec table")
+    add_row_roofline(agg, calls.iloc[pos], grp, spec)
     return agg.sort_values("us", ascending=False)[MEMORY_TABLE_COLUMNS].reset_index(drop=True)
 
 

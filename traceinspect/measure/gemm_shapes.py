@@ -125,6 +125,7 @@ def gemm_shapes(calls: Any) -> pd.DataFrame | None:
         "us": us, "flops": pd.to_numeric(g["flops"], errors="coerce").to_numpy(),
         "peak_us": (peak * g["us"]).where(peak.notna(), np.nan).to_numpy(),
         "peak_known_us": g["us"].where(peak.notna(), 0.0).to_numpy(),
+        **_roof_sums(g),
     }
     agg["calls"] = np.bincount(grp, minlength=len(agg)).astype(np.int64)
     for c, v in sums.items():
@@ -137,6 +138,40 @@ def gemm_shapes(calls: Any) -> pd.DataFrame | None:
     ranks = (pair % span + lo).tolist()
     agg["ranks"] = pd.Series([tuple(ranks[a:b]) for a, b in zip(cut[:-1], cut[1:], strict=True)],
                              dtype=object)
+    order = np.argsort(grp, kind="stable")
+    kcut = np.searchsorted(grp[order], np.arange(len(agg) + 1))
+    kern = g["kernel"].to_numpy()[order]
+    agg["kernels"] = pd.Series([kern[a:b] for a, b in zip(kcut[:-1], kcut[1:], strict=True)], dtype=object)
     for c in ("m", "n", "k"):
         agg[c] = agg[c].where(agg[c] >= 0, np.nan)
     return agg.sort_values("us", ascending=False).reset_index(drop=True)
+
+
+_EL_BYTES = {"fp4": 0.5, "fp8": 1.0, "int8": 1.0, "fp16": 2.0, "bf16": 2.0, "fp32": 4.0, "tf32": 4.0}
+
+
+def _roof_sums(g: pd.DataFrame) -> dict[str, np.ndarray]:
+    """Per call, the columns whose sums per shape the roofline metrics read: floor (0 where unknown, with
+    ``floor_unknown`` counting those), bytes, compute and memory time at the peaks, weight bytes (K x N
+    per group and batch, at the compute dtype) and rows."""
+    n = len(g)
+    if "floor_us" not in g:
+        return {}
+    fl = g["floor_us"].to_numpy(dtype=float)
+    by = pd.to_numeric(g["bytes"], errors="coerce").to_numpy(dtype=float)
+    el = np.array([_EL_BYTES.get(d, np.nan) if isinstance(d, str) else np.nan
+                   for d in g["dtype"].tolist()], dtype=float) if n else np.zeros(0)
+    mult = np.maximum(filled(numbers(g["groups"].to_numpy()), 1), 1) * np.maximum(
+        filled(numbers(g["batch"].to_numpy()), 1), 1)
+    w = numbers(g["n"].to_numpy()) * numbers(g["k"].to_numpy()) * mult * el
+    rows = numbers(g["m"].to_numpy()) * np.maximum(filled(numbers(g["batch"].to_numpy()), 1), 1)
+    tm = g["t_memory_us"].to_numpy(dtype=float)
+    tc = g["t_compute_us"].to_numpy(dtype=float)
+    bound = g["bound"].to_numpy(dtype=object)
+    us = g["us"].to_numpy(dtype=float)
+    return {"floor_us": np.nan_to_num(fl), "floor_unknown": (~np.isfinite(fl)).astype(float),
+            "bytes": np.nan_to_num(by), "t_memory_us": np.nan_to_num(tm), "t_compute_us": np.nan_to_num(tc),
+            "weight_bytes": np.nan_to_num(w), "rows": np.nan_to_num(rows),
+            "weight_bytes_per_row": np.nan_to_num(np.where(rows > 0, w / np.where(rows > 0, rows, 1), np.nan)),
+            "memory_us": np.where(bound == "memory", us, 0.0), "compute_us": np.where(bound == "compute", us, 0.0),
+            "latency_us": np.where(bound == "latency", us, 0.0)}

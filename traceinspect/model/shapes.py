@@ -289,6 +289,48 @@ def _fill(dims, types, concrete) -> tuple[Shape, ...]:
     return (Shape("memory", f"->{t}", bytes=_prod(d) * e),)
 
 
+def _tensors(dims: list[Any], types: list[Any]) -> list[tuple[list[int], str, float]]:
+    """Every tensor argument with a recorded shape and a known dtype: (dims, dtype, bytes per element)."""
+    out = []
+    for i, d in enumerate(dims):
+        if isinstance(d, list) and d and all(isinstance(x, int) for x in d) and i < len(types):
+            dt = dtype_of(types[i]) if isinstance(types[i], str) else None
+            if dt is not None:
+                out.append((d, dt[0], dt[1]))
+    return out
+
+
+def _pointwise(dims, types, concrete) -> tuple[Shape, ...]:
+    # a pointwise op reads every tensor argument and writes one of their broadcast shape (an in-place one
+    # writes its first argument): a lower bound of the bytes it moves
+    ts = _tensors(dims, types)
+    if not ts:
+        raise _NoShape("no tensor argument with a recorded shape")
+    try:
+        out = tuple(int(x) for x in np.broadcast_shapes(*(tuple(d) for d, _, _ in ts)))
+    except ValueError:
+        raise _NoShape("arguments do not broadcast") from None
+    read = sum(_prod(d) * e for d, _, e in ts)
+    return (Shape("memory", f"{ts[0][1]}->{ts[0][1]}", bytes=read + _prod(list(out)) * ts[0][2]),)
+
+
+def _reads_all(dims, types, concrete) -> tuple[Shape, ...]:
+    # a reduction, or a fused kernel whose arguments are each read or written once (norms, activation-and-
+    # multiply): the sum of its tensor arguments, a lower bound of what it moves
+    ts = _tensors(dims, types)
+    if not ts:
+        raise _NoShape("no tensor argument with a recorded shape")
+    return (Shape("memory", f"{ts[0][1]}->{ts[0][1]}", bytes=float(sum(_prod(d) * e for d, _, e in ts))),)
+
+
+_POINTWISE = ("add", "sub", "mul", "div", "pow", "rsqrt", "sqrt", "silu", "gelu", "neg", "exp", "sigmoid", "tanh",
+              "relu", "reciprocal", "clamp", "where", "_softmax", "_log_softmax", "add_", "sub_", "mul_", "div_",
+              "silu_", "relu_", "clamp_")
+_READS_ALL = ("aten::mean", "aten::sum", "aten::amax", "aten::max", "aiter::rmsnorm", "aiter::add_rmsnorm",
+              "sgl_kernel::rmsnorm", "sgl_kernel::fused_add_rmsnorm", "sgl_kernel::gemma_rmsnorm",
+              "sgl_kernel::silu_and_mul", "sgl_kernel::gelu_and_mul", "sgl_kernel::gelu_tanh_and_mul",
+              "_C::rms_norm", "_C::fused_add_rms_norm", "_C::silu_and_mul", "vllm::rms_norm")
+
 _GEMM_OPS = {
     "aten::mm": _mm, "aten::addmm": _addmm, "aten::bmm": _bmm, "aten::baddbmm": _baddbmm,
     "aten::matmul": _matmul, "aten::linear": _linear,
@@ -301,6 +343,7 @@ _FUSED_MOE = {"fused_moe", "inplace_fused_experts", "outplace_fused_experts", "f
 _MEMORY_OPS = {
     "aten::copy_": _copy, "aten::index_select": _index_select, "aten::index_copy_": _index_copy,
     "aten::fill_": _fill, "aten::zero_": _fill,
+    **{f"aten::{n}": _pointwise for n in _POINTWISE}, **dict.fromkeys(_READS_ALL, _reads_all),
 }
 
 

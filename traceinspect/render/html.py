@@ -33,7 +33,8 @@ from traceinspect.render.charts import (
 )
 from traceinspect.render.datatables import data_tables
 from traceinspect.render.gaps import gap_items
-from traceinspect.render.story import share_of_step, story
+from traceinspect.render.roofline import no_floor_note, roofline_svg, roofline_view
+from traceinspect.render.story import share_of_step, step_share, story
 from traceinspect.render.svg import el, get, isnum, legend_html, script_json
 from traceinspect.render.timeline import TimelineInfo, after_timeline, timeline_svg
 from traceinspect.render.views import (
@@ -72,6 +73,7 @@ def build_context(doc: dict[str, Any]) -> dict[str, Any]:
     after_tl, after_label = after_timeline(doc)
     tl_classes = sorted(str(c) for c in doc.get("classes") or {})  # the classes of the analysed kernels
     gemm, gemm_reason, gemm_classes, gemm_note = gemm_scatter_svg(doc)
+    roof, roof_reason = roofline_svg(doc)
     coll, coll_reason = collectives_svg(doc)
     cpath, cpath_reason, cpath_classes = critical_path_svg(doc)
     memory, moe = memory_view(doc), moe_view(doc)
@@ -110,6 +112,8 @@ def build_context(doc: dict[str, Any]) -> dict[str, Any]:
         "timeline_legend": legend_html([c for c in order if c in tl_classes] +
                                         [c for c in tl_classes if c not in order]),
         "gemm_svg": gemm, "gemm_reason": gemm_reason, "gemm_note": gemm_note, "gemm_legend": legend_html(gemm_classes),
+        "roofline_svg": roof, "roofline_reason": roof_reason, "roofline_note": no_floor_note(doc),
+        "roofline_rows": roofline_view(doc),
         "coll_svg": coll, "coll_reason": coll_reason, "coll_notes": coll_notes(doc),
         "cpath_svg": cpath, "cpath_reason": cpath_reason,
         "cpath_legend": legend_html(cpath_classes, color=path_color), "cpath_notes": cpath_notes(doc),

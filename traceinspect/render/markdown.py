@@ -163,6 +163,23 @@ def render_markdown(doc: dict[str, Any]) -> str:
                        f"{md(k.get('cls'))} | {md(fmt_count(k.get('calls')))} | {md(fmt_pct(share_of_step(k, doc)))} |")
         out.append("")
 
+    from traceinspect.render.roofline import fmt_rate, fmt_share, no_floor_note, roofline_rows
+
+    roof = roofline_rows(doc, 8)
+    if roof:
+        out += ["#### Roofline (per rank per step)", "",
+                "| kind | kernel / shape | time | TFLOP/s | GB/s | % of bandwidth | floor | bound | % of roofline |",
+                "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+        for r in roof:
+            out.append(f"| {md(r['kind'])} | {md(r['label'])} | {md(fmt_us(r['us']))} | "
+                       f"{md(fmt_rate(r['tflops'], '').strip())} | {md(fmt_rate(r['gbps'], '').strip())} | "
+                       f"{md(fmt_share(r['pct_bw']))} | {md(fmt_us(r['floor']))} | {md(r['bound'])} | "
+                       f"{md(fmt_share(r['pct_roofline']))} |")
+        out.append("")
+    note = no_floor_note(doc)
+    if note:
+        out += [md(note), ""]
+
     cov = doc.get("coverage") or {}
     if is_number(cov.get("unknown_share")):
         out.append(f"Classified: {md(fmt_pct(1 - cov['unknown_share']))} of GPU time.")

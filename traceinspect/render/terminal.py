@@ -94,6 +94,8 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
                    _pct(share_of_step(k, doc)))
     con.print(kt)
 
+    _render_roofline(con, doc)
+
     cov = doc["coverage"]
     con.print(f"  classified: {_pct(1 - (cov['unknown_share'] or 0))} of GPU time"
               f" (other {_pct(cov['unknown_share'])}); graph-replayed {_pct(cov['graph_replay_share'])};"
@@ -123,6 +125,25 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
     _render_gaps(con, doc)
     for w in doc.get("warnings") or []:
         con.print(f"[yellow]warning:[/yellow] {escape(w)}")
+
+
+def _render_roofline(con: Console, doc: dict[str, Any]) -> None:
+    """The kernel rows with shapes against the roofline (the longest first)."""
+    from traceinspect.render.roofline import fmt_rate, fmt_share, no_floor_note, roofline_rows
+
+    rows = roofline_rows(doc, 10)
+    if rows:
+        t = Table(title="Roofline (kernel rows with shapes, per rank per step)", title_justify="left")
+        for col in ("kind", "kernel / shape", "time", "TFLOP/s", "GB/s", "% of BW", "floor", "bound", "% of roofline"):
+            t.add_column(col, justify="left" if col in ("kind", "kernel / shape", "bound") else "right", overflow="fold")
+        for r in rows:
+            t.add_row(r["kind"], escape(r["label"]), _us(r["us"]), fmt_rate(r["tflops"], "").strip(),
+                      fmt_rate(r["gbps"], "").strip(), fmt_share(r["pct_bw"]), _us(r["floor"]), r["bound"],
+                      fmt_share(r["pct_roofline"]))
+        con.print(t)
+    note = no_floor_note(doc)
+    if note:
+        con.print(f"  {escape(note)}")
 
 
 def _render_gaps(con: Console, doc: dict[str, Any]) -> None:

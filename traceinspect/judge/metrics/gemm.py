@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 # the columns of the efficiency stage's shape rows (Efficiency.shapes) that the metrics read
 _COLUMNS = ("us", "m", "n", "k", "batch", "dtype", "op_name", "is_moe", "calls", "flops", "peak_known_us", "peak_us",
             "ranks", "cls")
+_ROOF = ("floor_us", "floor_unknown", "bytes", "t_memory_us", "t_compute_us", "weight_bytes", "rows",
+         "weight_bytes_per_row", "memory_us",
+         "compute_us", "latency_us", "kernels")
 
 declare("gemm", "m", "rows", "GEMM M (rows of the activation; for grouped expert GEMMs the rows per expert): "
    "time-weighted median over the subject's calls.")
@@ -40,6 +43,19 @@ declare("gemm", "tflops", "TFLOP/s", "Achieved TFLOP/s: FLOPs (2*M*N*K per GEMM)
 declare("gemm", "pct_peak", "percent", "100 x tflops / dense peak of the GPU for the dtype (rules/tables/gpus.yaml), "
    "in percent (0-100), as in the analysis JSON; None if the GPU or dtype has no peak in the table.")
 declare("gemm", "peak_tflops", "TFLOP/s", "The dense peak used for pct_peak (time-weighted over the calls).")
+declare("gemm", "floor_us_per_step", "us", "Roofline floor of the subject's calls per rank per step: the sum over "
+   "calls of max(FLOPs / dense peak of the dtype, bytes / memory bandwidth); None when a call's is unknown.")
+declare("gemm", "pct_roofline", "percent", "100 x floor_us_per_step / us_per_step: the share of what the GPU's peaks "
+   "allow that the calls reach (of the bound that holds: compute or memory).")
+declare("gemm", "bound", "text", "What bounds most of the subject's time at the roofline: compute, memory or "
+   "latency (calls too short to reach either peak, rules/tables/roofline.yaml).")
+declare("gemm", "memory_bound_share", "ratio", "Share of the subject's time in calls whose floor is the memory term.")
+declare("gemm", "gbps", "GB/s", "Achieved bandwidth: bytes (weights, activations, output) / time.")
+declare("gemm", "pct_bw", "percent", "100 x gbps / the GPU's memory bandwidth (rules/tables/gpus.yaml).")
+declare("gemm", "weight_bytes_per_step", "bytes", "Weight bytes the subject's calls read per rank per step (K x N per "
+   "call, group and batch, at the compute dtype).")
+declare("gemm", "weight_bytes_per_token", "bytes", "Weight bytes read per step for each row (token) the calls "
+   "multiply: the sum over calls of weight bytes / M, per rank per step.")
 declare("gemm", "unknown_share", "ratio", "Share of the selected GEMM-class time whose shapes are unknown "
    "(no CPU op, no capture trace): they are left out of every other gemm metric.")
 
@@ -59,7 +75,7 @@ class GemmMetrics:
 
     def gemm_columns(self, rows: pd.DataFrame) -> dict[str, np.ndarray]:
         """The columns of shape rows that the gemm metrics read, as arrays (taken once per selection)."""
-        return {c: rows[c].to_numpy() for c in _COLUMNS}
+        return {c: rows[c].to_numpy() for c in (*_COLUMNS, *(x for x in _ROOF if x in rows.columns))}
 
     def gemm_row_values(self, cols: dict[str, np.ndarray], i: int) -> dict[str, Any]:
         """Metrics of shape row ``i`` of :meth:`gemm_columns` (what ``select.gemm.where`` sees)."""
@@ -132,9 +148,47 @@ class GemmMetrics:
                                    "no dense peak for this GPU and dtype in rules/tables/gpus.yaml ("
                                    + (getattr(self.a.efficiency, "spec_reason", "") or "GPU unknown") + ")")
         v["unknown_share"] = unk_us / (unk_us + float(us.sum())) if (unk_us + us.sum()) > 0 else None
+        kernels = self._roofline(cols, rows, v, missing)
         ranks = sorted({r for t in cols["ranks"][rows].tolist() for r in t})
         kind = "expert GEMMs" if v["is_moe"] else ("GEMMs" if moe.any() else "dense GEMMs")
         label = f"{kind} M={_fmt_num(v['m'])}" if len(rows) > 1 else \
             f"{kind} M={_fmt_num(v['m'])} N={_fmt_num(v['n'])} K={_fmt_num(v['k'])} {v['dtype'] or ''}".strip()
-        return Subject("gemm", label, v, ranks, missing, tuple(sorted({str(c) for c in cols["cls"][rows].tolist()})))
+        return Subject("gemm", label, v, ranks, missing, tuple(sorted({str(c) for c in cols["cls"][rows].tolist()})),
+                       kernels=kernels)
+
+    def _roofline(self, cols: dict[str, np.ndarray], rows: np.ndarray, v: dict[str, Any],
+                  missing: dict[str, str]) -> np.ndarray | None:
+        """The roofline metrics of a subject (into ``v``) and its kernel rows."""
+        for key in ("floor_us_per_step", "pct_roofline", "bound", "memory_bound_share", "gbps", "pct_bw",
+                    "weight_bytes_per_step", "weight_bytes_per_token"):
+            v[key] = None
+        if "floor_us" not in cols:
+            missing["pct_roofline"] = "no roofline (the efficiency stage made none)"
+            return None
+        n = self.n_step_rows
+        us = float(cols["us"][rows].astype(float).sum())
+
+        def total(c: str) -> float:
+            return float(np.nansum(cols[c][rows].astype(float)))
+
+        spec = getattr(self.a.efficiency, "spec", None)
+        bw = spec.mem_bw_gbps if spec is not None else None
+        if total("floor_unknown") == 0 and us > 0:
+            v["floor_us_per_step"] = total("floor_us") / n
+            v["pct_roofline"] = 100.0 * total("floor_us") / us
+            parts = {b: total(f"{b}_us") for b in ("memory", "compute", "latency")}
+            v["bound"] = max(parts, key=lambda b: parts[b]) if max(parts.values()) > 0 else None
+            v["memory_bound_share"] = parts["memory"] / us
+        else:
+            missing["pct_roofline"] = ("no roofline floor for some of the calls: the GPU has no peak and "
+                                       "bandwidth in rules/tables/gpus.yaml, or their bytes are unknown")
+        if us > 0:
+            v["gbps"] = total("bytes") / us / 1e3
+            v["pct_bw"] = 100.0 * v["gbps"] / bw if bw else None
+        wb = total("weight_bytes")
+        if wb > 0:
+            v["weight_bytes_per_step"] = wb / n
+            v["weight_bytes_per_token"] = total("weight_bytes_per_row") / n if total("rows") > 0 else None
+        ks = [x for x in cols["kernels"][rows].tolist() if x is not None] if "kernels" in cols else []
+        return np.concatenate(ks).astype(np.int64) if ks else None
 

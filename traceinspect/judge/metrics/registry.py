@@ -84,6 +84,7 @@ class Subject(msgspec.Struct):
     ranks: list[int] = msgspec.field(default_factory=list)
     missing: dict[str, str] = msgspec.field(default_factory=dict)
     classes: tuple[str, ...] = ()  # kernel classes of the subject's kernels (kernels, gemm, class scopes)
+    kernels: Any = None  # the subject's kernel rows, where known (gemm scope): what its fixes select
 
 
 def _median(values: Iterable[float]) -> float | None:

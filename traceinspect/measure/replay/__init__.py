@@ -57,6 +57,8 @@ class Prediction(msgspec.Struct, eq=False):
     notes: list[str] = msgspec.field(default_factory=list)
     run: Run | None = None
     label: str = ""
+    params: Params | None = None  # the edited quantities the run replayed
+    floors: np.ndarray | None = None  # per op: the roofline floor after the edits (NaN: unknown)
     _paths: Any = None  # () -> (path as replayed, path with the edits), computed on first use
     _path_cache: tuple[dict[str, float], dict[str, float]] | None = None
     _tp: dict[str, float] = msgspec.field(default_factory=dict)  # per_step is not changed
@@ -227,7 +229,7 @@ class Replayer:
         hit = self._memo.get(key)
         if hit is not None:
             return Prediction(edits=list(edits), per_step=hit.per_step, undecided=hit.undecided, notes=hit.notes,
-                              run=hit.run, label=label, _paths=hit._paths)
+                              run=hit.run, label=label, params=hit.params, floors=hit.floors, _paths=hit._paths)
         m = self.model
         applied = apply_edits(self.a, m, edits, self.base_params, self.cache)
         run = self.base if not edits else simulate(m, applied.params)
@@ -240,7 +242,7 @@ class Replayer:
         if run.order_conflicts:
             notes.append(f"{run.order_conflicts} dependencies were resolved out of measured order (clock noise)")
         pred = Prediction(edits=list(edits), per_step=df, undecided=applied.undecided, notes=notes, run=run,
-                          label=label,
+                          label=label, params=applied.params, floors=applied.floors,
                           _paths=lambda: (self.base_path(), self._path(run, applied.params)))
         self._memo[key] = pred
         return pred

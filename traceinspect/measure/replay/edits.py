@@ -17,6 +17,11 @@ Text form (``traceinspect whatif --edit``) and mapping form (a rule's ``fixes:``
 | ``trim`` | ``trim SEL US`` | the selected operations lose US per step in total, in proportion to their time |
 | ``graph-gaps`` | ``graph-gaps [rank=R]`` | gaps between kernels that ran back to back capped at this GPU's CUDA-graph kernel gap (``rules/tables/replay.yaml``) |
 | ``gemm-m`` | ``gemm-m SEL F`` | the selected GEMMs at F times their M (a batch change), from the measured M-efficiency curve |
+| ``to-roofline`` | ``to-roofline SEL PCT`` | the selected kernels at PCT% of their roofline (floor / (PCT / 100)), none slower than measured |
+
+No edit makes a kernel shorter than its roofline floor (:mod:`traceinspect.measure.roofline`): after the
+edits, every kernel with a floor is held at it (``remove`` takes the work away, ``kv-rows`` and ``gemm-m``
+change the work and with it the floor).
 
 ``SEL`` is ``key=value`` / ``key~=regex`` / ``key!~=regex`` terms joined by commas: ``class``,
 ``name``, ``op`` (the enclosing CPU-op path), ``kind``, ``rank``; as in a rule's ``select:``.
@@ -24,6 +29,7 @@ Text form (``traceinspect whatif --edit``) and mapping form (a rule's ``fixes:``
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
 from typing import TYPE_CHECKING, Any
@@ -57,6 +63,7 @@ class Select(msgspec.Struct):
     kinds: tuple[str, ...] = ()
     ranks: tuple[int, ...] = ()
     text: dict[str, Any] = msgspec.field(default_factory=dict)
+    kernels: np.ndarray | None = None  # kernel rows (a finding's own subject; not in the text form)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.text)
@@ -104,6 +111,7 @@ def _regex(v: str, what: str) -> re.Pattern[str]:
 def make_select(spec: dict[str, Any] | None) -> Select:
     """A selector from a mapping like a rule's ``select: kernels:`` (plus ``rank``)."""
     spec = dict(spec or {})
+    kernels = spec.pop("kernels", None)
     bad = set(spec) - set(SELECT_KEYS)
     if bad:
         raise EditError(f"unknown selector key {sorted(bad)[0]!r} (expected {', '.join(SELECT_KEYS)})")
@@ -124,6 +132,10 @@ def make_select(spec: dict[str, Any] | None) -> Select:
     for key in ("name", "not_name", "op", "not_op"):
         if key in spec:
             setattr(sel, key, _regex(str(spec[key]), key))
+    if kernels is not None:
+        sel.kernels = np.unique(np.asarray(kernels, dtype=np.int64))
+        digest = hashlib.blake2b(sel.kernels.tobytes(), digest_size=4).hexdigest()
+        sel.text["kernels"] = f"{len(sel.kernels)}#{digest}"  # (the replay's memo tells subjects apart)
     return sel
 
 
@@ -178,7 +190,7 @@ def parse_edit(text: str) -> Edit:
         raise EditError(f"edit {text!r}: unknown edit {kind!r} (expected {', '.join(KINDS)})")
     e = Edit(kind=kind, text=text.strip())
     try:
-        if kind in ("scale", "trim", "gemm-m"):
+        if kind in ("scale", "trim", "gemm-m", "to-roofline"):
             if len(args) != 2:
                 raise EditError(f"{kind} takes a selector and a number: '{kind} class=kv_cast 0.2'")
             e.select, e.value = parse_select(args[0]), _float(args[1], "the factor" if kind == "scale" else "US")
@@ -255,6 +267,8 @@ def edit_from_mapping(d: dict[str, Any], subject: dict[str, Any] | None = None) 
 def op_mask(a: Analysis, m: Model, sel: Select) -> np.ndarray:
     """Ops of the model the selector picks."""
     mask = np.ones(m.n_ops, dtype=bool)
+    if sel.kernels is not None:
+        mask &= np.isin(m.g_kidx, sel.kernels)
     if sel.classes:
         mask &= np.isin(m.g_cls, list(sel.classes))
     if sel.ranks:
@@ -294,6 +308,25 @@ class Applied(msgspec.Struct):
     params: Params
     undecided: list[str] = msgspec.field(default_factory=list)
     notes: list[str] = msgspec.field(default_factory=list)
+    floors: np.ndarray | None = None  # per op: the roofline floor after the edits (NaN: unknown)
+
+
+def op_floors(a: Analysis, m: Model, cache: dict[str, Any] | None = None) -> np.ndarray:
+    """Per replayed op: its roofline floor (us; :func:`~traceinspect.measure.roofline.kernel_floors`), at
+    most its measured time (a model that overestimates the bytes, e.g. of a tensor the cache holds, never
+    lengthens a kernel), NaN where the shapes are unknown and for collectives. Found once per ``cache``."""
+    if cache is not None and "op_floors" in cache:
+        return cache["op_floors"]
+    from traceinspect.measure.roofline import kernel_floors
+
+    kf = kernel_floors(a.efficiency) if getattr(a, "efficiency", None) is not None else None
+    fl = np.full(m.n_ops, np.nan)
+    if kf is not None and len(kf):
+        fl = kf.reindex(m.g_kidx).to_numpy(dtype=np.float64)
+    fl = np.where((m.g_inst >= 0) | ~np.isfinite(fl), np.nan, np.minimum(fl, m.g_dur))
+    if cache is not None:
+        cache["op_floors"] = fl
+    return fl
 
 
 def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
@@ -305,8 +338,9 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
                                 r=base.r.copy(), hspeed=hspeed)
     out = Applied(params=p)
     coll = m.g_inst >= 0
+    floor = op_floors(a, m, cache).copy()
     for e in edits:
-        if e.kind in ("scale", "remove", "transfer", "kv-rows", "trim", "gemm-m"):
+        if e.kind in ("scale", "remove", "transfer", "kv-rows", "trim", "gemm-m", "to-roofline"):
             mask = op_mask(a, m, e.select)
             if not mask.any():
                 out.notes.append(f"{e.describe()}: no operation in the replayed steps matched")
@@ -320,6 +354,19 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
                 out.notes.append(f"{e.describe()}: time x {active:,.0f} active / {pool:,.0f} pool rows = "
                                  f"{factor:.4f} at the kernel's measured bandwidth ({why})")
                 _scale(p, mask, coll, factor)
+                floor[mask] *= factor  # the floor of the work that is left
+            elif e.kind == "to-roofline":
+                sel = mask & ~coll
+                unknown = sel & ~np.isfinite(floor)
+                if unknown.any():
+                    out.undecided.append(f"{e.describe()}: {int(unknown.sum())} of {int(sel.sum())} selected kernels "
+                                         "have no roofline floor (shapes unknown or no peak and bandwidth for this GPU)")
+                    continue
+                pct = float(e.value or 100.0)
+                if pct <= 0:
+                    out.undecided.append(f"{e.describe()}: the share of the roofline must be above 0")
+                    continue
+                p.dur[sel] = np.minimum(p.dur[sel], floor[sel] / min(pct / 100.0, 1.0))
             elif e.kind == "trim":
                 total = float(p.dur[mask & ~coll].sum() + p.res[mask & coll].sum())
                 per_step = total / max(len(m.pos) * len(m.ranks), 1)
@@ -331,7 +378,7 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
             elif e.kind == "gemm-m":
                 from traceinspect.measure.replay.gemm_m import scale_m
 
-                n_, u_ = scale_m(a, m, mask & ~coll, float(e.value or 1.0), p.dur)
+                n_, u_ = scale_m(a, m, mask & ~coll, float(e.value or 1.0), p.dur, floor)
                 out.notes += [f"{e.describe()}: {x}" for x in n_]
                 out.undecided += [f"{e.describe()}: {x}" for x in u_]
             elif e.kind == "scale":
@@ -339,6 +386,7 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
             elif e.kind == "transfer":
                 p.res[mask & coll] *= float(e.value or 0.0)
             else:  # remove
+                floor[mask] = 0.0
                 p.dur[mask & ~coll] = 0.0
                 p.res[mask & coll] = 0.0
                 p.lS[mask] = 0.0
@@ -388,6 +436,14 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
                 hm &= np.isin(m.h_rank, list(e.select.ranks))
             p.block[hm] = False
             p.hdur[hm] = p.r[hm]
+    held = np.isfinite(floor) & ~coll & (p.dur < floor - 1e-9)
+    if held.any():
+        steps = max(len(m.pos) * len(m.ranks), 1)
+        out.notes.append(f"{held.sum() / steps:,.1f} kernel(s) per rank per step held at their roofline floor "
+                         f"({float((floor[held] - p.dur[held]).sum()) / steps:,.1f} us per rank per step that the "
+                         "edits would have taken below what the GPU's peaks allow)")
+        p.dur[held] = floor[held]
+    out.floors = floor
     return out
 
 

@@ -18,8 +18,10 @@ def _floats(s: pd.Series) -> np.ndarray:
 
 
 def scale_m(a: Analysis, m: Model, mask: np.ndarray, factor: float,
-            dur: np.ndarray) -> tuple[list[str], list[str]]:
-    """Set ``dur`` of the selected GEMMs to their time at M x ``factor``; (notes, undecided)."""
+            dur: np.ndarray, floor: np.ndarray | None = None) -> tuple[list[str], list[str]]:
+    """Set ``dur`` of the selected GEMMs to their time at M x ``factor`` and ``floor`` to their roofline
+    floor at that M (FLOPs and elements moved scaled; unknown without the GPU's peak and bandwidth);
+    (notes, undecided)."""
     eff = a.efficiency
     if eff is None or not len(eff.calls):
         return [], ["no GEMM shapes were measured (the efficiency stage has no GEMM calls)"]
@@ -48,10 +50,17 @@ def scale_m(a: Analysis, m: Model, mask: np.ndarray, factor: float,
     best = c.groupby(c["dtype"].astype(str))["tf"].max().to_dict()
     how: dict[str, int] = {}
     rows = c.iloc[hit.astype(np.int64)]
+    spec = eff.spec
+    bw = spec.mem_bw_gbps * 1e3 if spec is not None and spec.mem_bw_gbps else np.nan  # bytes per us
     for op, r in zip(sel, rows.itertuples(index=False), strict=True):
         m0, m1 = float(r.m_), float(r.m_) * factor
         curve = curves[r.fam]
         fl1 = r.fl_ * m1 / m0
+        if floor is not None:
+            e0 = r.m_ * r.k_ + r.k_ * r.n_ + r.m_ * r.n_
+            e1 = m1 * r.k_ + r.k_ * r.n_ + m1 * r.n_
+            tc = fl1 / r.peak_ if np.isfinite(r.peak_) and r.peak_ > 0 else np.nan
+            floor[op] = max(tc, r.by_ * e1 / e0 / bw) if np.isfinite(tc) and np.isfinite(bw) else np.nan
         if len(curve) >= 2:
             xs, ys = np.log(curve.index.to_numpy()), np.log(curve.to_numpy())
             tf1 = float(np.exp(np.interp(np.log(m1), xs, ys)))
