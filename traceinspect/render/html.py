@@ -34,7 +34,7 @@ from traceinspect.render.charts import (
 from traceinspect.render.datatables import data_tables
 from traceinspect.render.gaps import gap_items
 from traceinspect.render.roofline import no_floor_note, roofline_svg, roofline_view
-from traceinspect.render.story import share_of_step, step_share, story
+from traceinspect.render.story import share_of_step, story
 from traceinspect.render.svg import el, get, isnum, legend_html, script_json
 from traceinspect.render.timeline import TimelineInfo, after_timeline, timeline_svg
 from traceinspect.render.views import (
