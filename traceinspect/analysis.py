@@ -49,6 +49,7 @@ class Options(msgspec.Struct):
     experts: int | None = None
     top_k: int | None = None
     config: str | Path | None = None  # a traceinspect.toml whose [model] table states them too
+    model_config: str | Path | None = None  # the model's Hugging Face config.json (GEMM shapes from the model)
 
 
 class Analysis(msgspec.Struct, eq=False):

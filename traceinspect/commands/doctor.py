@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from traceinspect.commands.analyze import PHASES
+from traceinspect.commands.analyze import MODEL_CONFIG_OPT, PHASES
 
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
 CUPTI_HINT = ("no GPU kernel events: CUPTI may have failed to start, or the profile ran without the CUDA "
@@ -128,7 +128,7 @@ def _file_errors(paths: Sequence[str], phase: str) -> list[str]:
 
 
 def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | None = None,
-             use_cache: bool = True) -> tuple[list[Check], bool]:
+             use_cache: bool = True, model_config: str | None = None) -> tuple[list[Check], bool]:
     """The checklist of a trace set and whether ``analyze`` can use it."""
     from traceinspect import pipeline
     from traceinspect.errors import TraceInspectError
@@ -183,7 +183,9 @@ def diagnose(paths: Sequence[str], phase: str = "decode", server_info: str | Non
         checks.append(_warnings_check(ts.warnings))
         return checks, False
 
-    labels = pipeline.classify(ts, stepped, phase=phase)
+    from traceinspect.model.run import user_facts
+
+    labels = pipeline.classify(ts, stepped, phase=phase, user=user_facts(model_config=model_config))
     recovered, run = labels.graph_ops, labels.run_model
     sel = pipeline.select(ts, stepped, phase)
     selected, steps = sel.steps, stepped.table
@@ -406,12 +408,14 @@ def render(paths: Sequence[str], checks: list[Check], analysable: bool, phase: s
               help="server_info.json to use (default: the one beside the traces).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the checklist as JSON.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-table cache.")
+@MODEL_CONFIG_OPT
 def doctor_cmd(paths: tuple[str, ...], phase: str, server_info: str | None, json_out: str | None,
-               no_cache: bool) -> None:
+               no_cache: bool, model_config: str | None) -> None:
     """Explain what is usable in a trace set before analysing it: ranks, steps, recorded shapes, CUDA-graph
     replay and capture traces, server_info, clock offsets, classification coverage. Exits 0 when
     `traceinspect analyze` can use the set, 2 otherwise."""
-    checks, ok = diagnose(list(paths), phase=phase, server_info=server_info, use_cache=not no_cache)
+    checks, ok = diagnose(list(paths), phase=phase, server_info=server_info, use_cache=not no_cache,
+                          model_config=model_config)
     click.echo(render(list(paths), checks, ok, phase))
     if json_out:
         from traceinspect.fileio import write_json_atomic

@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from traceinspect.commands.analyze import MODEL_CONFIG_OPT
 from traceinspect.units import fmt_pct, fmt_us
 
 RULES_OPT = click.option("--rules", "rules", multiple=True, type=click.Path(),
@@ -118,8 +119,9 @@ def check_cmd(paths: tuple[str, ...]) -> None:
 @click.option("--only", multiple=True, help="Explain only this rule id (repeatable).")
 @click.option("--phase", type=click.Choice(["decode", "prefill", "all"]), default="decode", show_default=True)
 @click.option("--gpu", default=None, help="GPU spec: a name from rules/tables/gpus.yaml or a YAML file.")
+@MODEL_CONFIG_OPT
 def explain_cmd(paths: tuple[str, ...], rules: tuple[str, ...], only: tuple[str, ...], phase: str,
-                gpu: str | None) -> None:
+                gpu: str | None, model_config: str | None) -> None:
     """Analyse a trace set and say, for every rule, whether it fired and why (or why not)."""
     from rich.markup import escape
 
@@ -127,7 +129,7 @@ def explain_cmd(paths: tuple[str, ...], rules: tuple[str, ...], only: tuple[str,
     from traceinspect.pipeline import Options, analyze
 
     rs = _load(rules, only)
-    a = analyze(list(paths), Options(phase=phase, rules=rules, only=only, gpu=gpu))
+    a = analyze(list(paths), Options(phase=phase, rules=rules, only=only, gpu=gpu, model_config=model_config))
     con = _console()
     style = {"fired": "bold red", "silent": "green", "undecided": "yellow", "skipped": "dim", "error": "bold magenta"}
     for o in explain(a, rs):
