@@ -490,7 +490,7 @@ def _match_step(names: list[str], cls: list[str], p: Plan, arch: Architectures) 
         n_pre = int(idx[0])
         bounds = [0, *idx.tolist(), len(body)]
         for i in range(L):
-            pre = list(range(bounds[i], bounds[i + 1])) if i == 0 else list(range(bounds[i] - n_pre, bounds[i]))
+            pre = list(range(bounds[i + 1] - n_pre, bounds[i + 1]))
             end = bounds[i + 2] - (n_pre if i + 1 < L else 0)
             post = list(range(bounds[i + 1], end))
             if end < bounds[i + 1]:
