@@ -22,6 +22,7 @@ from traceinspect.judge.rule import (
     FORMAT_SPEC,
     GEMM_SELECT_KEYS,
     GROUP_BY,
+    split_test,
     ID_RE,
     KERNEL_SELECT_KEYS,
     MAX_TEXT,
@@ -292,7 +293,7 @@ def _tests(ctx: _Ctx, rule: LDict, rid: str) -> dict[str, list[str]]:
         if k == "undecided" and k not in raw:
             continue
         out[k] = _str_list(ctx, raw, k, rid, f"tests.{k}")
-        for p in out[k]:
+        for p in (x for e in out[k] for x in split_test(e) if x is not None):
             # fixtures are trace sets beside the rules: relative paths that stay inside their roots
             if Path(p).is_absolute() or ".." in Path(p).parts or not p.strip():
                 raise ctx.err(line_of(raw, k), f"rule {rid!r}: tests.{k}: {p!r} must be a relative path without "

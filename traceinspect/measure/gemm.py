@@ -52,6 +52,9 @@ CALL_COLUMNS = [
     "flops", "bytes", "us", "tflops", "gbps", "pct_peak", "pct_bw", "shape_source", "reason", "moe",
     "peak_tflops", "confidence",
 ]
+MODEL_CONFIG_HINT = ("their shapes follow from the model: pass --model-config config.json (the model's Hugging Face "
+                     "config), or capture with `traceinspect capture` on the server's host, which saves it in "
+                     "server_info.json")
 # how sure a shape is, by where it came from (a shape from the model config carries its match's confidence)
 SOURCE_CONFIDENCE = {"shapes": "high", "graph_capture": "high"}
 
@@ -209,6 +212,12 @@ def _model_sources(a: Analysis, kk: pd.DataFrame, inst: np.ndarray, source: np.n
     out = np.full(len(kk), None, dtype=object)
     mg = a.run_model.gemms if a.run_model is not None else None
     t = getattr(mg, "table", None)
+    blind = np.flatnonzero((inst < 0) & kk["graph_replay"].to_numpy(dtype=bool)) if len(kk) else np.zeros(0, int)
+    if len(blind):  # what would give the shapes of replayed kernels that have none
+        how = (f"; the model config's GEMMs were not matched to these kernels: {mg.reason}" if mg is not None and
+               mg.reason else "" if mg is not None else f"; {MODEL_CONFIG_HINT}")
+        if how:
+            why[blind] = np.array([f"{w}{how}" if w else w for w in why[blind].tolist()], dtype=object)
     if t is None or not len(t) or not len(kk):
         return out
     pos = t.index.get_indexer(kk.index)
