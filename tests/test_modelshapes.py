@@ -1,0 +1,154 @@
+"""GEMM shapes from the model config: CUDA-graph decode traces that record no shapes judged from the model's
+HF config, the parallel sizes and each step's batch, as recorded shapes are judged."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FIXTURES, copy_set, fixture_dir, real_trace
+
+from traceinspect.errors import ConfigError
+from traceinspect.model.run import user_facts
+from traceinspect.pipeline import analyze
+
+TINY = FIXTURES / "generate" / "tiny-mla-moe.config.json"
+QWEN3 = Path(__file__).resolve().parents[1].parent.parent / "shared" / "model-configs" / "qwen3-8b.config.json"
+QWEN3_TRACE = "tracelens__inference__sglang_decode__sglang_Qwen3-8B_decode.json.gz"
+QWEN3_CAPTURE = "tracelens__inference__sglang_decode__capture_traces__bs_32_rank0.json.gz"
+
+
+def _qwen3_config() -> Path:
+    for p in (QWEN3, Path("/work/shared/model-configs/qwen3-8b.config.json")):
+        if p.is_file():
+            return p
+    pytest.skip("the shared Qwen3-8B config.json is not here")
+
+
+def _doc(path: Path, **kw: Any) -> dict[str, Any]:
+    return analyze([str(path)], jobs=1, use_cache=False, **kw).to_json(report=False)
+
+
+def _shapes(doc: dict[str, Any]) -> dict[tuple[Any, ...], int]:
+    """(cls, dtype, M, N, K, batch, groups) -> calls of the GEMM rows with known shapes."""
+    return {(g["cls"], g["dtype"], g["m"], g["n"], g["k"], g["batch"], g["groups"]): g["calls"]
+            for g in doc["gemm"] if g["m"] is not None}
+
+
+def _qwen3_sets(tmp_path: Path) -> tuple[Path, Path]:
+    with_cap = tmp_path / "with"
+    (with_cap / "graph_capture_profile").mkdir(parents=True)
+    shutil.copy(real_trace(QWEN3_TRACE), with_cap / QWEN3_TRACE)
+    shutil.copy(real_trace(QWEN3_CAPTURE), with_cap / "graph_capture_profile" / QWEN3_CAPTURE)
+    without = tmp_path / "without"
+    without.mkdir()
+    shutil.copy(real_trace(QWEN3_TRACE), without / QWEN3_TRACE)
+    return with_cap, without
+
+
+def test_qwen3_shapes_from_the_config_are_those_of_the_capture_trace(tmp_path: Path) -> None:
+    with_cap, without = _qwen3_sets(tmp_path)
+    cap = _doc(with_cap)
+    model = _doc(without, model_config=str(_qwen3_config()))
+    assert all(g["shape_source"] == "graph_capture" for g in cap["gemm"])
+    assert all(g["shape_source"] == "model_config" and g["confidence"] == "high" for g in model["gemm"])
+    # M, N, K of every GEMM: the same from the model config as from the capture trace
+    assert _shapes(model) == _shapes(cap)
+    by_op = {g["op"]: (g["m"], g["n"], g["k"]) for g in model["gemm"]}
+    assert by_op == {"qkv_proj": (32, 6144, 4096), "o_proj": (32, 4096, 4096), "gate_up_proj": (32, 24576, 4096),
+                     "down_proj": (32, 4096, 12288), "lm_head": (32, 151936, 4096)}
+    assert [g["tflops"] for g in model["gemm"]] == [g["tflops"] for g in cap["gemm"]]
+    facts = model["run"]["facts"]
+    assert facts["gemm_shapes"]["source"] == "model_config" and facts["gemm_shapes"]["confidence"] == "high"
+    assert (facts["attention_heads"]["value"], facts["kv_heads"]["value"], facts["head_dim"]["value"]) == (32, 8, 128)
+    # without a model config the GEMM table says what would give the shapes
+    blind = _doc(without)
+    assert all(g["shape_source"] == "unknown" and "--model-config" in g["reason"] for g in blind["gemm"])
+
+
+def test_a_recorded_shape_that_differs_from_the_model_is_a_warning_naming_both(tmp_path: Path) -> None:
+    with_cap, _ = _qwen3_sets(tmp_path)
+    cfg = json.loads(_qwen3_config().read_text())
+    cfg["intermediate_size"] = 11008
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps(cfg))
+    doc = _doc(with_cap, model_config=str(wrong))
+    assert all(g["shape_source"] == "graph_capture" for g in doc["gemm"])  # recorded shapes win
+    warn = [w for w in doc["warnings"] if "differs from the model config" in w]
+    assert any("M=32 N=24576 K=4096" in w and "gate_up_proj (M=32 N=22016 K=4096" in w for w in warn), warn
+
+
+def test_mla_moe_graph_set_without_capture_gets_its_shapes_from_the_config(tmp_path: Path) -> None:
+    nocap = fixture_dir("tp1-l6-full-graph-nocapture")
+    man = json.loads((nocap / "manifest.json").read_text())
+    doc = _doc(nocap, model_config=str(TINY))
+    cap = _doc(fixture_dir("tp1-l6-full-graph"))
+    rows = {g["op"]: g for g in doc["gemm"] if g["shape_source"] == "model_config"}
+    w13, w2 = rows["experts.w13"], rows["experts.w2"]
+    expect = man["batch"] * man["topk"] / man["experts"]
+    for g in (w13, w2):
+        assert g["cls"] == "moe_gemm" and abs(g["m"] - expect) <= 0.1 * expect
+    assert (w13["n"], w13["k"], w2["n"], w2["k"]) == (2 * man["moe_intermediate"], man["hidden_size"],
+                                                     man["hidden_size"], man["moe_intermediate"])
+    # FLOPs from the model's shapes: 2 M N K per call
+    assert w13["gflop"] == pytest.approx(2 * w13["m"] * w13["n"] * w13["k"] * w13["calls"] / 1e9, rel=1e-3)
+    assert doc["moe"]["per_expert_m"]["source"] == "model_config"
+    assert doc["moe"]["per_expert_m"]["value"] == pytest.approx(expect, rel=0.1)
+    # every GEMM the capture trace records (weight GEMMs; attention's batched GEMMs are not the model's)
+    weights = {k: v for k, v in _shapes(cap).items() if not (k[0] == "bf16_gemm" and k[5] == man["batch"])}
+    assert _shapes(doc) == weights
+
+
+def _bs16_nocapture(tmp_path: Path) -> Path:
+    return copy_set(fixture_dir("tp1-l6-gather-graph-bs16"), tmp_path / "bs16-nocapture")
+
+
+def test_small_m_fires_with_the_config_and_is_undecided_naming_it_without(tmp_path: Path) -> None:
+    d = _bs16_nocapture(tmp_path)
+    blind = _doc(d)
+    assert not any(f["rule"] == "small-m-gemm" for f in blind["findings"])
+    und = [u for u in blind["undecided"] if u["rule"] == "small-m-gemm"]
+    assert und and any("--model-config" in s for s in und[0]["how_to_supply"])
+    gemm = [u for u in blind["unexplained"] if u["cls"].endswith("_gemm")]
+    assert gemm and all("rule small-m-gemm could not decide (missing: m)" in u["explain_with"][0] for u in gemm)
+    assert not any("no rule is about" in e for u in gemm for e in u["explain_with"])
+    doc = _doc(d, model_config=str(TINY))
+    f = [f for f in doc["findings"] if f["rule"] == "small-m-gemm"]
+    assert f and f[0]["evidence"]["is_moe"] and f[0]["evidence"]["per_expert_m"] == pytest.approx(16 * 8 / 16)
+    assert not [u for u in doc["undecided"] if u["rule"] == "small-m-gemm"]
+
+
+def test_the_model_config_comes_from_flag_toml_or_server_info(tmp_path: Path) -> None:
+    toml = tmp_path / "traceinspect.toml"
+    toml.write_text('[model]\nconfig = "tiny.json"\n')
+    shutil.copy(TINY, tmp_path / "tiny.json")
+    facts = user_facts(config=toml)
+    assert facts["model_config"][0]["model_type"] == "deepseek_v3"
+    # capture's server_info.json block
+    from traceinspect.capture.modelconfig import pick
+
+    d = copy_set(fixture_dir("tp1-l6-gather-graph-bs16"), tmp_path / "si")
+    si = json.loads((d / "server_info.json").read_text())
+    si["model_config"] = {**pick(json.loads(TINY.read_text())), "source": "/models/tiny-mla-moe/config.json"}
+    (d / "server_info.json").write_text(json.dumps(si))
+    doc = _doc(d)
+    assert doc["run"]["facts"]["model_config"]["source"] == "server_info"
+    assert any(g["shape_source"] == "model_config" for g in doc["gemm"])
+    assert any(f["rule"] == "small-m-gemm" for f in doc["findings"])
+
+
+def test_unusable_model_configs(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        user_facts(model_config=tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"vocab_size": 5}')
+    with pytest.raises(ConfigError, match="not a Hugging Face model config"):
+        user_facts(model_config=bad)
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"model_type": "no_such_model", "hidden_size": 8, "num_hidden_layers": 2}))
+    doc = _doc(fixture_dir("tp1-l6-full-graph-nocapture"), model_config=str(odd))
+    assert "in no family" in doc["run"]["facts"]["model_config"]["detail"]
+    assert all(g["shape_source"] == "unknown" for g in doc["gemm"])
