@@ -83,7 +83,7 @@ def _parse(text: str) -> ast.Expression:
 
 def evaluate(text: Any, env: Mapping[str, Any]) -> Any:
     """The value of a table expression over ``env`` (raises :class:`_Missing` for an unknown name)."""
-    if isinstance(text, bool) or isinstance(text, (int, float)):
+    if isinstance(text, (bool, int, float)):
         return text
     return _eval(_parse(str(text)).body, env, str(text))
 
@@ -620,16 +620,16 @@ def map_kernels(ts: TraceSet, steps: pd.DataFrame | None, run: RunModel, phase: 
             failed[m] = failed.get(m, 0) + 1
             continue
         tok = float(tokens.get(step_col[a], np.nan))
-        if not tok == tok or tok <= 0:
-            failed["the step's batch is unknown (no bs=N in its marker, no batch fact)"] = \
-                failed.get("the step's batch is unknown (no bs=N in its marker, no batch fact)", 0) + 1
+        if not np.isfinite(tok) or tok <= 0:
+            why = "the step's batch is unknown (no bs=N in its marker, no batch fact)"
+            failed[why] = failed.get(why, 0) + 1
             continue
         matched += 1
         n_exp = {}
-        for pos, g, _li in m.pairs:
+        for _pos, g, _li in m.pairs:
             if g.role == "experts":
                 n_exp[g.name] = n_exp.get(g.name, 0) + 1
-        per_layer_loop = {nm: c for nm, c in n_exp.items()}
+        per_layer_loop = dict(n_exp)
         experts_layers = sum(1 for lay in p.layers if lay.moe) or 1
         for pos, g, li in m.pairs:
             c = cls[pos]

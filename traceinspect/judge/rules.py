@@ -22,7 +22,6 @@ from traceinspect.judge.rule import (
     FORMAT_SPEC,
     GEMM_SELECT_KEYS,
     GROUP_BY,
-    split_test,
     ID_RE,
     KERNEL_SELECT_KEYS,
     MAX_TEXT,
@@ -39,6 +38,7 @@ from traceinspect.judge.rule import (
     Rule,
     RuleSet,
     Selector,
+    split_test,
 )
 from traceinspect.judge.yamlsrc import LDict, LList, line_of, read_yaml
 from traceinspect.model.edits import KINDS, SELECT_KEYS
