@@ -152,3 +152,19 @@ def test_unusable_model_configs(tmp_path: Path) -> None:
     doc = _doc(fixture_dir("tp1-l6-full-graph-nocapture"), model_config=str(odd))
     assert "in no family" in doc["run"]["facts"]["model_config"]["detail"]
     assert all(g["shape_source"] == "unknown" for g in doc["gemm"])
+
+
+def test_vllm_gpt_oss_graph_decode_gets_its_batch_from_the_generation_marker() -> None:
+    """vLLM's full CUDA-graph decode of a gpt-oss model: the batch is the marker's generation_M, every GEMM
+    kernel of the step is matched, and the lm_head's recorded shape agrees with the model's."""
+    trace = real_trace("tracelens__inference__vllm_decode_full__graph_execution.json.gz")
+    cfg = Path(__file__).parent / "data" / "gpt-oss-20b.config.json"
+    doc = _doc(trace, model_config=str(cfg))
+    assert doc["run"]["facts"]["gemm_shapes"]["confidence"] == "high"
+    rows = {g["op"]: g for g in doc["gemm"]}
+    assert rows["qkv_proj"]["m"] == 32 and rows["qkv_proj"]["n"] == (64 + 2 * 8) * 64
+    w13 = rows["experts.w13"]
+    assert w13["cls"] == "moe_gemm" and w13["groups"] == 32 and w13["m"] / w13["groups"] == 32 * 4 / 32
+    assert doc["moe"]["per_expert_m"]["value"] == 4
+    assert not [w for w in doc["warnings"] if "differs from the model config" in w]
+    assert all(g["shape_source"] != "unknown" for g in doc["gemm"])

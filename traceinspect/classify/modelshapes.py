@@ -41,7 +41,7 @@ from traceinspect.model.classes import GEMM_CLASSES
 from traceinspect.model.run import Fact, ModelGemms, RunModel, undecided
 from traceinspect.model.shapes import Shape
 from traceinspect.resources import lazy_module, settings_document, tables_dir
-from traceinspect.steps import select_steps
+from traceinspect.steps import select_steps, step_rules
 from traceinspect.tables import set_object_column, text_values
 
 yaml = lazy_module("yaml")
@@ -560,9 +560,27 @@ def _num(x: float) -> int | float:
     return int(x) if float(x).is_integer() else round(float(x), 4)
 
 
+def _marker_requests(names: np.ndarray) -> np.ndarray:
+    """Decode requests a step's forward marker names (vLLM's ``execute_..._generation_M(...)``), else -1."""
+    rules = step_rules()
+    pats = [p for p in rules.forward if "decode" in p.groupindex]
+    out = np.full(len(names), -1.0)
+    for i, name in enumerate(names.tolist()):
+        for p in pats:
+            m = p.search(str(name))
+            if m:
+                out[i] = float(m.group("decode"))
+                break
+    return out
+
+
 def _step_tokens(steps: pd.DataFrame, run: RunModel) -> np.ndarray:
+    """Tokens each step runs through the GEMMs: SGLang's bs=N (decode) or toks=, vLLM's generation_M of
+    its forward marker, else the run facts' batch."""
     toks = steps["toks"].to_numpy(dtype=float) if "toks" in steps else np.full(len(steps), -1.0)
     bs = steps["bs"].to_numpy(dtype=float) if "bs" in steps else np.full(len(steps), -1.0)
+    if "name" in steps and (bs < 0).any():
+        bs = np.where(bs < 0, _marker_requests(steps["name"].to_numpy(dtype=object)), bs)
     phase = steps["phase"].to_numpy(dtype=object) if "phase" in steps else np.full(len(steps), "decode", dtype=object)
     out = np.where(phase == "decode", np.where(bs > 0, bs, toks), np.where(toks > 0, toks, bs))
     b = run.value("batch")
