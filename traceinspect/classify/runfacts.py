@@ -128,7 +128,8 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
         else:
             f[name] = undecided(f"no {' / '.join(keys[:3])} in server_info.json (model_info / model_config)"
                                  + (" nor router top-k shapes in the trace" if name in ("experts", "top_k") else "")
-                                 + (f"; give it with {USER_FLAGS[name]}" if name in USER_FLAGS else ""))
+                                 + (f"; give it with {USER_FLAGS[name]} or --model-config config.json"
+                                    if name in USER_FLAGS else "; give it with --model-config config.json"))
 
     # the KV pool
     tok = si.count("max_total_num_tokens")
