@@ -168,3 +168,50 @@ def test_vllm_gpt_oss_graph_decode_gets_its_batch_from_the_generation_marker() -
     assert doc["moe"]["per_expert_m"]["value"] == 4
     assert not [w for w in doc["warnings"] if "differs from the model config" in w]
     assert all(g["shape_source"] != "unknown" for g in doc["gemm"])
+
+
+def _by_name(layer: Any) -> dict[str, tuple[int, int, int]]:
+    return {g.name: (g.n, g.k, g.batch) for g in layer.pre + layer.post}
+
+
+def test_per_rank_gemms_of_the_families() -> None:
+    """N and K per rank as the engines shard them: column-parallel N / TP, row-parallel K / TP, experts by
+    TP / EP, MLA's absorbed batched GEMMs over the rank's heads, dense first layers."""
+    from traceinspect.classify.modelshapes import plan
+
+    dsv3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+            "v_head_dim": 128, "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+            "n_shared_experts": 1, "first_k_dense_replace": 3, "intermediate_size": 18432, "vocab_size": 129280}
+    p, why = plan(dsv3, "dsv3", tp=8, ep=8)
+    assert p is not None, why
+    assert sum(lay.moe for lay in p.layers) == 58 and not any(lay.moe for lay in p.layers[:3])
+    dense, moe = _by_name(p.layers[0]), _by_name(p.layers[3])
+    assert dense["fused_qkv_a_proj_with_mqa"] == (1536 + 512 + 64, 7168, 1)
+    assert dense["q_b_proj"] == (128 * 192 // 8, 1536, 1)
+    assert dense["w_kc"] == (512, 128, 16) and dense["w_vc"] == (128, 512, 16)
+    assert dense["o_proj"] == (7168, 128 * 128 // 8, 1)
+    assert dense["gate_up_proj"] == (2 * 18432 // 8, 7168, 1) and dense["down_proj"] == (7168, 18432 // 8, 1)
+    assert moe["gate"] == (256, 7168, 1)
+    assert moe["experts.w13"] == (2 * 2048, 7168, 1) and moe["experts.w2"] == (7168, 2048, 1)  # EP = TP: whole
+    assert moe["shared_experts.gate_up_proj"] == (2 * 2048 // 8, 7168, 1)
+    assert p.local_experts == 32 and (p.heads, p.kv_heads, p.head_dim) == (16, 1, 576)
+    assert p.tail[0].n == 129280 // 8
+
+    qwen3moe = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
+                "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                "moe_intermediate_size": 768, "intermediate_size": 6144, "vocab_size": 151936}
+    p, why = plan(qwen3moe, "q3moe", tp=8)
+    assert p is not None, why
+    lay = _by_name(p.layers[0])
+    assert lay["qkv_proj"] == ((4 + 2 * 1) * 128, 2048, 1)  # 4 KV heads over 8 ranks: one per rank, replicated
+    assert lay["experts.w13"] == (2 * 768 // 8, 2048, 1) and lay["experts.w2"] == (2048, 768 // 8, 1)
+    assert "shared_expert.gate_up_proj" not in lay and all(la.moe for la in p.layers)
+
+    mixtral = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+               "intermediate_size": 14336, "vocab_size": 32000}
+    p, why = plan(mixtral, "mixtral", tp=2)
+    assert p is not None, why
+    assert _by_name(p.layers[0])["experts.w13"] == (14336, 4096, 1) and p.top_k == 2
+    assert plan({"model_type": "deepseek_v3", "hidden_size": 8, "num_hidden_layers": 2}, "x")[0] is None
