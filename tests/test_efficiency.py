@@ -461,9 +461,10 @@ def test_key_groups_number_rows_as_pandas_groups_them(seed: int) -> None:
         "moe": rng.integers(0, 2, n).astype(bool),
         "shape_source": pd.Series(pick("shapes", "graph_capture", "unknown"), dtype=object),
         "reason": pd.Series(pick("", None, "no CPU op"), dtype=object),
+        "confidence": pd.Series(pick("high", "medium", None), dtype=object),
     })
-    for prepare, keys, cols in ((_gemm_keys, _GEMM_KEYS, _GEMM_KEYS),
-                                (_shape_keys, _SHAPE_KEYS, [c for c in frame.columns if c not in ("shape_source", "reason")])):
+    shape_cols = [c for c in frame.columns if c not in ("shape_source", "reason", "confidence")]
+    for prepare, keys, cols in ((_gemm_keys, _GEMM_KEYS, _GEMM_KEYS), (_shape_keys, _SHAPE_KEYS, shape_cols)):
         got, number = key_groups(frame, cols, prepare, keys)
         want, want_number = _groupby_keys(frame, prepare, keys)
         np.testing.assert_array_equal(number, want_number)
@@ -491,12 +492,14 @@ def test_prepared_keys_are_the_frame_formulas() -> None:
         "groups": pd.Series([1, 8, None, 0], dtype=object), "moe": [False, True, False, True],
         "shape_source": pd.Series(["shapes", "unknown", "unknown", "graph_capture"], dtype=object),
         "reason": pd.Series(["", None, "no CPU op", ""], dtype=object),
+        "confidence": pd.Series(["high", None, None, "medium"], dtype=object),
     }, index=[5, 3, 9, 1])
 
     want = g[_GEMM_KEYS].copy()
     for c in ("m", "n", "k", "batch", "groups"):
         want[c] = pd.to_numeric(want[c], errors="coerce").fillna(-1).astype(np.int64)
     want["dtype"], want["reason"] = want["dtype"].fillna(""), want["reason"].fillna("")
+    want["confidence"] = want["confidence"].fillna("")
     known = want["shape_source"] != "unknown"
     want.loc[~known, "op_name"] = want.loc[~known, "op_name"].fillna("")
     pd.testing.assert_frame_equal(_gemm_keys(g), want)

@@ -248,7 +248,8 @@ def test_rules_test_command_passes_on_shipped_rules() -> None:
     # every rule ran on every set the rules name (each rule's own expectations, the manifests' planted
     # rules, and a clean run everywhere else)
     rules = load_rule_set()
-    sets = {p for rule in rules for kind in ("fires", "silent", "undecided") for p in rule.test_paths(kind)}
+    sets = {pair for rule in rules for kind in ("fires", "silent", "undecided")
+            for pair in zip(rule.test_paths(kind), rule.test_model_configs(kind), strict=True)}
     lines = [ln for ln in r.stdout.splitlines() if re.match(r"^(PASS|RAN|FAIL)\b", ln)]
     assert len(lines) == len(rules) * len(sets), (len(lines), len(rules), len(sets))
     assert sum(ln.startswith("RAN") for ln in lines) > 0

@@ -50,6 +50,7 @@ class Options(msgspec.Struct):
     top_k: int | None = None
     config: str | Path | None = None  # a traceinspect.toml whose [model] table states them too
     allow_mismatch: bool = False  # analyse files that are not one run's ranks together (a warning, not exit 2)
+    model_config: str | Path | None = None  # the model's Hugging Face config.json (GEMM shapes from the model)
 
 
 class Analysis(msgspec.Struct, eq=False):

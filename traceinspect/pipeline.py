@@ -250,7 +250,7 @@ def analysed_steps(ts: TraceSet, opts: Options) -> tuple[Stepped, Classified, Se
     stepped = steps(ts, opts.phase)
     opts.phase = stepped.phase
     ts.warnings += stepped.notes
-    user = user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
+    user = user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config, model_config=opts.model_config)
     labels = classify(ts, stepped, user=user, phase=opts.phase)
     selected = select(ts, stepped, opts.phase)
     ts.warnings += selected.warnings
@@ -269,7 +269,7 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
         default_table()  # the kernel class and GPU spec tables too (read once): on a large trace, while its scan runs
         default_gpu_specs()
     try:
-        user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config)
+        user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config, model_config=opts.model_config)
         ts = load(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs, executor=opts.executor,
                   use_cache=opts.use_cache, allow_mismatch=opts.allow_mismatch)
         # the loaded tables hold ~1e6 long-lived objects: keep the cyclic garbage collector from rescanning

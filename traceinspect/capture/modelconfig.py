@@ -16,13 +16,17 @@ from typing import Any
 FIELDS = ("num_hidden_layers", "n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts",
           "num_experts_per_tok", "moe_top_k", "moe_topk", "first_k_dense_replace", "hidden_size", "vocab_size",
           "num_attention_heads", "num_key_value_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim",
-          "intermediate_size", "moe_intermediate_size", "model_type", "architectures", "torch_dtype")
+          "intermediate_size", "moe_intermediate_size", "model_type", "architectures", "torch_dtype",
+          # what rules/tables/architectures.yaml derives the GEMM shapes from
+          "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_shared_experts", "moe_layer_freq",
+          "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers", "experts_per_token",
+          "quantization_config")
 MAX_CONFIG_BYTES = 4 << 20
 
 
 def pick(config: dict[str, Any]) -> dict[str, Any]:
     """The fields of FIELDS present in a config (and in its ``text_config``, for multimodal models)."""
-    out = {k: config[k] for k in FIELDS if k in config and isinstance(config[k], (int, str, list))
+    out = {k: config[k] for k in FIELDS if k in config and isinstance(config[k], (int, str, list, dict))
            and not isinstance(config[k], bool)}
     tc = config.get("text_config")
     if isinstance(tc, dict):

@@ -11,6 +11,7 @@ import pandas as pd
 from traceinspect.classify.experts import mark_experts, verify_experts
 from traceinspect.classify.graphs import CAPTURED_NOTE, captured_rows
 from traceinspect.classify.kv import promote_kv
+from traceinspect.classify.modelshapes import model_gemms
 from traceinspect.classify.runfacts import decide as decide_run
 from traceinspect.classify.table import ClassTable, Label, default_table
 from traceinspect.model import TraceSet
@@ -81,6 +82,7 @@ def classify_kernels(ts: TraceSet, steps: pd.DataFrame, table: ClassTable | None
     mark_experts(ts, steps, run, graph_ops)
     verify_experts(ts, table, run)
     promote_kv(ts, steps, table, graph_ops=graph_ops, run=run)
+    model_gemms(ts, steps, run, phase)
     for c, uniq in per_label.items():
         k[c] = _categorical(k[c].to_numpy(dtype=object), codes, uniq)
     return run

@@ -6,6 +6,7 @@ kernels have their name-based classes and before the evidence-based ones; every 
 Sources, strongest first:
 
 ``user``             ``--layers`` / ``--experts`` / ``--top-k``, or ``[model]`` in ``traceinspect.toml``
+``model_config``     the model's HF config.json given with ``--model-config`` (or ``config`` under ``[model]``)
 ``server_info``      server_info.json as ``traceinspect capture`` saves it: SGLang's ``/server_info``,
                      its ``/model_info`` (``model_info``) and the model's HF config (``model_config``)
 ``shapes``           recorded tensor shapes of the trace's CPU ops
@@ -36,6 +37,7 @@ from traceinspect.model.run import (
     Fact,
     RunModel,
     ServerInfo,
+    model_int,
     undecided,
 )
 from traceinspect.model.shapes import dims, tensor_bytes
@@ -67,6 +69,15 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
     rm = RunModel()
     f = rm.facts
     sel = _structure_steps(steps)
+    given = user.pop("model_config", None)
+    if given is not None:  # --model-config, [model] config: wins over the block server_info carries
+        rm.config, rm.config_source = dict(given[0]), str(given[1])
+    elif isinstance(si.get("model_config"), dict) and si.get("model_config"):
+        block = si["model_config"]
+        rm.config = dict(block)
+        where = block.get("source")
+        rm.config_source = "server_info.json model_config" + (f" (from {where})" if isinstance(where, str) else "")
+    cfg = {"model_config": rm.config} if rm.config is not None and given is not None else None
 
     # parallel sizes: server_info, else the rank file names
     for name, attr in (("tp_size", "tp"), ("pp_size", "pp"), ("ep_size", "ep")):
@@ -87,6 +98,8 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
     # layers: the user, the model config (per pipeline stage), the kernel sequence
     if "layers" in user:
         f["layers"] = Fact(user["layers"][0], "user", "high", user["layers"][1])
+    elif cfg is not None and (stage := ServerInfo({**cfg, "pp_size": si.get("pp_size")}).stage_layers())[0]:
+        f["layers"] = Fact(stage[0], "model_config", "high", f"{rm.config_source}: {stage[1].split('.', 1)[-1]}")
     else:
         n, how = si.stage_layers()
         if n is not None:
@@ -100,6 +113,10 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
         if name in user:
             f[name] = Fact(user[name][0], "user", "high", user[name][1])
             continue
+        v, how = model_int(cfg, keys) if cfg is not None else (None, "")
+        if v is not None:
+            f[name] = Fact(v, "model_config", "high", f"{rm.config_source}: {how.split('.', 1)[-1]}")
+            continue
         v, how = si.model_int(keys)
         if v is not None:
             f[name] = Fact(v, "server_info", "high", how)
@@ -111,7 +128,8 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
         else:
             f[name] = undecided(f"no {' / '.join(keys[:3])} in server_info.json (model_info / model_config)"
                                  + (" nor router top-k shapes in the trace" if name in ("experts", "top_k") else "")
-                                 + (f"; give it with {USER_FLAGS[name]}" if name in USER_FLAGS else ""))
+                                 + (f"; give it with {USER_FLAGS[name]} or --model-config config.json"
+                                    if name in USER_FLAGS else "; give it with --model-config config.json"))
 
     # the KV pool
     tok = si.count("max_total_num_tokens")
@@ -156,7 +174,37 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
     bs = bs[bs >= 0]
     f["batch"] = (Fact(float(np.median(bs)), "trace_structure", "high", "median bs=N of the step annotations")
                   if len(bs) else undecided("steps carry no bs=N annotation"))
+    _model_facts(rm)
     return rm
+
+
+NO_MODEL_CONFIG = ("no model config: pass --model-config config.json (the model's Hugging Face config), set "
+                   "`config = \"config.json\"` under [model] in traceinspect.toml, or capture with `traceinspect "
+                   "capture` on the server's host, which saves it in server_info.json")
+
+
+def _model_facts(rm: RunModel) -> None:
+    """The model config fact and the per-rank attention it gives (heads, KV heads, head dim)."""
+    f = rm.facts
+    if rm.config is None:
+        f["model_config"] = undecided(NO_MODEL_CONFIG)
+        return
+    from traceinspect.classify.modelshapes import plan
+
+    p, why = plan(rm.config, rm.config_source or "model config", int(rm.value("tp_size") or 1),
+                  int(rm.value("ep_size") or 1), int(rm.value("pp_size") or 1))
+    src = "user" if not (rm.config_source or "").startswith("server_info") else "server_info"
+    if p is None:
+        f["model_config"] = Fact(rm.config_source, src, "high", f"{rm.config_source}: its GEMMs are not derived: {why}")
+        return
+    f["model_config"] = Fact(rm.config_source, src, "high",
+                             f"model_type {p.model_type or '?'} (family {p.family} of rules/tables/architectures.yaml), "
+                             f"{len(p.layers)} layers, {sum(lay.moe for lay in p.layers)} of them MoE")
+    tp = rm.value("tp_size") or 1
+    for name, v, what in (("attention_heads", p.heads, "query heads"), ("kv_heads", p.kv_heads, "KV heads"),
+                          ("head_dim", p.head_dim, "head dim")):
+        if v is not None:
+            f[name] = Fact(v, "model_config", "high", f"{what} per rank (tp_size={tp}) from {rm.config_source}")
 
 
 def _structure_steps(steps: pd.DataFrame | None) -> pd.DataFrame | None:

@@ -11,6 +11,10 @@ from typing import Any
 import click
 
 PHASES = click.Choice(["auto", "decode", "prefill", "all"])
+MODEL_CONFIG_OPT = click.option(
+    "--model-config", "model_config", type=click.Path(dir_okay=False), default=None,
+    help="The model's Hugging Face config.json: GEMM shapes (M, N, K, dtype) of CUDA-graph-replayed kernels follow "
+         "from it, the parallel sizes and each step's batch; wins over server_info's model_config.")
 
 
 allow_mismatch_option = click.option(
@@ -41,6 +45,7 @@ def analysis_options(f: Any) -> Any:
         click.option("--top-k", "top_k", type=click.IntRange(min=1), default=None,
                      help="Experts per token (MoE top-k); wins over server_info."),
         allow_mismatch_option,
+        MODEL_CONFIG_OPT,
     ]):
         f = opt(f)
     return f
@@ -57,6 +62,7 @@ def build_options(**kw: Any) -> Any:
         command="traceinspect " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         layers=kw.get("layers"), experts=kw.get("experts"), top_k=kw.get("top_k"), config=_config_path(kw),
         allow_mismatch=bool(kw.get("allow_mismatch")),
+        model_config=kw.get("model_config"),
     )
 
 

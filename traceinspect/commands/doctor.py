@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from traceinspect.commands.analyze import PHASES, allow_mismatch_option
+from traceinspect.commands.analyze import MODEL_CONFIG_OPT, PHASES, allow_mismatch_option
 from traceinspect.units import fmt_bytes, fmt_us, fmt_us_signed
 
 OK, WARN, FAIL, INFO = "ok", "warn", "FAIL", "info"
@@ -131,7 +131,8 @@ def _file_errors(paths: Sequence[str], phase: str) -> list[str]:
 
 
 def diagnose(paths: Sequence[str], phase: str = "auto", server_info: str | None = None,
-             use_cache: bool = True, allow_mismatch: bool = False) -> tuple[list[Check], bool]:
+             use_cache: bool = True, allow_mismatch: bool = False,
+             model_config: str | None = None) -> tuple[list[Check], bool]:
     """The checklist of a trace set and whether ``analyze`` can use it."""
     from traceinspect import pipeline
     from traceinspect.errors import TraceInspectError
@@ -192,7 +193,9 @@ def diagnose(paths: Sequence[str], phase: str = "auto", server_info: str | None 
     ops = ts.cpu_ops
     engine = serving_engine(ops["name"].astype(str).unique() if len(ops) else [], stepped.table["source"].unique(),
                             ts.server_info)
-    labels = pipeline.classify(ts, stepped, phase=phase)
+    from traceinspect.model.run import user_facts
+
+    labels = pipeline.classify(ts, stepped, phase=phase, user=user_facts(model_config=model_config))
     recovered, run = labels.graph_ops, labels.run_model
     sel = pipeline.select(ts, stepped, phase)
     selected, steps = sel.steps, stepped.table
@@ -433,13 +436,14 @@ def render(paths: Sequence[str], checks: list[Check], analysable: bool, phase: s
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Also write the checklist as JSON.")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-table cache.")
 @allow_mismatch_option
+@MODEL_CONFIG_OPT
 def doctor_cmd(paths: tuple[str, ...], phase: str, server_info: str | None, json_out: str | None,
-               no_cache: bool, allow_mismatch: bool | None) -> None:
+               no_cache: bool, allow_mismatch: bool | None, model_config: str | None) -> None:
     """Explain what is usable in a trace set before analysing it: ranks, steps, recorded shapes, CUDA-graph
     replay and capture traces, server_info, clock offsets, classification coverage. Exits 0 when
     `traceinspect analyze` can use the set, 2 otherwise."""
     checks, ok = diagnose(list(paths), phase=phase, server_info=server_info, use_cache=not no_cache,
-                          allow_mismatch=bool(allow_mismatch))
+                          allow_mismatch=bool(allow_mismatch), model_config=model_config)
     click.echo(render(list(paths), checks, ok, phase))
     if json_out:
         from traceinspect.fileio import write_json_atomic

@@ -168,6 +168,7 @@ class _Case:
     expect: str  # 'fires' | 'silent'
     path: Path
     written: str
+    model_config: Path | None = None
 
 
 def _cases(rs: Any) -> tuple[list[_Case], list[str]]:
@@ -175,21 +176,21 @@ def _cases(rs: Any) -> tuple[list[_Case], list[str]]:
     set whose manifest.json plants the rule (``planted``) must make it fire; elsewhere it only has to
     run without error (``runs``)."""
     cases, problems = [], []
-    declared: dict[tuple[str, Path], str] = {}
-    sets: dict[Path, str] = {}
+    declared: dict[tuple[str, Path, Path | None], str] = {}
+    sets: dict[tuple[Path, Path | None], str] = {}
     for r in rs:
         for kind in ("fires", "silent", "undecided"):
             written = r.tests.get(kind, [])
-            for w, p in zip(written, r.test_paths(kind), strict=True):
-                declared[(r.id, p)] = kind
-                sets.setdefault(p, w)
+            for w, p, mc in zip(written, r.test_paths(kind), r.test_model_configs(kind), strict=True):
+                declared[(r.id, p, mc)] = kind
+                sets.setdefault((p, mc), w)
             if not written and kind != "undecided":
                 problems.append(f"{r.id}: names no fixture it must {'fire on' if kind == 'fires' else 'stay silent on'}")
-    for p, w in sets.items():
-        planted = _planted(p)
+    for (p, mc), w in sets.items():
+        planted = _planted(p) if mc is None else set()
         for r in rs:
-            kind = declared.get((r.id, p)) or ("fires" if r.id in planted else "runs")
-            cases.append(_Case(r.id, kind, p, w))
+            kind = declared.get((r.id, p, mc)) or ("fires" if r.id in planted else "runs")
+            cases.append(_Case(r.id, kind, p, w, mc))
     return cases, problems
 
 
@@ -220,7 +221,7 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
     (evidence missing there), and run without error everywhere else. Exit 1 if any check fails."""
     from rich.markup import escape
 
-    from traceinspect.errors import TraceInputError
+    from traceinspect.errors import ConfigError, TraceInputError
     from traceinspect.judge import explain
     from traceinspect.pipeline import Options, analyze
 
@@ -235,12 +236,13 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
         else:
             failed += 1
             con.print(f"[red]FAIL[/red] {escape(p)}")
-    by_fixture: dict[tuple[Path, str], list[_Case]] = defaultdict(list)
+    by_fixture: dict[tuple[Path, str, Path | None], list[_Case]] = defaultdict(list)
     for c in cases:
         rule = rs.get(c.rule)
         phase = rule.phase if rule.phase != "all" else "decode"
-        by_fixture[(c.path, phase)].append(c)
-    for (path, phase), group in sorted(by_fixture.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        by_fixture[(c.path, phase, c.model_config)].append(c)
+    for (path, phase, mc), group in sorted(by_fixture.items(),
+                                           key=lambda kv: (str(kv[0][0]), kv[0][1], str(kv[0][2] or ""))):
         if not path.exists():
             for c in group:
                 tag = "[yellow]SKIP[/yellow]" if allow_missing else "[red]FAIL[/red]"
@@ -249,8 +251,9 @@ def test_cmd(rules: tuple[str, ...], only: tuple[str, ...], no_shipped: bool, al
                 con.print(f"{tag} {c.rule} {c.expect} {escape(c.written)}: fixture not found ({escape(str(path))})")
             continue
         try:
-            a = analyze([str(path)], Options(phase=phase, jobs=jobs, command="traceinspect rules test"))
-        except TraceInputError as e:
+            a = analyze([str(path)], Options(phase=phase, jobs=jobs, command="traceinspect rules test",
+                                             model_config=str(mc) if mc is not None else None))
+        except (TraceInputError, ConfigError) as e:
             for c in group:
                 failed += 1
                 con.print(f"[red]FAIL[/red] {c.rule} {c.expect} {escape(c.written)}: cannot analyse: "

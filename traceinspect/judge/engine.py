@@ -190,6 +190,7 @@ class _Subjects:
             if sel.classes:
                 rows = rows[rows["cls"].isin(sel.classes)]
             unknown = rows[~rows["known"].astype(bool)]
+            known_all = rows[rows["known"].astype(bool)]
             if sel.where is not None and len(rows):
                 keep = np.zeros(len(rows), dtype=bool)
                 known = rows["known"].to_numpy(dtype=bool)
@@ -203,9 +204,8 @@ class _Subjects:
                     keep[i] = bool(sel.where.evaluate(env))
                 rows = rows[keep]
             subs = ctx.gemm_subjects(rows, sel.group_by, unknown)
-            if not subs and len(unknown):
-                return [], (f"no GEMM with known shapes matched the selector ({len(unknown)} shape group(s) "
-                            "with unknown shapes)")
+            # GEMMs whose shapes are all unknown cannot be selected or judged: undecided, not silent
+            subs += ctx.gemm_unknown_subjects(unknown, sel.group_by, known_all)
             return subs, (None if subs else "no GEMM matched the selector")
         return [], f"unknown scope {sel.scope}"
 
@@ -228,6 +228,12 @@ def _evaluate_rule(rule: Rule, ctx: M.MetricContext, subjects: _Subjects, phase:
         return [Outcome(rule.id, "silent", reasons=[why_none or "nothing selected"])]
     out = []
     for sub in subs:
+        if sub.scope == "gemm" and sub.values.get("shapes") == 0:
+            why = sub.missing.get("m", "GEMM shapes unknown")
+            where = f"select.gemm.where `{rule.select.where.source}`" if rule.select.where is not None else "the rule"
+            out.append(Outcome(rule.id, "undecided", sub.label, [f"{where} cannot be decided: m unavailable: {why}"],
+                               values=sub.values, missing={"m": why}, classes=sub.classes))
+            continue
         env: dict[str, Any] = dict(ctx.run)
         env.update(sub.values)
         env.update(rule.params)

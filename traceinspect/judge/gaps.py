@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from traceinspect.errors import RuleError
+from traceinspect.model.classes import GEMM_CLASSES
 from traceinspect.resources import lazy_module, settings_document, tables_dir
 
 yaml = lazy_module("yaml")
@@ -175,6 +176,9 @@ def find_gaps(a: Analysis, rule_set: RuleSet, outcomes: list[Outcome]) -> Gaps:
         cls = set(o.classes)
         if rule is not None:
             cls |= set(rule.select.classes or ()) | table.classes_of(_condition_metrics(rule))
+            if rule.select.scope == "gemm" and not rule.select.classes:  # a GEMM-scope rule is about the GEMMs
+                cls |= ({"moe_gemm"} if rule.select.moe else set(GEMM_CLASSES) - {"moe_gemm"}
+                        if rule.select.moe is False else set(GEMM_CLASSES))
         for c in cls:
             about.setdefault(c, []).append(o)
     for c, sh in shares.sort_values(ascending=False).items():

@@ -126,17 +126,36 @@ class Rule(msgspec.Struct):
     def test_paths(self, kind: str) -> list[Path]:
         """Fixture directories of ``tests.fires`` / ``tests.silent``, resolved against the rule
         file's directory, its parent, then the working directory."""
-        out = []
+        return [self._resolve(split_test(p)[0]) for p in self.tests.get(kind, [])]
+
+    def test_model_configs(self, kind: str) -> list[Path | None]:
+        """The ``--model-config`` file of each entry of ``tests.<kind>`` (None where it names none)."""
+        out: list[Path | None] = []
         for p in self.tests.get(kind, []):
-            path = Path(p)
-            if not path.is_absolute():
-                cands = []
-                if self.source is not None:
-                    cands += [self.source.parent / path, self.source.parent.parent / path]
-                cands.append(Path.cwd() / path)
-                path = next((c for c in cands if c.exists()), cands[0])
-            out.append(path)
+            mc = split_test(p)[1]
+            out.append(self._resolve(mc) if mc is not None else None)
         return out
+
+    def _resolve(self, p: str) -> Path:
+        path = Path(p)
+        if not path.is_absolute():
+            cands = []
+            if self.source is not None:
+                cands += [self.source.parent / path, self.source.parent.parent / path]
+            cands.append(Path.cwd() / path)
+            path = next((c for c in cands if c.exists()), cands[0])
+        return path
+
+
+MODEL_CONFIG_FLAG = " --model-config "
+
+
+def split_test(entry: str) -> tuple[str, str | None]:
+    """A ``tests`` entry: the trace set, and the model config it is analysed with (``DIR --model-config FILE``)."""
+    if MODEL_CONFIG_FLAG in entry:
+        d, mc = entry.split(MODEL_CONFIG_FLAG, 1)
+        return d.strip(), mc.strip()
+    return entry.strip(), None
 
 
 class RuleSet(msgspec.Struct):

@@ -38,6 +38,7 @@ from traceinspect.judge.rule import (
     Rule,
     RuleSet,
     Selector,
+    split_test,
 )
 from traceinspect.judge.yamlsrc import LDict, LList, line_of, read_yaml
 from traceinspect.model.edits import KINDS, SELECT_KEYS
@@ -292,7 +293,7 @@ def _tests(ctx: _Ctx, rule: LDict, rid: str) -> dict[str, list[str]]:
         if k == "undecided" and k not in raw:
             continue
         out[k] = _str_list(ctx, raw, k, rid, f"tests.{k}")
-        for p in out[k]:
+        for p in (x for e in out[k] for x in split_test(e) if x is not None):
             # fixtures are trace sets beside the rules: relative paths that stay inside their roots
             if Path(p).is_absolute() or ".." in Path(p).parts or not p.strip():
                 raise ctx.err(line_of(raw, k), f"rule {rid!r}: tests.{k}: {p!r} must be a relative path without "

@@ -52,8 +52,13 @@ _HOST_LINK = re.compile(r"HtoD|DtoH|HtoH|PtoP|Pinned|Pageable", re.IGNORECASE)
 CALL_COLUMNS = [
     "rank", "step", "kernel", "name", "cls", "op_name", "kind", "batch", "groups", "m", "n", "k", "dtype",
     "flops", "bytes", "us", "tflops", "gbps", "pct_peak", "pct_bw", "shape_source", "reason", "moe",
-    "peak_tflops",
+    "peak_tflops", "confidence",
 ]
+MODEL_CONFIG_HINT = ("their shapes follow from the model: pass --model-config config.json (the model's Hugging Face "
+                     "config), or capture with `traceinspect capture` on the server's host, which saves it in "
+                     "server_info.json")
+# how sure a shape is, by where it came from (a shape from the model config carries its match's confidence)
+SOURCE_CONFIDENCE = {"shapes": "high", "graph_capture": "high"}
 
 
 class Efficiency(msgspec.Struct, eq=False):
@@ -94,7 +99,8 @@ class Efficiency(msgspec.Struct, eq=False):
                 "calls": int(r.calls), "us": json_num(r.us), "mean_us": json_num(r.mean_us),
                 "gflop": json_num(r.flops / 1e9 if r.flops == r.flops else None),
                 "tflops": json_num(r.tflops), "pct_peak": json_num(r.pct_peak, 2), "gbps": json_num(r.gbps),
-                "shape_source": r.shape_source, "reason": r.reason or None, **roof_json(r),
+                "shape_source": r.shape_source, "confidence": r.confidence or None, "reason": r.reason or None,
+                **roof_json(r),
             })
         mem = []
         for r in self.memory_bound.itertuples(index=False):
@@ -152,6 +158,7 @@ def measure_efficiency(a: Analysis) -> Efficiency:
     _rates(calls, spec)
     apply_to_calls(calls, spec)
     gemm_calls = _gemm_rows(calls)
+    a.trace.warnings += cross_check(a, gemm_calls)
     att_calls, att = attention_table(attention_calls(a, gemm_calls), spec)
     return Efficiency(calls=calls, gemm=_gemm_table(gemm_calls, spec), memory_bound=_memory_table(calls, spec),
                       moe=_moe(a, calls), spec=spec, spec_reason=why, _gemm_calls=gemm_calls, attention=att,
@@ -194,14 +201,46 @@ def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
 
     if replay.any():
         _replay_sources(a, kk, replay, inst, source, why, op_name, moe_path, dims, types, conc)
+    confidence = np.array([SOURCE_CONFIDENCE.get(s) for s in source.tolist()], dtype=object)
+    model_shape = _model_sources(a, kk, inst, source, why, op_name, moe_path, confidence)
     cls_code, cls_text = text_codes(kk["cls"])
     return {
         "kernel": kk.index.to_numpy(), "rank": kk["rank"].to_numpy(), "step": kk["step"].to_numpy(),
         "ts": kk["ts"].to_numpy(dtype=float), "name": kk["name"].to_numpy(dtype=object),
         "cls": cls_text[cls_code], "cls_code": cls_code, "cls_text": cls_text, "dur": kk["dur"].to_numpy(dtype=float),
         "inst": inst, "source": source, "why": why, "op_name": op_name, "moe_path": moe_path, "dims": dims,
-        "types": types, "conc": conc,
+        "types": types, "conc": conc, "model_shape": model_shape, "confidence": confidence,
     }
+
+
+def _model_sources(a: Analysis, kk: pd.DataFrame, inst: np.ndarray, source: np.ndarray, why: np.ndarray,
+                   op_name: np.ndarray, moe_path: np.ndarray, confidence: np.ndarray) -> np.ndarray:
+    """The shapes the model config gives the kernels that have no recorded ones
+    (:mod:`traceinspect.classify.modelshapes`): per kernel its Shape, or None. Those kernels take the model
+    GEMM's name as their op, ``model_config`` as their shape source and the match's confidence."""
+    out = np.full(len(kk), None, dtype=object)
+    mg = a.run_model.gemms if a.run_model is not None else None
+    t = getattr(mg, "table", None)
+    blind = np.flatnonzero((inst < 0) & kk["graph_replay"].to_numpy(dtype=bool)) if len(kk) else np.zeros(0, int)
+    if len(blind):  # what would give the shapes of replayed kernels that have none
+        how = (f"; the model config's GEMMs were not matched to these kernels: {mg.reason}" if mg is not None and
+               mg.reason else "" if mg is not None else f"; {MODEL_CONFIG_HINT}")
+        if how:
+            why[blind] = np.array([f"{w}{how}" if w else w for w in why[blind].tolist()], dtype=object)
+    if t is None or not len(t) or not len(kk):
+        return out
+    pos = t.index.get_indexer(kk.index)
+    hit = np.flatnonzero((pos >= 0) & (inst < 0))
+    if not len(hit):
+        return out
+    p = pos[hit]
+    out[hit] = t["shape"].to_numpy(dtype=object)[p]
+    source[hit] = "model_config"
+    why[hit] = ""
+    op_name[hit] = t["gemm"].to_numpy(dtype=object)[p]
+    moe_path[hit] |= t["moe"].to_numpy(dtype=bool)[p]
+    confidence[hit] = t["confidence"].to_numpy(dtype=object)[p]
+    return out
 
 
 def _model_ops(ops: pd.DataFrame, idx: np.ndarray, levels: int = 2,
@@ -348,8 +387,16 @@ def _calls(col: dict[str, np.ndarray]) -> pd.DataFrame:
         distinct, codes = _distinct([sh[o] if k else None for sh, o, k in zip(shp, order, ok, strict=True)])
         parts.append(_rows(src, col, pi, distinct, codes, rs, dur[pi], np.ones(len(pi), dtype=bool)))
 
+    # GEMM-class kernels without recorded shapes whose shapes the model config gives
+    mshape = col["model_shape"]
+    modelled = gemm_cls & (hk == 0) & (inst < 0) & np.array([s is not None for s in mshape.tolist()], dtype=bool)
+    if modelled.any():
+        pi = np.nonzero(modelled)[0]
+        distinct, codes = _distinct(mshape[pi].tolist())
+        parts.append(_rows(src, col, pi, distinct, codes, np.full(len(pi), "", dtype=object), dur[pi],
+                           moe[pi] | col["moe_path"][pi]))
     # GEMM-class kernels no model covers: listed as unknown, with the reason
-    sel = gemm_cls & (hk == 0)
+    sel = gemm_cls & (hk == 0) & ~modelled
     if sel.any():
         pi = np.nonzero(sel)[0]
         rs = np.where(col["why"][pi] != "", col["why"][pi], reason[pi])
@@ -417,6 +464,7 @@ def _rows(src: dict[str, np.ndarray], col: dict[str, np.ndarray], pos: np.ndarra
         "pct_peak": np.nan, "pct_bw": np.nan,
         "shape_source": _obj(np.where(known, col["source"][pos], "unknown")), "reason": _obj(rs),
         "moe": np.asarray(moe, dtype=bool), "peak_tflops": np.nan,
+        "confidence": _obj(np.where(known, col["confidence"][pos], None)),
     }, copy=False)  # fresh arrays: the consolidation into 2-D blocks that a copy makes costs more than all else here
     return _in_order(out)
 
@@ -435,7 +483,7 @@ def _copy_events(k: pd.DataFrame) -> pd.DataFrame:
         "us": mc["dur"].to_numpy(dtype=float), "tflops": np.nan, "gbps": np.nan, "pct_peak": np.nan,
         "pct_bw": np.nan, "shape_source": _obj(["shapes"] * n), "reason": _obj([""] * n),
         "moe": np.zeros(n, dtype=bool),
-        "peak_tflops": np.nan,
+        "peak_tflops": np.nan, "confidence": _obj(["high"] * n),
     }, copy=False))
 
 
@@ -484,10 +532,11 @@ def _peak(spec: GpuSpec | None, dtype: Any) -> float:
 
 
 GEMM_TABLE_COLUMNS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "groups", "calls", "us", "mean_us",
-                      "flops", "tflops", "pct_peak", "gbps", "shape_source", "reason", "bytes", *ROOF_ROW]
+                      "flops", "tflops", "pct_peak", "gbps", "shape_source", "confidence", "reason", "bytes",
+                      *ROOF_ROW]
 
 
-_GEMM_KEYS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "groups", "shape_source", "reason"]
+_GEMM_KEYS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "groups", "shape_source", "confidence", "reason"]
 
 
 def _gemm_keys(g: pd.DataFrame) -> pd.DataFrame:
@@ -497,6 +546,7 @@ def _gemm_keys(g: pd.DataFrame) -> pd.DataFrame:
     for c in ("m", "n", "k", "batch", "groups"):
         col[c] = filled(numbers(col[c]), -1).astype(np.int64)
     col["dtype"], col["reason"] = filled(col["dtype"], ""), filled(col["reason"], "")
+    col["confidence"] = filled(col["confidence"], "")
     op = col["op_name"]
     unknown = np.asarray(col["shape_source"] == "unknown", dtype=bool) & np.asarray(pd.isna(op), dtype=bool)
     if unknown.any():
@@ -532,6 +582,8 @@ def _gemm_table(gemm_calls: pd.DataFrame, spec: GpuSpec | None = None) -> pd.Dat
         agg[c] = _obj(np.where(v >= 0, v.astype(object), None))
     dts = agg["dtype"].to_numpy(dtype=object)
     agg["dtype"] = _obj(np.where(dts == "", None, dts))
+    conf = agg["confidence"].to_numpy(dtype=object)
+    agg["confidence"] = _obj(np.where(conf == "", None, conf))
     return agg.sort_values("us", ascending=False)[GEMM_TABLE_COLUMNS].reset_index(drop=True)
 
 
@@ -605,6 +657,54 @@ def _present(values: np.ndarray) -> np.ndarray:
 
 # ----------------------------------------------------------------------------- MoE
 
+
+def _model_reason(a: Analysis) -> str:
+    """How the model config gives the rows per expert."""
+    rm = a.run_model
+    p = getattr(rm.gemms, "plan", None)
+    experts, topk = rm.value("experts"), rm.value("top_k")
+    ep = getattr(p, "ep", None) or rm.value("ep_size") or 1
+    return (f"tokens x top-k / (experts / ep) per step: bs=N of each step x {topk} / ({experts} / {ep}) "
+            f"(top-k {rm.describe('top_k')}; experts {rm.describe('experts')}; shapes from the model config "
+            f"{rm.config_source}; assumes balanced routing)")
+
+
+def cross_check(a: Analysis, calls: pd.DataFrame, limit: int = 5) -> list[str]:
+    """Warnings where a recorded GEMM shape differs from the one the model config gives the same kernel
+    (the recorded shape is used)."""
+    t = getattr(a.run_model.gemms, "table", None) if a.run_model is not None else None
+    if t is None or not len(t) or not len(calls):
+        return []
+    g = calls[(calls["kind"].to_numpy() == "gemm") & calls["shape_source"].isin(("shapes", "graph_capture")).to_numpy()]
+    if not len(g):
+        return []
+    pos = t.index.get_indexer(g["kernel"].to_numpy())
+    on = pos >= 0
+    if not on.any():
+        return []
+    g, pos = g[on], pos[on]
+    model = t["shape"].to_numpy(dtype=object)[pos]
+    names = t["gemm"].to_numpy(dtype=object)[pos]
+    seen: dict[tuple[Any, ...], int] = {}
+    for rec, mod, name, op, src in zip(g[["m", "n", "k", "batch", "groups"]].itertuples(index=False, name=None),
+                                       model.tolist(), names.tolist(), g["op_name"].tolist(),
+                                       g["shape_source"].tolist(), strict=True):
+        m, n, k, b, grp = (x if x is None or x == x else None for x in rec)
+        if m is None or n is None or k is None:
+            continue
+        per = float(m) / float(grp or 1)
+        mm = float(mod.m or 0) / float(mod.groups or 1)
+        if (int(n), int(k)) == (mod.n, mod.k) and abs(per - mm) <= 0.01 * max(mm, 1.0) and int(b or 1) == mod.batch:
+            continue
+        key = (name, op, src, per, int(n), int(k), mm, mod.n, mod.k)
+        seen[key] = seen.get(key, 0) + 1
+    out = []
+    for (name, op, src, per, n, k, mm, mn, mk), c in sorted(seen.items(), key=lambda kv: -kv[1])[:limit]:
+        where = "the capture trace" if src == "graph_capture" else "the recorded shapes"
+        out.append(f"GEMM shape from {where} ({op} M={per:g} N={n} K={k}) differs from the model config's {name} "
+                   f"(M={mm:g} N={mn} K={mk}, {a.run_model.config_source}) on {c} call(s): the recorded shape is used")
+    return out
+
 def _moe(a: Analysis, calls: pd.DataFrame) -> dict[str, Any]:
     rm = a.run_model
     experts, ekey = rm.value("experts"), rm.describe("experts")
@@ -627,7 +727,8 @@ def _moe(a: Analysis, calls: pd.DataFrame) -> dict[str, Any]:
         out["per_expert_m"] = {
             "value": round(float(m.mean()), 2), "min": round(float(m.min()), 2), "max": round(float(m.max()), 2),
             "source": sources[0] if len(sources) == 1 else "+".join(sources),
-            "reason": ("shapes (mean over experts): rows of the grouped GEMM / experts" if grouped else
+            "reason": (_model_reason(a) if sources == ["model_config"] else
+                       "shapes (mean over experts): rows of the grouped GEMM / experts" if grouped else
                        "M of each per-expert GEMM call, from its recorded shapes"
                        + (" (recovered from the graph-capture trace)" if "graph_capture" in sources else "")),
             "calls": len(known), "distribution": {str(k): int(v) for k, v in dist.items()},

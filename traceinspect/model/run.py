@@ -17,9 +17,12 @@ from traceinspect.errors import ConfigError
 from traceinspect.fileio import read_toml
 
 FACTS = ("layers", "kv_pool_tokens", "kv_cache_dtype", "page_size", "kv_row_bytes", "experts", "top_k",
-         "hidden_size", "vocab_size", "tp_size", "pp_size", "ep_size", "batch")
+         "hidden_size", "vocab_size", "tp_size", "pp_size", "ep_size", "batch", "model_config", "attention_heads",
+         "kv_heads", "head_dim", "gemm_shapes")
 USER_KEYS = {"layers": "layers", "experts": "experts", "top-k": "top_k"}  # traceinspect.toml [model] -> fact
-USER_FLAGS = {"layers": "--layers", "experts": "--experts", "top_k": "--top-k"}
+CONFIG_KEY = "config"  # traceinspect.toml [model] config = "path/to/config.json"
+USER_FLAGS = {"layers": "--layers", "experts": "--experts", "top_k": "--top-k", "model_config": "--model-config"}
+MAX_MODEL_CONFIG_BYTES = 4 << 20
 CONFIG_NAME = "traceinspect.toml"
 
 # model-config keys per fact, in the order they are tried (HF config names of the common families)
@@ -64,10 +67,29 @@ def undecided(reason: str) -> Fact:
     return Fact(None, None, UNDECIDED, reason)
 
 
+class ModelGemms(msgspec.Struct):
+    """The GEMM kernels of the analysed steps matched to the GEMMs the model config gives
+    (:mod:`traceinspect.classify.modelshapes`): ``table`` indexed by kernel row (``gemm``, ``layer``, ``moe``,
+    ``confidence``, ``shape``: a :class:`~traceinspect.model.shapes.Shape`), ``reason`` why nothing was matched."""
+
+    source: str
+    family: str | None = None
+    plan: Any = None
+    table: Any = None
+    steps_matched: int = 0
+    steps_failed: dict[str, int] = msgspec.field(default_factory=dict)
+    reason: str = ""
+    notes: set[str] = msgspec.field(default_factory=set)
+
+
 class RunModel(msgspec.Struct):
-    """The facts of one analysis (see the module docstring)."""
+    """The facts of one analysis (see the module docstring); ``config``: the model's HF config, where one was
+    given or saved (``config_source`` says where), and ``gemms`` the kernels matched to its GEMMs."""
 
     facts: dict[str, Fact] = msgspec.field(default_factory=dict)
+    config: dict[str, Any] | None = None
+    config_source: str | None = None
+    gemms: ModelGemms | None = None
 
     def value(self, name: str) -> Any:
         f = self.facts.get(name)
@@ -102,14 +124,21 @@ class RunModel(msgspec.Struct):
 
 
 def user_facts(layers: int | None = None, experts: int | None = None, top_k: int | None = None,
-               config: str | Path | None = None, cwd: str | Path | None = None) -> dict[str, tuple[int, str]]:
+               config: str | Path | None = None, cwd: str | Path | None = None,
+               model_config: str | Path | None = None) -> dict[str, tuple[Any, str]]:
     """Facts the user states: flags win over ``[model]`` of ``traceinspect.toml`` (``config``, else
-    ./traceinspect.toml when present). Value -> (value, where it was stated)."""
-    out: dict[str, tuple[int, str]] = {}
+    ./traceinspect.toml when present). Value -> (value, where it was stated); ``model_config`` (the
+    ``--model-config`` file, else ``config`` under ``[model]``): (the model's HF config, its path)."""
+    out: dict[str, tuple[Any, str]] = {}
     path = Path(config) if config is not None else Path(cwd or ".") / CONFIG_NAME
     if config is not None or path.is_file():
         for name, v in _config_model(path).items():
-            out[name] = (v, f"{path} [model]")
+            if name == "model_config":
+                out[name] = (read_model_config(v), str(v))
+            else:
+                out[name] = (v, f"{path} [model]")
+    if model_config is not None:
+        out["model_config"] = (read_model_config(model_config), str(model_config))
     for name, v in (("layers", layers), ("experts", experts), ("top_k", top_k)):
         if v is not None:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -118,16 +147,42 @@ def user_facts(layers: int | None = None, experts: int | None = None, top_k: int
     return out
 
 
-def _config_model(path: Path) -> dict[str, int]:
+def read_model_config(path: str | Path) -> dict[str, Any]:
+    """A model's Hugging Face ``config.json`` (ConfigError naming the file when it is unusable)."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_MODEL_CONFIG_BYTES:
+            raise ConfigError("too large for a model config.json", p)
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read the model config: {e.strerror or e}", p) from None
+    try:
+        doc = msgspec.json.decode(raw.removeprefix(b"\xef\xbb\xbf"))
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"not a JSON model config: {e}", p) from None
+    if not isinstance(doc, dict):
+        raise ConfigError("a model config.json must be a JSON object", p)
+    if not any(k in doc or k in (doc.get("text_config") or {}) for k in ("num_hidden_layers", "hidden_size")):
+        raise ConfigError("not a Hugging Face model config (no num_hidden_layers or hidden_size)", p)
+    return doc
+
+
+def _config_model(path: Path) -> dict[str, Any]:
     data = read_toml(path)
     model = data.get("model", {})
     if not isinstance(model, dict):
         raise ConfigError("[model] must be a table", path)
-    unknown = sorted(set(model) - set(USER_KEYS))
+    unknown = sorted(set(model) - set(USER_KEYS) - {CONFIG_KEY})
     if unknown:
-        raise ConfigError(f"unknown key(s) in [model]: {', '.join(unknown)} (known: {', '.join(sorted(USER_KEYS))})",
-                          path)
-    out: dict[str, int] = {}
+        known = ", ".join(sorted([*USER_KEYS, CONFIG_KEY]))
+        raise ConfigError(f"unknown key(s) in [model]: {', '.join(unknown)} (known: {known})", path)
+    out: dict[str, Any] = {}
+    if CONFIG_KEY in model:
+        v = model[CONFIG_KEY]
+        if not isinstance(v, str) or not v:
+            raise ConfigError(f"model.{CONFIG_KEY} must be the path of the model's config.json, not {v!r}", path)
+        cfg = Path(v).expanduser()
+        out["model_config"] = cfg if cfg.is_absolute() else path.parent / cfg
     for key, name in USER_KEYS.items():
         if key in model:
             v = model[key]

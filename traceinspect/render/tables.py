@@ -20,7 +20,7 @@ TABLES = ("kernels", "gemm", "ops")
 KERNEL_COLUMNS = ["name", "cls", "launched_by", "calls", "calls_per_step", "total_us", "mean_us", "us_per_step",
                   "share_of_step"]
 GEMM_COLUMNS = ["op", "cls", "dtype", "m", "n", "k", "batch", "groups", "calls", "us_per_step", "mean_us", "tflops",
-                "pct_peak", "gbps", "shape_source", "reason"]
+                "pct_peak", "gbps", "shape_source", "confidence", "reason"]
 OP_COLUMNS = ["op", "kernels", "calls", "calls_per_step", "total_us", "us_per_step", "share_of_step", "classes"]
 
 

@@ -109,6 +109,66 @@ class GemmMetrics:
         out.sort(key=lambda s: -(s.values["us_per_step"] or 0.0))
         return out
 
+    def gemm_unknown_subjects(self, unknown: pd.DataFrame, group_by: str | None, known: pd.DataFrame
+                              ) -> list[Subject]:
+        """Subjects of the selected GEMMs whose shapes are all unknown (per expert / dense group when the
+        rule groups by ``moe``), where the group has no GEMM of known shape (``known``: the selected shape
+        rows with known shapes, before ``where``): every shape metric is unavailable and says why
+        (``shapes`` is 0)."""
+        if unknown is None or not len(unknown):
+            return []
+        moe = unknown["is_moe"].to_numpy().astype(bool)
+        if group_by == "moe":
+            covered = set(known["is_moe"].astype(bool).tolist())
+            parts = [(flag, moe == flag) for flag in (True, False) if flag not in covered and (moe == flag).any()]
+        else:
+            parts = [(bool(moe.all()), np.ones(len(unknown), dtype=bool))] if not len(known) else []
+        out = []
+        n = self.n_step_rows
+        for flag, sel in parts:
+            u = unknown[sel]
+            us = float(u["us"].sum())
+            why = self._unknown_reason(u)
+            v: dict[str, Any] = {m: None for m in ("m", "m_min", "m_max", "n", "k", "batch", "dtype", "op_name",
+                                                   "per_expert_m", "tflops", "peak_tflops", "pct_peak")}
+            comp = self.run.get("compute_us_per_step")
+            v.update(shapes=0, is_moe=flag, calls_per_step=float(u["calls"].sum()) / n, us_per_step=us / n,
+                     share=us / self.total_us if self.total_us else None,
+                     compute_share=(us / n) / comp if comp else None, unknown_share=1.0)
+            missing = {m: why for m in v if v[m] is None}
+            pm = self._facts_per_expert_m() if flag else None
+            if pm is not None:  # the rows per expert follow from the run facts; N, K and the FLOPs do not
+                v["per_expert_m"] = pm[0]
+                missing.pop("per_expert_m", None)
+                missing["m"] = f"per-expert M = {pm[1]} rows from the run facts, but N, K and the FLOPs need the " \
+                               f"GEMM shapes: {why}"
+            ranks = sorted({r for t in u["ranks"].tolist() for r in t})
+            label = f"{'expert' if flag else 'dense'} GEMMs with unknown shapes"
+            out.append(Subject("gemm", label, v, ranks, missing, tuple(sorted({str(c) for c in u["cls"].tolist()}))))
+        return out
+
+    def _facts_per_expert_m(self) -> tuple[float, str] | None:
+        """tokens x top-k / (experts / ep) from the run facts (batch, top-k, experts, EP size), and how."""
+        rm = self.a.run_model
+        tokens, topk, experts = rm.value("batch"), rm.value("top_k"), rm.value("experts")
+        ep = rm.value("ep_size") or 1
+        if not (tokens and topk and experts):
+            return None
+        pm = float(tokens) * topk * ep / experts
+        return pm, f"{float(tokens):g} x {topk} / ({experts} / {ep}) = {pm:g}"
+
+    def _unknown_reason(self, u: pd.DataFrame) -> str:
+        """Why the shapes of these GEMMs are unknown: the efficiency stage's reason for the most time."""
+        eff = self.a.efficiency
+        calls = eff.gemm_calls() if eff is not None else None
+        if calls is not None and len(calls) and "reason" in calls:
+            unk = calls[(calls["shape_source"] == "unknown").to_numpy() & calls["cls"].isin(set(u["cls"])).to_numpy()]
+            if len(unk):
+                by = unk.groupby("reason", observed=True)["us"].sum()
+                if len(by):
+                    return str(by.idxmax())
+        return "no recorded shapes for these GEMM kernels"
+
     def _gemm_group(self, cols: dict[str, np.ndarray], rows: np.ndarray, unk_us: float = 0.0) -> Subject:
         """The subject of shape rows ``rows`` (positions in ``cols``); ``unk_us``: the time of the
         selection's calls with unknown shapes (sums skip missing values, as a frame's do)."""
