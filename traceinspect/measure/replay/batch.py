@@ -8,8 +8,8 @@ replayed kernel rescaled by what its work depends on, capped by what the server 
   a fixed part (the rank's short-kernel time) plus the rest at the kernel's measured rate.
 - Per-token kernels (every other class but collectives): with recorded bytes, a kernel already streaming
   (measured bandwidth at least ``stream_min_pct_bw`` of the GPU's peak) scales like a KV read; one below it is
-  latency-bound and takes the added bytes at the GPU's peak bandwidth; without recorded bytes it keeps its
-  measured time (said in a note).
+  latency-bound and takes the added bytes at the GPU's peak bandwidth; without recorded bytes a kernel taking
+  at least ``stream_min_latency_multiple`` times the fixed part streams, a shorter one keeps its measured time.
 - Collectives, launch gaps, host time: unchanged.
 
 No kernel goes below its roofline floor at the new size (:mod:`.floors`). The target batch is capped by the
@@ -218,8 +218,9 @@ def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: 
         notes.append(f"{len(lat_ops)} latency-bound kernel call(s) with recorded bytes take the added bytes at the "
                      f"GPU's peak bandwidth ({_per(dur, lat_ops, steps)} per step at the new batch)")
     if len(kept):
-        notes.append(f"{len(kept)} per-token kernel call(s) without recorded bytes keep their measured time "
-                     f"({_per(dur, kept, steps)} per step; low confidence where they stream)")
+        notes.append(f"{len(kept)} per-token kernel call(s) without recorded bytes and under "
+                     f"{settings.batch_stream_latency_multiple:g} x the fixed part (latency-bound) keep their measured "
+                     f"time ({_per(dur, kept, steps)} per step)")
     fixed = np.flatnonzero(np.isin(cls, list(FIXED_CLASSES)) | coll)
     if len(fixed):
         notes.append(f"{len(fixed)} collective call(s) unchanged ({_per(dur, fixed, steps)} per step)")
