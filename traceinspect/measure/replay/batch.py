@@ -86,12 +86,12 @@ def server_caps(a: Analysis, observed: float, cache: dict[str, Any] | None = Non
     """What the server can hold: ``kv_pool`` (``max_total_num_tokens`` / tokens per request at the observed
     context) and ``max_running_requests`` (server_info.json, or ``max_running`` as assumed), as
     ``[{by, cap, source}]``; the tokens per request; notes on caps that cannot be decided."""
-    from traceinspect.measure.replay.edits import kv_rows
+    from traceinspect.measure.replay.kvrows import cached_active_kv_rows
 
     caps: list[dict[str, Any]] = []
     notes: list[str] = []
     pool = a.run_model.value("kv_pool_tokens")
-    active, _, why = kv_rows(a, cache)
+    active, _, why = cached_active_kv_rows(a, cache)
     tpr = active / observed if active and observed else None
     if pool and tpr:
         caps.append({"by": "kv_pool", "cap": float(math.floor(pool / tpr)),

@@ -319,15 +319,9 @@ def kv_rows(a: Analysis, cache: dict[str, Any] | None = None) -> tuple[float | N
     """(active rows, pool rows, where from or why not): the KV rows a decode step reads, from the ops that
     gather rows out of a pool-shaped tensor (recorded shapes, or the CUDA-graph capture trace); found
     once per ``cache``."""
-    from traceinspect.measure.replay.kvrows import active_kv_rows
+    from traceinspect.measure.replay.kvrows import cached_active_kv_rows
 
-    if cache is not None and "kv_rows" in cache:
-        return cache["kv_rows"]
-    steps = cache.get("steps") if cache is not None else None
-    out = active_kv_rows(a, steps)
-    if cache is not None:
-        cache["kv_rows"] = out
-    return out
+    return cached_active_kv_rows(a, cache)
 
 
 class Applied(msgspec.Struct):
