@@ -182,7 +182,7 @@ def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: 
         rows = hit.astype(np.int64)
         att = attention_like(c.iloc[rows], plan.tokens_per_request)
         token_ops.append(gemm[att])
-        how = m_times(a, c, gemm[~att], rows[~att], f, new)
+        how = m_times(a, c, gemm[~att], rows[~att], f, new, latency=True)
         notes.append(f"GEMMs at M x {f:.4g}: " + "; ".join(f"{n} call(s) from the {k}" for k, n in how.items())
                      + (f"; {int(att.sum())} batched non-expert GEMM call(s) (attention) by the active tokens"
                         if att.any() else ""))

@@ -79,11 +79,13 @@ def scale_m(a: Analysis, m: Model, mask: np.ndarray, factor: float,
 
 
 def m_times(a: Analysis, c: pd.DataFrame, ops: np.ndarray, rows: np.ndarray, factor: float,
-            dur: np.ndarray) -> dict[str, int]:
+            dur: np.ndarray, latency: bool = False) -> dict[str, int]:
     """Set ``dur[ops]`` to the time of GEMM rows ``rows`` of ``c`` at M x ``factor``: FLOPs at the new M over
     the throughput the family reaches there (its measured M-efficiency curve; with one measured M, the
     time scaled with the elements moved, no faster than the dtype's dense peak), never below the roofline
-    floor at the new M. Returns how many calls each method decided."""
+    floor at the new M. ``latency``: with one measured M, a GEMM that does not stream its operands takes only
+    the added bytes at the peak bandwidth (the ``batch`` edit's model). Returns how many calls each method
+    decided."""
     curves = {fam: g.groupby("m_")["tf"].median().sort_index() for fam, g in c.groupby("fam", sort=False)}
     best = c.groupby(c["dtype"].astype(str))["tf"].max().to_dict()
     from traceinspect.measure.replay.model import load_settings
@@ -114,7 +116,7 @@ def m_times(a: Analysis, c: pd.DataFrame, ops: np.ndarray, rows: np.ndarray, fac
             # Either no faster than the dtype's dense peak (rules/gpus.yaml), else the best throughput measured
             has_peak = np.isfinite(row.peak_) and row.peak_ > 0
             cap = row.peak_ if has_peak else best.get(str(row.dtype), row.tf)
-            streams = bw is None or (np.isfinite(row.by_) and row.by_ / row.us_ / 1e3 >= stream * bw)
+            streams = not latency or bw is None or (np.isfinite(row.by_) and row.by_ / row.us_ / 1e3 >= stream * bw)
             if streams or not np.isfinite(row.by_):
                 t = max(row.us_ * el1[j] / el0[j], fl1[j] / cap)
                 what = "time scaled with the elements moved"
