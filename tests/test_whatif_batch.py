@@ -112,6 +112,16 @@ def test_no_gemm_below_its_floor() -> None:
     gemm = np.isfinite(m0) & (r["batch_"].to_numpy() <= 1)
     assert gemm.sum() > 100 and (floor[gemm] > 0).all()
     assert (dur[gemm] >= floor[gemm] * (1 - 1e-9)).all()
+    # memory-bound kernels with recorded bytes: their bytes x F at the peak bandwidth
+    mem = a.efficiency.calls
+    mem = mem[mem["kind"] == "memory"].drop_duplicates("kernel").set_index("kernel")["bytes"]
+    nb = mem.reindex(m.g_kidx).to_numpy(dtype=np.float64)
+    has = np.isfinite(nb) & (nb > 0)
+    assert has.sum() > 100
+    mem_floor = floor_us(np.full(has.sum(), np.nan), nb[has] * f, np.full(has.sum(), np.nan),
+                         a.efficiency.spec.mem_bw_gbps)
+    assert (dur[has] >= mem_floor * (1 - 1e-9)).all()
+    assert (mem_floor > rp.base_params.dur[has]).any()  # at 128x the batch some floors pass the measured time
 
 
 def test_floor_us_is_the_slower_roof() -> None:

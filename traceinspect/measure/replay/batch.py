@@ -153,8 +153,10 @@ def plan_batch(a: Analysis, e: Edit, cache: dict[str, Any] | None = None) -> tup
 
 
 def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: BatchPlan,
-                settings: Any) -> tuple[list[str], list[str]]:
-    """Set ``dur`` of every replayed kernel to its time at ``plan``'s batch; (notes, undecided)."""
+                settings: Any, floor: np.ndarray | None = None) -> tuple[list[str], list[str]]:
+    """Set ``dur`` of every replayed kernel to its time at ``plan``'s batch, never below its roofline floor at
+    the new size; ``floor`` (per op, NaN: unknown): the floors at the measured size to use, updated to the new
+    size (else computed here by :func:`~traceinspect.measure.replay.floors.floor_us`); (notes, undecided)."""
     from traceinspect.measure.replay.gemm_m import attention_like, m_times, rows_of
 
     f = plan.factor
@@ -182,7 +184,7 @@ def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: 
         rows = hit.astype(np.int64)
         att = attention_like(c.iloc[rows], plan.tokens_per_request)
         token_ops.append(gemm[att])
-        how = m_times(a, c, gemm[~att], rows[~att], f, new, latency=True)
+        how = m_times(a, c, gemm[~att], rows[~att], f, new, latency=True, floor=floor)
         notes.append(f"GEMMs at M x {f:.4g}: " + "; ".join(f"{n} call(s) from the {k}" for k, n in how.items())
                      + (f"; {int(att.sum())} batched non-expert GEMM call(s) (attention) by the active tokens"
                         if att.any() else ""))
@@ -203,13 +205,17 @@ def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: 
         new[tok] = np.where(t > L, L + (t - L) * f, t)
     if len(lat_ops) and bw:
         new[lat_ops] = np.maximum(dur[lat_ops] + (f - 1.0) * mem_by[lat_ops] / (float(bw) * 1e3), 0.0)
-    # no kernel below its roofline floor at the new size (bytes and FLOPs x f; GEMMs were bounded by m_times)
-    fl = np.full(m.n_ops, np.nan)
-    floor = floor_us(fl[tok], mem_by[tok] * f, np.full(len(tok), np.nan), bw)
-    new[tok] = np.maximum(new[tok], floor)
-    if len(lat_ops):
-        new[lat_ops] = np.maximum(new[lat_ops], floor_us(fl[lat_ops], mem_by[lat_ops] * f,
-                                                         np.full(len(lat_ops), np.nan), bw))
+    # no kernel below its roofline floor at the new size: its work (FLOPs and bytes) x f; the GEMMs that
+    # follow M were bounded by m_times
+    scaled = np.concatenate([tok, lat_ops])
+    base = _floors(a, m, mem_by, bw)
+    if floor is not None:
+        base = np.where(np.isfinite(floor), floor, base)
+    new_floor = base[scaled] * f
+    known = np.isfinite(new_floor)
+    new[scaled[known]] = np.maximum(new[scaled[known]], new_floor[known])
+    if floor is not None:
+        floor[scaled] = new_floor
     dur[:] = new
     notes.append(f"{len(tok)} kernel call(s) follow the active tokens or stream ({_per(dur, tok, steps)} per step "
                  f"at the new batch): a fixed part (the rank's {settings.batch_latency_pct:g}th-percentile kernel time, "
@@ -240,6 +246,22 @@ def _latency(m: Model, coll: np.ndarray, pct: float) -> np.ndarray:
         sel = m.g_rank == r
         d = m.g_dur[sel & kern]
         out[sel] = float(np.percentile(d, pct)) if len(d) else 0.0
+    return out
+
+
+def _floors(a: Analysis, m: Model, mem_by: np.ndarray, bw: float | None) -> np.ndarray:
+    """Per op: the roofline floor of its measured work, from its GEMM row (FLOPs and bytes) or its memory-bound
+    row (bytes); NaN where neither is recorded."""
+    from traceinspect.measure.replay.gemm_m import rows_of
+
+    out = floor_us(np.full(m.n_ops, np.nan), mem_by, np.full(m.n_ops, np.nan), bw)
+    out[~np.isfinite(mem_by)] = np.nan
+    c, hit = rows_of(a, m, np.arange(m.n_ops))
+    if c is not None:
+        g = np.isfinite(hit)
+        r = c.iloc[hit[g].astype(np.int64)]
+        out[g] = floor_us(r["fl_"].to_numpy(dtype=np.float64), r["by_"].to_numpy(dtype=np.float64),
+                          r["peak_"].to_numpy(dtype=np.float64) / 1e6, bw)
     return out
 
 

@@ -62,8 +62,9 @@ def rows_of(a: Analysis, m: Model, ops: np.ndarray) -> tuple[pd.DataFrame | None
 
 
 def scale_m(a: Analysis, m: Model, mask: np.ndarray, factor: float,
-            dur: np.ndarray) -> tuple[list[str], list[str]]:
-    """Set ``dur`` of the selected GEMMs to their time at M x ``factor``; (notes, undecided)."""
+            dur: np.ndarray, floor: np.ndarray | None = None) -> tuple[list[str], list[str]]:
+    """Set ``dur`` of the selected GEMMs to their time at M x ``factor`` (and ``floor``, when given, to their
+    roofline floor at that M); (notes, undecided)."""
     sel = np.nonzero(mask)[0]
     c, hit = rows_of(a, m, sel)
     if c is None:
@@ -74,12 +75,12 @@ def scale_m(a: Analysis, m: Model, mask: np.ndarray, factor: float,
                     "graph-capture trace)"]
     if (~known).any():
         return [], [f"{int((~known).sum())} of {len(sel)} selected GEMMs have no recorded M"]
-    how = m_times(a, c, sel, hit.astype(np.int64), factor, dur)
+    how = m_times(a, c, sel, hit.astype(np.int64), factor, dur, floor=floor)
     return [f"GEMM M x {factor:g}: " + "; ".join(f"{n} call(s) from the {k}" for k, n in how.items())], []
 
 
 def m_times(a: Analysis, c: pd.DataFrame, ops: np.ndarray, rows: np.ndarray, factor: float,
-            dur: np.ndarray, latency: bool = False) -> dict[str, int]:
+            dur: np.ndarray, latency: bool = False, floor: np.ndarray | None = None) -> dict[str, int]:
     """Set ``dur[ops]`` to the time of GEMM rows ``rows`` of ``c`` at M x ``factor``: FLOPs at the new M over
     the throughput the family reaches there (its measured M-efficiency curve; with one measured M, the
     time scaled with the elements moved, no faster than the dtype's dense peak), never below the roofline
@@ -100,7 +101,9 @@ def m_times(a: Analysis, c: pd.DataFrame, ops: np.ndarray, rows: np.ndarray, fac
     fl1 = r["fl_"].to_numpy(dtype=np.float64) * m1 / m0
     el0, el1 = m0 * k_ + k_ * n_ + m0 * n_, m1 * k_ + k_ * n_ + m1 * n_
     by1 = r["by_"].to_numpy(dtype=np.float64) * el1 / el0
-    floor = floor_us(fl1, by1, r["peak_"].to_numpy(dtype=np.float64) / 1e6, bw)
+    floor1 = floor_us(fl1, by1, r["peak_"].to_numpy(dtype=np.float64) / 1e6, bw)
+    if floor is not None:
+        floor[ops] = floor1
     for j, (op, row) in enumerate(zip(ops, r.itertuples(index=False), strict=True)):
         curve = curves[row.fam]
         if len(curve) >= 2:
@@ -125,8 +128,8 @@ def m_times(a: Analysis, c: pd.DataFrame, ops: np.ndarray, rows: np.ndarray, fac
                 what = "latency-bound: the added bytes at the GPU's peak bandwidth"
             key = (f"one measured M (low confidence): {what}, no faster than the "
                    + ("dtype's dense peak" if has_peak else "dtype's best measured throughput"))
-        if t < floor[j]:
-            t = float(floor[j])
+        if t < floor1[j]:
+            t = float(floor1[j])
             key += " (raised to the roofline floor)"
         dur[op] = t
         how[key] = how.get(key, 0) + 1
