@@ -5,7 +5,8 @@ replayed kernel rescaled by what its work depends on, capped by what the server 
   their time from the M-efficiency curve of :mod:`.gemm_m`; batched non-expert GEMMs (attention's bmm, one
   per request) follow the active tokens like attention.
 - Attention and KV reads (``attention``, ``kv_cast``): the active tokens (batch x context per request):
-  a fixed part (the rank's short-kernel time) plus the rest at the kernel's measured rate.
+  a fixed part (the rank's short-kernel time) plus the rest at the kernel's measured rate; a KV cast with
+  recorded bytes of at least one layer's pool (a whole-pool cast) is unchanged.
 - Per-token kernels (every other class but collectives): with recorded bytes, a kernel already streaming
   (measured bandwidth at least ``stream_min_pct_bw`` of the GPU's peak) scales like a KV read; one below it is
   latency-bound and takes the added bytes at the GPU's peak bandwidth; without recorded bytes a kernel taking
@@ -190,6 +191,13 @@ def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: 
                         if att.any() else ""))
     # memory-bound kernels with recorded bytes (efficiency calls)
     mem_by, mem_gbps = _memory_rows(a, m)
+    # a KV cast of the whole pool (at least one layer's pool bytes) follows the pool, not the batch
+    pool_bytes = _pool_bytes(a)
+    whole = (cls == "kv_cast") & np.isfinite(mem_by) & (mem_by >= 0.9 * pool_bytes if pool_bytes else False)
+    if whole.any():
+        token_ops[0] = token_ops[0][~whole[token_ops[0]]]
+        notes.append(f"{int(whole.sum())} KV cast call(s) read the whole pool ({_per(dur, np.flatnonzero(whole), steps)} "
+                     "per step): unchanged, they follow the pool, not the batch")
     rest = np.flatnonzero(~np.isin(cls, list(GEMM_CLASSES) + list(TOKEN_CLASSES) + list(FIXED_CLASSES)) & ~coll)
     known_bytes = np.isfinite(mem_by[rest]) & np.isfinite(mem_gbps[rest]) & (bw is not None)
     # a kernel streams when its measured bandwidth reaches stream_min_pct_bw of the peak; without recorded
@@ -247,6 +255,13 @@ def _latency(m: Model, coll: np.ndarray, pct: float) -> np.ndarray:
         d = m.g_dur[sel & kern]
         out[sel] = float(np.percentile(d, pct)) if len(d) else 0.0
     return out
+
+
+def _pool_bytes(a: Analysis) -> float | None:
+    """One layer's KV pool in bytes (kv_pool_tokens x kv_row_bytes), when both are known."""
+    rm = a.run_model
+    tok, row = rm.value("kv_pool_tokens"), rm.value("kv_row_bytes")
+    return float(tok) * float(row) if tok and row else None
 
 
 def _floors(a: Analysis, m: Model, mem_by: np.ndarray, bw: float | None) -> np.ndarray:
