@@ -178,9 +178,16 @@ def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: 
         if (~known).any():
             n = int((~known).sum())
             us = float(dur[gemm[~known]].sum()) / steps
-            return [], [f"{n} of {len(gemm)} GEMM kernels ({us:,.0f} us per step) have no recorded shape (M, N, K): "
-                        "record shapes (record_shapes=True), keep the CUDA-graph capture trace, or give the model "
-                        "config"]
+            if c is None or not known.any() or not (c["shape_source"].astype(str) == "model_config").any():
+                return [], [f"{n} of {len(gemm)} GEMM kernels ({us:,.0f} us per step) have no recorded shape (M, N, "
+                            "K): record shapes (record_shapes=True), keep the CUDA-graph capture trace, or give the "
+                            "model config"]
+            # the model config shapes every weight GEMM: the GEMMs it leaves out multiply activations by
+            # activations (attention's products over the cached tokens), whose work follows the active tokens
+            token_ops.append(gemm[~known])
+            notes.append(f"{n} GEMM kernel(s) without a shape ({us:,.0f} us per step) are not weight GEMMs of the "
+                         "model config: attention's products over the cached tokens, by the active tokens")
+            gemm, hit = gemm[known], hit[known]
         assert c is not None
         rows = hit.astype(np.int64)
         att = attention_like(c.iloc[rows], plan.tokens_per_request)
