@@ -205,6 +205,11 @@ def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: 
         token_ops[0] = token_ops[0][~whole[token_ops[0]]]
         notes.append(f"{int(whole.sum())} KV cast call(s) read the whole pool ({_per(dur, np.flatnonzero(whole), steps)} "
                      "per step): unchanged, they follow the pool, not the batch")
+    blind = np.flatnonzero((cls == "kv_cast") & ~coll & ~np.isfinite(mem_by))
+    if len(blind):
+        notes.append(f"{len(blind)} KV cast call(s) without recorded bytes ({_per(dur, blind, steps)} per step) are "
+                     "taken as casts of the active rows; a cast of the whole pool (kv-full-pool-cast) would not "
+                     "follow the batch")
     rest = np.flatnonzero(~np.isin(cls, list(GEMM_CLASSES) + list(TOKEN_CLASSES) + list(FIXED_CLASSES)) & ~coll)
     known_bytes = np.isfinite(mem_by[rest]) & np.isfinite(mem_gbps[rest]) & (bw is not None)
     # a kernel streams when its measured bandwidth reaches stream_min_pct_bw of the peak; without recorded
