@@ -156,8 +156,8 @@ def plan_batch(a: Analysis, e: Edit, cache: dict[str, Any] | None = None) -> tup
 def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: BatchPlan,
                 settings: Any, floor: np.ndarray | None = None) -> tuple[list[str], list[str]]:
     """Set ``dur`` of every replayed kernel to its time at ``plan``'s batch, never below its roofline floor at
-    the new size; ``floor`` (per op, NaN: unknown): the floors at the measured size to use, updated to the new
-    size (else computed here by :func:`~traceinspect.measure.replay.floors.floor_us`); (notes, undecided)."""
+    the new size (:func:`~traceinspect.measure.replay.floors.floor_us` of its recorded work x F); ``floor`` (per
+    op, NaN: unknown), when given, gets the new floors of the kernels it rescales; (notes, undecided)."""
     from traceinspect.measure.replay.gemm_m import attention_like, m_times, rows_of
 
     f = plan.factor
@@ -228,10 +228,8 @@ def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: 
     # no kernel below its roofline floor at the new size: its work (FLOPs and bytes) x f; the GEMMs that
     # follow M were bounded by m_times
     scaled = np.concatenate([tok, lat_ops])
-    base = _floors(a, m, mem_by, bw)
-    if floor is not None:
-        base = np.where(np.isfinite(floor), floor, base)
-    new_floor = base[scaled] * f
+    # (from the recorded work: a floor capped at the measured time would grow with F past the kernel's time)
+    new_floor = _floors(a, m, mem_by, bw)[scaled] * f
     known = np.isfinite(new_floor)
     new[scaled[known]] = np.maximum(new[scaled[known]], new_floor[known])
     if floor is not None:
