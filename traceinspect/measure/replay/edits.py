@@ -441,7 +441,8 @@ def _batch(a: Analysis, m: Model, p: Params, e: Edit, cache: dict[str, Any] | No
     if plan.why is not None or plan.factor is None:
         out.undecided.append(f"{e.describe()}: {plan.why or 'the batch cannot be decided'}")
         return
-    out.notes.append(f"{e.describe()}: batch {plan.observed:,.0f} -> {plan.target:,.0f} ({plan.how})")
+    capped = f"; capped by {plan.bound_by}" if plan.bound_by else ""
+    out.notes.append(f"{e.describe()}: batch {plan.observed:,.0f} -> {plan.target:,.0f} ({plan.how}{capped})")
     coll = m.g_inst >= 0
     n_, u_ = scale_batch(a, m, p.dur, coll, plan, load_settings())
     out.notes += [f"{e.describe()}: {x}" for x in n_]
