@@ -76,7 +76,9 @@ def rule_markdown(rule: Rule, generated_note: bool = True) -> str:
         for fx in rule.fixes:
             edits = "; ".join(" ".join(f"{k}: {v}" for k, v in fe.spec.items())
                               + (f" value: `{fe.value.source}`" if fe.value is not None else "") for fe in fx.edits)
-            out.append(f"- `{rule.id}:{fx.variant}`: {fx.label} (edits: {edits})")
+            gain = (": judged by tokens/s at the new batch, never the finding's step saving"
+                    if any(str(fe.spec.get("edit", "")).lower() == "batch" for fe in fx.edits) else "")
+            out.append(f"- `{rule.id}:{fx.variant}`: {fx.label} (edits: {edits}){gain}")
         out += [""]
     out += [f"- impact (time per step of what the rule points at): `{impact}`, over {basis}",
             f"- the rule's own local estimate (`evidence.rule_estimate_us_per_step`): `{rule.estimate.source}`, "
