@@ -58,15 +58,27 @@ def _fix_edits(a: Any, spec: str) -> tuple[list[Any], str]:
               help="Give the trace the host speed of another capture of the same work (PATH), per rank, measured "
                    "on the own host time of the CPU ops both run at the same place of a step ('host-speed' edits); "
                    "undecided where they share too few (a CUDA-graph capture runs none).")
+@click.option("--batch", "batch", metavar="N|Fx|max",
+              help="The decode step at another running batch: N requests, F times the observed batch ('4x'), or "
+                   "'max' (the largest the KV pool holds); every kernel scaled by what it depends on (GEMMs by M, "
+                   "attention and KV reads by the active tokens, per-token kernels by the batch), capped by the KV "
+                   "pool and max_running_requests. Prints tokens/s beside the step.")
+@click.option("--max-running-requests", "max_running", type=click.IntRange(min=1), metavar="R",
+              help="With --batch: assume the server runs at most R requests (instead of server_info.json's "
+                   "max_running_requests), e.g. to ask what raising it gives.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the prediction as JSON here.")
 def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str, ...], host_of: str | None,
-               json_out: str | None, **kw: Any) -> None:
+               batch: str | None, max_running: int | None, json_out: str | None, **kw: Any) -> None:
     """Predict the step time after a fix by replaying the trace with edits (none: replay as measured)."""
     from traceinspect.measure.replay import EditError, parse_edit, replayer
     from traceinspect.pipeline import analyze
 
     try:
         parsed = [parse_edit(e) for e in edits]  # bad edits are reported before the traces are read
+        if batch is not None:
+            parsed.append(parse_edit(f"batch {batch}" + (f" max-running-requests={max_running}" if max_running else "")))
+        elif max_running is not None:
+            raise EditError("--max-running-requests needs --batch")
     except EditError as e:
         raise ConfigError(str(e)) from None
     a = analyze(list(paths), build_options(**kw))
@@ -106,6 +118,30 @@ def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str,
     _print(p, doc, labels)
 
 
+def _tps(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:,.0f}"
+
+
+def tokens_lines(doc: dict[str, Any]) -> list[str]:
+    """Tokens per second of the TP step (batch x steps per second), when the batch is known."""
+    b = doc.get("batch") or {}
+    if doc.get("measured_tokens_per_s") is None and not b:
+        return []
+    out: list[str] = []
+    obs, new = b.get("observed"), b.get("predicted")
+    if b:
+        head = (f"batch {obs:,.0f} -> {new:,.0f}" if obs is not None and new is not None
+                else "batch " + (f"{obs:,.0f}" if obs is not None else "unknown"))
+    else:
+        head = "same batch"
+    out.append(f"  {'tokens/s':10s} {_tps(doc.get('measured_tokens_per_s')):>12s} "
+               f"{_tps(doc.get('replayed_tokens_per_s')):>12s} {_tps(doc.get('predicted_tokens_per_s')):>12s}  ({head})")
+    m, p = doc.get("replayed_tokens_per_s"), doc.get("predicted_tokens_per_s")
+    if b and m and p:
+        out.append(f"  predicted tokens/s: {p:,.0f} against {m:,.0f} replayed ({fmt_pct_signed(p / m - 1)})")
+    return out
+
+
 def _print(p: Any, doc: dict[str, Any], labels: list[str]) -> None:
     for line in whatif_lines(doc, labels):
         click.echo(line)
@@ -132,6 +168,7 @@ def whatif_lines(doc: dict[str, Any], labels: list[str]) -> list[str]:
              f"{fmt_us(r['replayed_step_us']):>12s} {fmt_us(r['predicted_step_us']):>12s}")
     echo(f"  {'TP step':10s} {fmt_us(doc['measured_step_us']):>12s} {fmt_us(doc['replayed_step_us']):>12s} "
          f"{fmt_us(doc['predicted_step_us']):>12s}")
+    out += tokens_lines(doc)
     sv = doc["saving_us_per_step"]
     if sv is not None and doc["replayed_step_us"]:
         echo(f"  predicted change: {fmt_us_signed(-sv)} per step ({fmt_pct_signed(-sv / doc['replayed_step_us'])} "

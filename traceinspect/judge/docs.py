@@ -77,7 +77,9 @@ def rule_markdown(rule: Rule, generated_note: bool = True) -> str:
                 "(`share`: that over the replayed step). Fixes (`traceinspect whatif --fix ID:VARIANT`):", ""]
         for fx in rule.fixes:
             edits = "; ".join(_edit_text(fe) for fe in fx.edits)
-            out.append(f"- `{rule.id}:{fx.variant}`: {fx.label} ({'edit' if len(fx.edits) == 1 else 'edits'}: {edits})")
+            gain = (": judged by tokens/s at the new batch, never the finding's step saving"
+                    if any(str(fe.spec.get("edit", "")).lower() == "batch" for fe in fx.edits) else "")
+            out.append(f"- `{rule.id}:{fx.variant}`: {fx.label} ({'edit' if len(fx.edits) == 1 else 'edits'}: {edits}){gain}")
         out += [""]
     out += [f"- impact (time per step of what the rule points at): `{impact}`, over {basis}",
             f"- the rule's own local estimate (`evidence.rule_estimate_us_per_step`): `{rule.estimate.source}`, "

@@ -13,7 +13,12 @@ def variant_lines(f: dict[str, Any]) -> list[str]:
     out = []
     for fx in f.get("fixes") or []:
         sv, pred = fx.get("saving_us_per_step"), fx.get("predicted_step_us")
-        if is_number(sv) and is_number(pred):
+        tps, rep, b = fx.get("predicted_tokens_per_s"), fx.get("replayed_tokens_per_s"), fx.get("batch") or {}
+        if is_number(tps) and is_number(rep) and rep and is_number(pred):
+            out.append(f"with {fx.get('label')}: {float(tps):,.0f} tokens/s against {float(rep):,.0f} "
+                       f"({fmt_pct_signed(float(tps) / float(rep) - 1.0)}; batch {b.get('observed') or 0:,.0f} → "
+                       f"{b.get('predicted') or 0:,.0f}, step {fmt_us(float(pred))}; {fx.get('variant')})")
+        elif is_number(sv) and is_number(pred):
             out.append(f"with {fx.get('label')}: {fmt_us_signed(-float(sv))} per step "
                        f"(replayed step {fmt_us(float(pred))}; {fx.get('variant')})")
         else:

@@ -62,6 +62,8 @@ class Prediction(msgspec.Struct, eq=False):
     _paths: Any = None  # () -> (path as replayed, path with the edits), computed on first use
     _path_cache: tuple[dict[str, float], dict[str, float]] | None = None
     _tp: dict[str, float] = msgspec.field(default_factory=dict)  # per_step is not changed
+    observed_batch: float | None = None  # the running batch of the analysed steps (bs=N), when known
+    batch: Any = None  # the BatchPlan of a batch edit (measure.replay.batch): the batch the prediction runs
 
     def _path_pair(self) -> tuple[dict[str, float], dict[str, float]]:
         if self._path_cache is None:
@@ -111,6 +113,23 @@ class Prediction(msgspec.Struct, eq=False):
         p = self.predicted_step_us
         return None if p is None else self.replayed_step_us - p
 
+    @property
+    def predicted_batch(self) -> float | None:
+        """The running batch of the predicted step: a batch edit's, else the observed one."""
+        if self.batch is not None:
+            return self.batch.target
+        return self.observed_batch
+
+    def tokens_per_s(self, which: str) -> float | None:
+        """Decode tokens per second of the TP step (batch x steps per second), ``which`` of measured,
+        replayed, predicted; None where the batch or the step is unknown."""
+        batch = self.predicted_batch if which == "predicted" else self.observed_batch
+        step = {"measured": self.measured_step_us, "replayed": self.replayed_step_us,
+                "predicted": self.predicted_step_us}[which]
+        if not batch or step is None or not np.isfinite(step) or step <= 0:
+            return None
+        return float(batch) * 1e6 / float(step)
+
     def rank_rows(self) -> list[dict[str, Any]]:
         out = []
         for r, g in self.per_step.groupby("rank"):
@@ -138,6 +157,10 @@ class Prediction(msgspec.Struct, eq=False):
             "replayed_step_us": _r(self.replayed_step_us),
             "predicted_step_us": _r(self.predicted_step_us),
             "saving_us_per_step": _r(self.saving_us),
+            "measured_tokens_per_s": _r(self.tokens_per_s("measured")),
+            "replayed_tokens_per_s": _r(self.tokens_per_s("replayed")),
+            "predicted_tokens_per_s": _r(self.tokens_per_s("predicted")),
+            "batch": self.batch.to_json() if self.batch is not None else None,
             "edits": [e.to_json() for e in self.edits],
             "undecided": list(self.undecided),
             "notes": list(self.notes),
@@ -229,7 +252,8 @@ class Replayer:
         hit = self._memo.get(key)
         if hit is not None:
             return Prediction(edits=list(edits), per_step=hit.per_step, undecided=hit.undecided, notes=hit.notes,
-                              run=hit.run, label=label, params=hit.params, floors=hit.floors, _paths=hit._paths)
+                              run=hit.run, label=label, params=hit.params, floors=hit.floors, _paths=hit._paths,
+                              observed_batch=hit.observed_batch, batch=hit.batch)
         m = self.model
         applied = apply_edits(self.a, m, edits, self.base_params, self.cache)
         run = self.base if not edits else simulate(m, applied.params)
@@ -241,8 +265,10 @@ class Replayer:
         notes = list(applied.notes)
         if run.order_conflicts:
             notes.append(f"{run.order_conflicts} dependencies were resolved out of measured order (clock noise)")
+        obs = self.a.run_model.value("batch") if getattr(self.a, "run_model", None) is not None else None
         pred = Prediction(edits=list(edits), per_step=df, undecided=applied.undecided, notes=notes, run=run,
                           label=label, params=applied.params, floors=applied.floors,
+                          observed_batch=float(obs) if obs and obs > 0 else None, batch=applied.batch,
                           _paths=lambda: (self.base_path(), self._path(run, applied.params)))
         self._memo[key] = pred
         return pred

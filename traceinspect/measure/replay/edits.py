@@ -18,6 +18,7 @@ Text form (``traceinspect whatif --edit``) and mapping form (a rule's ``fixes:``
 | ``graph-gaps`` | ``graph-gaps [rank=R]`` | gaps between kernels that ran back to back capped at this GPU's CUDA-graph kernel gap (``rules/tables/replay.yaml``) |
 | ``gemm-m`` | ``gemm-m SEL F`` | the selected GEMMs at F times their M (a batch change), from the measured M-efficiency curve |
 | ``to-roofline`` | ``to-roofline SEL PCT`` | the selected kernels at PCT% of their roofline (floor / (PCT / 100)), none slower than measured |
+| ``batch`` | ``batch N, batch Fx, batch max [max-running-requests=R]`` | the decode step at running batch N (F x the observed one; max: the largest the server holds), every kernel scaled by what it depends on (:mod:`.batch`) |
 
 No edit makes a kernel shorter than its roofline floor (:mod:`traceinspect.measure.roofline`): after the
 edits, every kernel with a floor is held at it (``remove`` takes the work away, ``kv-rows`` and ``gemm-m``
@@ -76,6 +77,8 @@ class Edit(msgspec.Struct):
     src: int | None = None  # host-from: the rank whose timeline is given
     dst: int | None = None
     text: str = ""
+    times: bool = False  # batch: value is a factor of the observed batch
+    cap: float | None = None  # batch: max_running_requests assumed instead of server_info's
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"edit": self.kind, "text": self.text or self.describe()}
@@ -85,12 +88,21 @@ class Edit(msgspec.Struct):
             out["value"] = self.value
         if self.kind == "host-from":
             out["rank"], out["from"] = self.dst, self.src
+        if self.kind == "batch":
+            out["times"] = self.times
+            if self.cap is not None:
+                out["max_running_requests"] = self.cap
         return out
 
     def describe(self) -> str:
         sel = ",".join(f"{k}{'~=' if k in ('name', 'op') else '!~=' if k.startswith('not_') else '='}{v}"
                        for k, v in self.select.text.items())
         parts = [self.kind]
+        if self.kind == "batch":
+            parts.append("max" if self.value is None else f"{self.value:g}" + ("x" if self.times else ""))
+            if self.cap is not None:
+                parts.append(f"max-running-requests={self.cap:g}")
+            return " ".join(parts)
         if self.kind == "host-from":
             parts += [str(self.dst), str(self.src)]
         else:
@@ -227,9 +239,36 @@ def parse_edit(text: str) -> Edit:
                 raise EditError("host-from takes two rank numbers") from None
         elif kind in ("async", "graph-gaps"):
             e.select = parse_select(args[0]) if args else Select()
+        elif kind == "batch":
+            _parse_batch(e, args)
     except EditError as err:
         raise EditError(f"edit {text!r}: {err}") from None
     return e
+
+
+def parse_batch_value(tok: str) -> tuple[float | None, bool]:
+    """``512`` -> (512, False); ``4x`` -> (4, True); ``max`` -> (None, False)."""
+    t = tok.strip().lower()
+    if t == "max":
+        return None, False
+    times = t.endswith("x")
+    v = _float(t[:-1] if times else t, "the batch")
+    if v <= 0:
+        raise EditError(f"the batch must be above 0, got {tok!r}")
+    return v, times
+
+
+def _parse_batch(e: Edit, args: list[str]) -> None:
+    if len(args) not in (1, 2):
+        raise EditError("batch takes a batch (N, Fx or max) and an optional max-running-requests=R: 'batch 4x'")
+    e.value, e.times = parse_batch_value(args[0])
+    if len(args) == 2:
+        key, _, v = args[1].partition("=")
+        if key != "max-running-requests":
+            raise EditError(f"unknown batch option {args[1]!r} (expected max-running-requests=R)")
+        e.cap = _float(v, "max-running-requests")
+        if e.cap < 1:
+            raise EditError(f"max-running-requests must be at least 1, got {v!r}")
 
 
 def edit_from_mapping(d: dict[str, Any], subject: dict[str, Any] | None = None) -> Edit:
@@ -249,7 +288,10 @@ def edit_from_mapping(d: dict[str, Any], subject: dict[str, Any] | None = None) 
         sel = subject.get("select", {})
     e = Edit(kind=kind, select=make_select(sel if isinstance(sel, dict) else None))
     v = d.get("value")
-    e.value = None if v is None else _float(str(v), f"edit {kind}: value")
+    if kind == "batch":  # a batch, 'Fx' or 'max' (the default: the largest batch the server holds)
+        e.value, e.times = (None, False) if v is None else parse_batch_value(str(v))
+    else:
+        e.value = None if v is None else _float(str(v), f"edit {kind}: value")
 
     def rank_of(ref: Any) -> int | None:
         if ref is None or isinstance(ref, int):
@@ -291,15 +333,9 @@ def kv_rows(a: Analysis, cache: dict[str, Any] | None = None) -> tuple[float | N
     """(active rows, pool rows, where from or why not): the KV rows a decode step reads, from the ops that
     gather rows out of a pool-shaped tensor (recorded shapes, or the CUDA-graph capture trace); found
     once per ``cache``."""
-    from traceinspect.measure.replay.kvrows import active_kv_rows
+    from traceinspect.measure.replay.kvrows import cached_active_kv_rows
 
-    if cache is not None and "kv_rows" in cache:
-        return cache["kv_rows"]
-    steps = cache.get("steps") if cache is not None else None
-    out = active_kv_rows(a, steps)
-    if cache is not None:
-        cache["kv_rows"] = out
-    return out
+    return cached_active_kv_rows(a, cache)
 
 
 class Applied(msgspec.Struct):
@@ -309,6 +345,7 @@ class Applied(msgspec.Struct):
     undecided: list[str] = msgspec.field(default_factory=list)
     notes: list[str] = msgspec.field(default_factory=list)
     floors: np.ndarray | None = None  # per op: the roofline floor after the edits (NaN: unknown)
+    batch: Any = None  # the BatchPlan of a batch edit (measure.replay.batch)
 
 
 def op_floors(a: Analysis, m: Model, cache: dict[str, Any] | None = None) -> np.ndarray:
@@ -412,6 +449,8 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
             nb = hm & ~p.block
             p.hdur[nb] /= f
             p.hspeed[hm] *= f
+        elif e.kind == "batch":
+            _batch(a, m, p, e, cache, out, floor)
         elif e.kind == "host-stalls":
             _remove_stalls(a, m, p, e, cache, out)
         elif e.kind == "graph-gaps":
@@ -445,6 +484,31 @@ def apply_edits(a: Analysis, m: Model, edits: list[Edit], base: Params,
         p.dur[held] = floor[held]
     out.floors = floor
     return out
+
+
+def _batch(a: Analysis, m: Model, p: Params, e: Edit, cache: dict[str, Any] | None, out: Applied,
+           floor: np.ndarray) -> None:
+    """The step at another running batch (:mod:`.batch`); ``floor`` (per op) follows the work: the new
+    floors of the kernels the batch model rescales from their shapes, the others' in proportion to time."""
+    from traceinspect.measure.replay.batch import plan_batch, scale_batch
+    from traceinspect.measure.replay.model import load_settings
+
+    plan, notes = plan_batch(a, e, cache)
+    out.batch = plan
+    out.notes += [f"{e.describe()}: {x}" for x in notes]
+    if plan.why is not None or plan.factor is None:
+        out.undecided.append(f"{e.describe()}: {plan.why or 'the batch cannot be decided'}")
+        return
+    capped = f"; capped by {plan.bound_by}" if plan.bound_by else ""
+    out.notes.append(f"{e.describe()}: batch {plan.observed:,.0f} -> {plan.target:,.0f} ({plan.how}{capped})")
+    coll = m.g_inst >= 0
+    before, old = p.dur.copy(), floor.copy()
+    n_, u_ = scale_batch(a, m, p.dur, coll, plan, load_settings(), floor)
+    kept = (floor == old) & (before > 0) & (p.dur != before)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        floor[kept] = old[kept] * p.dur[kept] / before[kept]
+    out.notes += [f"{e.describe()}: {x}" for x in n_]
+    out.undecided += [f"{e.describe()}: {x}" for x in u_]
 
 
 def _remove_stalls(a: Analysis, m: Model, p: Params, e: Edit, cache: dict[str, Any] | None, out: Applied) -> None:

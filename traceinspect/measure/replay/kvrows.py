@@ -116,3 +116,13 @@ def active_kv_rows(a: Analysis, steps: pd.DataFrame | None = None) -> tuple[floa
         return None, pool, ("no op gathers rows out of a pool-shaped tensor in the recorded shapes or a "
                             "graph-capture trace; record shapes (record_shapes=True) or keep the capture trace")
     return float(np.median(found)), pool, f"{src}; pool: {psrc}"
+
+
+def cached_active_kv_rows(a: Analysis, cache: dict | None = None) -> tuple[float | None, float | None, str]:
+    """:func:`active_kv_rows` of the replayed steps (``cache["steps"]``), found once per ``cache``."""
+    if cache is not None and "kv_rows" in cache:
+        return cache["kv_rows"]
+    out = active_kv_rows(a, cache.get("steps") if cache is not None else None)
+    if cache is not None:
+        cache["kv_rows"] = out
+    return out

@@ -52,6 +52,9 @@ class Settings(msgspec.Struct, frozen=True):
     # least replayed saving (share of the replayed step) a severity needs, most severe first
     severity_floors: tuple[tuple[str, float], ...] = ()
     host_stall_min_us: float = 200.0
+    batch_latency_pct: float = 25.0  # batch edit: a kernel's fixed part, this percentile of the rank's kernel times
+    batch_stream_pct: float = 10.0  # batch edit: a kernel streams from this share of peak bandwidth (percent)
+    batch_stream_latency_multiple: float = 3.0  # ... or, without recorded bytes, from this multiple of its fixed part
 
 
 @lru_cache(maxsize=4)
@@ -70,7 +73,11 @@ def load_settings(path: str | None = None) -> Settings:
         return Settings(blocking=re.compile(str(doc["blocking_calls"])),
                         block_tol_us=float(doc["block_tolerance_us"]), max_steps=max(1, int(doc["max_steps"])),
                         launch_floor_pct=float(doc["launch_floor_percentile"]), graph_gaps=gaps,
-                        severity_floors=floors, host_stall_min_us=float(doc.get("host_stall_min_us", 200.0)))
+                        severity_floors=floors, host_stall_min_us=float(doc.get("host_stall_min_us", 200.0)),
+                        batch_latency_pct=float((doc.get("batch") or {}).get("latency_percentile", 25.0)),
+                        batch_stream_pct=float((doc.get("batch") or {}).get("stream_min_pct_bw", 10.0)),
+                        batch_stream_latency_multiple=float((doc.get("batch") or {}).get(
+                            "stream_min_latency_multiple", 3.0)))
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, re.error) as e:
         raise RuleError(f"unusable replay settings: {type(e).__name__}: {e}", file) from None
 
