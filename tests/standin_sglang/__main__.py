@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--experts", type=int, help="n_routed_experts in /model_info (with --top-k)")
     ap.add_argument("--top-k", type=int, help="num_experts_per_tok in /model_info (with --experts)")
     ap.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens one prefill batch admits")
+    ap.add_argument("--enable-mixed-chunk", action="store_true", help="prefill batches also decode the running ones")
     ap.add_argument("--die-at-running", type=int,
                     help="exit like a crash the first time the running batch reaches this size")
     a = ap.parse_args(argv)
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
         pinned=tuple(k for k in ("max_running_requests", "max_total_num_tokens") if getattr(a, k) is not None),
         port_file=a.port_file, step_ms=a.step_ms, step_us_per_req=a.step_us_per_req,
         stream_interval=max(1, a.stream_interval), num_continuous_decode_steps=a.num_continuous_decode_steps,
-        experts=a.experts, top_k=a.top_k, max_prefill_tokens=a.max_prefill_tokens, die_at_running=a.die_at_running,
+        experts=a.experts, top_k=a.top_k, max_prefill_tokens=a.max_prefill_tokens,
+        enable_mixed_chunk=a.enable_mixed_chunk, die_at_running=a.die_at_running,
     )
     asyncio.run(serve(cfg))
 

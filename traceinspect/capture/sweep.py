@@ -107,6 +107,7 @@ class SweepOptions:
     admin_api_key: str | None = None
     gpus: list[int] | None = None
     poll_s: float = 0.25
+    settle_s: float = 5.0  # after the ramp, before the window: the prefills of the ramp drain
     stall_s: float = 5.0  # a running batch that has not grown for this long, with requests queued, is capped
     command: list[str] | None = None
     settings: SweepSettings = field(default_factory=SweepSettings)
@@ -337,10 +338,11 @@ class _Sweep:
             else:
                 mrr = st.get("max_running_requests") or self._mrr()
                 target = min(n, mrr) if mrr else n
-                if st["running"] >= target:
+                # steady: the running batch at its target, and every request in flight on the server
+                if st["running"] >= target and st["running"] + st["waiting"] >= n:
                     return st, now - t0
-                if st["running"] > best:
-                    best, best_t = st["running"], now
+                if st["running"] + st["waiting"] > best:
+                    best, best_t = st["running"] + st["waiting"], now
                 elif st["waiting"] > 0 and now - best_t >= self.o.stall_s:
                     return st, now - t0  # capped below the target: the window tells by what
             done, failed, last = self.driver.failures
@@ -356,6 +358,10 @@ class _Sweep:
         assert self.driver is not None
         self.driver.set_concurrency(n)
         _, ramp_s = self._ramp(n)
+        settle_end = time.monotonic() + self.o.settle_s
+        while time.monotonic() < settle_end:
+            self._state()  # a server that goes away now fails the level
+            time.sleep(min(self.o.poll_s, max(0.0, settle_end - time.monotonic())))
         running, waiting, usage, mrrs = [], [], [], []
         if self.sampler is not None:
             self.sampler.start()

@@ -34,6 +34,7 @@ import httpx
 from traceinspect.capture.errors import ConfigError
 
 DRIVERS = ("builtin", "bench_serving")
+POOL_SIZE = 64  # requests in flight per HTTP client of the builtin driver
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ class BuiltinTraffic(TrafficDriver):
         self.recorder = recorder
         self._workers: list[asyncio.Task] = []
         self._cancelled: list[asyncio.Task] = []
-        self._client: httpx.AsyncClient | None = None
+        self._clients: list[httpx.AsyncClient] = []
         self._keys = 0
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._rng = random.Random(seed)
@@ -244,23 +245,32 @@ class BuiltinTraffic(TrafficDriver):
 
     async def _main(self) -> None:
         self._stop_event = asyncio.Event()
-        # one connection per request in flight; set_concurrency may raise it later
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        timeout = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=None)
-        async with httpx.AsyncClient(base_url=self.url, headers=self._headers, limits=limits,
-                                     timeout=timeout, trust_env=False) as client:
-            self._client = client
+        try:
             self._resize(self.spec.concurrency)
             self._started.set()
             await self._stop_event.wait()
             self._resize(0)
             await asyncio.gather(*self._cancelled, return_exceptions=True)
+        finally:
+            for c in self._clients:
+                await c.aclose()
+
+    def _client_for(self, i: int) -> httpx.AsyncClient:
+        """The client of worker ``i``: one per POOL_SIZE workers, since a connection pool's bookkeeping grows
+        with the square of its connections (thousands in one pool take seconds per request)."""
+        k = i // POOL_SIZE
+        while len(self._clients) <= k:
+            limits = httpx.Limits(max_connections=POOL_SIZE, max_keepalive_connections=POOL_SIZE)
+            timeout = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=None)
+            self._clients.append(httpx.AsyncClient(base_url=self.url, headers=self._headers, limits=limits,
+                                                   timeout=timeout, trust_env=False))
+        return self._clients[k]
 
     def _resize(self, n: int) -> None:
         """Start or cancel workers (in the event loop) so that ``n`` requests are in flight."""
-        assert self._client is not None
         while len(self._workers) < n:
-            self._workers.append(asyncio.create_task(self._worker(self._client, len(self._workers))))
+            i = len(self._workers)
+            self._workers.append(asyncio.create_task(self._worker(self._client_for(i), i)))
         while len(self._workers) > n:
             w = self._workers.pop()
             w.cancel()

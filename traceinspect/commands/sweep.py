@@ -27,6 +27,8 @@ from traceinspect.capture.options import DEFAULT_STEPS
               help="Decode steps to capture and analyse per level; 0: measure only.")
 @click.option("--window", "window", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="Seconds each level is measured once its running batch is steady.")
+@click.option("--settle", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="Seconds between a level's running batch reaching its size and its window.")
 @click.option("--ramp-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
               help="Seconds to wait for a level's running batch.")
 @click.option("--timeout", "capture_timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
@@ -47,7 +49,7 @@ from traceinspect.capture.options import DEFAULT_STEPS
 @click.option("--html", "html_path", default=None, type=click.Path(dir_okay=False), help="Write the HTML report here.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines.")
 def sweep_cmd(url: str | None, concurrency: str | None, out: str | None, input_len: int, output_len: int,
-              expect: tuple[str, ...], steps: int, window: float, ramp_timeout: float, capture_timeout: float,
+              expect: tuple[str, ...], steps: int, window: float, settle: float, ramp_timeout: float, capture_timeout: float,
               gpus: str | None, api_key: str | None, admin_api_key: str | None, compare: tuple[str, str] | None,
               threshold: str | None, settings_path: str | None, json_path: str | None, html_path: str | None,
               quiet: bool) -> None:
@@ -89,7 +91,7 @@ def sweep_cmd(url: str | None, concurrency: str | None, out: str | None, input_l
     secrets = tuple(k for k in (api_key, admin_api_key) if k)
     assert url is not None and concurrency is not None and out is not None
     opts = SweepOptions(url=url, out=out, levels=parse_levels(concurrency), input=input_len, output=output_len,
-                        expect=tuple(pairs), steps=steps, window_s=window, ramp_timeout_s=ramp_timeout,
+                        expect=tuple(pairs), steps=steps, window_s=window, settle_s=settle, ramp_timeout_s=ramp_timeout,
                         capture_timeout_s=capture_timeout, api_key=api_key, admin_api_key=admin_api_key,
                         gpus=gpu_list, command=redact_argv(["sweep", *sys.argv[2:]], secrets), settings=settings)
     doc, code = run_sweep(opts, CaptureUI(quiet=quiet, secrets=secrets))
