@@ -61,6 +61,7 @@ class SweepSettings:
     busy_util_pct: float = 80.0
     low_power_share: float = 0.5
     kv_full_usage: float = 0.9
+    steady_tolerance: float = 0.1
     sub_windows: int = 10
 
     @classmethod
@@ -354,15 +355,46 @@ class _Sweep:
                                  "(--ramp-timeout)")
             time.sleep(self.o.poll_s)
 
+    def _settle(self, n: int) -> float:
+        """After the ramp: at least ``settle_s``, then until this client receives tokens as fast as the server
+        says it generates them (``gen_throughput`` of ``/v1/loads``; where the server does not say, until two
+        consecutive halves of ``settle_s`` agree), within ``steady_tolerance``: the ramp's prefills and any
+        backlog of streamed chunks have drained. At most ``window_s + 4 x settle_s``. Returns the seconds."""
+        o = self.o
+        t0 = self.recorder.open()
+        piece = max(o.settle_s / 2.0, 0.5)
+        limit = o.settle_s * 4.0 + o.window_s
+        tol = o.settings.steady_tolerance
+        while True:
+            st = self._state()  # a server that goes away now fails the level
+            time.sleep(o.poll_s)
+            now = time.monotonic()
+            if now - t0 < max(o.settle_s, 2 * piece):
+                continue
+            b = self.recorder.tokens_between(now - piece, now) / piece
+            gen = st.get("gen_throughput") if st else None
+            if gen:
+                if abs(b - gen) <= tol * gen:
+                    break
+                what = f"this client received {b:.0f} tok/s, the server generated {gen:.0f}"
+            else:
+                a = self.recorder.tokens_between(now - 2 * piece, now - piece) / piece
+                if a > 0 and abs(b - a) <= tol * a:
+                    break
+                what = f"{a:.0f} then {b:.0f} tok/s"
+            if now - t0 >= limit:
+                self.warn(f"level {n}: the output throughput was not steady after {now - t0:.1f} s ({what}); "
+                          "measuring anyway")
+                break
+        self.recorder.close()
+        return time.monotonic() - t0
+
     def _measure(self, n: int) -> dict[str, Any]:
         assert self.driver is not None
         self.driver.set_concurrency(n)
         _, ramp_s = self._ramp(n)
-        settle_end = time.monotonic() + self.o.settle_s
-        while time.monotonic() < settle_end:
-            self._state()  # a server that goes away now fails the level
-            time.sleep(min(self.o.poll_s, max(0.0, settle_end - time.monotonic())))
-        running, waiting, usage, mrrs = [], [], [], []
+        settle_s = self._settle(n)
+        running, waiting, usage, mrrs, gens = [], [], [], [], []
         if self.sampler is not None:
             self.sampler.start()
         wall0 = time.time()
@@ -377,6 +409,8 @@ class _Sweep:
                         usage.append(st["token_usage"])
                     if st.get("max_running_requests"):
                         mrrs.append(st["max_running_requests"])
+                    if st.get("gen_throughput") is not None:
+                        gens.append(st["gen_throughput"])
                 time.sleep(min(self.o.poll_s, max(0.0, self.o.window_s - (time.monotonic() - t0))))
         finally:
             rec = self.recorder.close()
@@ -393,6 +427,8 @@ class _Sweep:
         level["capped_by"] = (cap_of(n, run_med, wait_med, mrr, use, self.o.settings)
                               if run_med is not None else None)
         level.update({k: m[k] for k in ("output_tokens_per_s", "request_per_s", "tpot_ms", "itl_ms")})
+        # what the server logs as its generation throughput, for comparison (not this client's measurement)
+        level["server_gen_tokens_per_s"] = json_num(float(np.mean(gens)), 1) if gens else None
         level["step_us"] = None
         level["step_between_share"] = None
         model = self.doc["model"]
@@ -416,7 +452,7 @@ class _Sweep:
         level["status"] = "ok"
         level["error"] = None
         level["window"] = {"start_unix": round(wall0, 3), "end_unix": round(wall1, 3), "seconds": m["seconds"],
-                           "ramp_s": json_num(ramp_s, 3), "tokens": m["tokens"],
+                           "ramp_s": json_num(ramp_s, 3), "settle_s": json_num(settle_s, 3), "tokens": m["tokens"],
                            "requests_finished": m["requests_finished"], "token_usage": json_num(use, 4),
                            "max_running_requests": mrr, "sub_windows": self.o.settings.sub_windows}
         level["throughput_samples"] = m["throughput_samples"]

@@ -173,6 +173,11 @@ class StreamRecorder:
             return {"end": time.monotonic(), "chunks": self._chunks, "itl_s": self._itl, "finished": self._done,
                     "tpot_s": tpot}
 
+    def tokens_between(self, t0: float, t1: float) -> int:
+        """Tokens that arrived between two monotonic times of the open window."""
+        with self._lock:
+            return sum(n for t, n in self._chunks if t0 <= t < t1)
+
     def chunk(self, key: int, t: float, new: int, total: int, gap_s: float | None, finished: bool) -> None:
         """One chunk of request ``key``: ``new`` tokens arrived at ``t`` (``total`` so far), ``gap_s`` after the
         request's previous chunk (None for its first)."""
@@ -241,6 +246,9 @@ class BuiltinTraffic(TrafficDriver):
         try:
             loop.run_until_complete(self._main())
         finally:
+            # the streamed responses' line iterators end here, not after the loop is gone
+            with contextlib.suppress(RuntimeError):
+                loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
     async def _main(self) -> None:

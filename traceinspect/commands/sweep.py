@@ -28,7 +28,8 @@ from traceinspect.capture.options import DEFAULT_STEPS
 @click.option("--window", "window", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="Seconds each level is measured once its running batch is steady.")
 @click.option("--settle", type=click.FloatRange(min=0), default=5.0, show_default=True,
-              help="Seconds between a level's running batch reaching its size and its window.")
+              help="At least this many seconds from a level's running batch reaching its size to its window; "
+                   "then until the throughput is steady.")
 @click.option("--ramp-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True,
               help="Seconds to wait for a level's running batch.")
 @click.option("--timeout", "capture_timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,

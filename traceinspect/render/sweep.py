@@ -106,10 +106,14 @@ def render_terminal(doc: dict[str, Any], console: Console | None = None) -> None
     con.print(f"[bold]traceinspect sweep[/bold] {rich_escape(str(doc.get('url')))}  "
               f"input {doc['load']['input']}, output {doc['load']['output']} tokens, window {doc['load']['window_s']:g} s")
     t = Table(title="Levels (this client's clock; step time from each level's trace)", title_justify="left")
-    for h in HEAD:
-        t.add_column(h, justify="left" if h in ("capped by", "status") else "right")
-    for row in level_rows(doc):
-        t.add_row(*(rich_escape(c) for c in row))
+    rows = level_rows(doc)
+    # columns no level has a value for (no trace captured, no GPU sampled) are left out here
+    keep = [i for i, h in enumerate(HEAD) if h in ("concurrency", "status") or any(r[i] not in (DASH, f"{DASH} W")
+                                                                                  for r in rows)]
+    for i in keep:
+        t.add_column(HEAD[i], justify="left" if HEAD[i] in ("capped by", "status") else "right")
+    for row in rows:
+        t.add_row(*(rich_escape(row[i]) for i in keep))
     con.print(t)
     classes, rows = class_rows(doc)
     if rows:
