@@ -371,20 +371,22 @@ class _Sweep:
             now = time.monotonic()
             if now - t0 < max(o.settle_s, 2 * piece):
                 continue
-            b = self.recorder.tokens_between(now - piece, now) / piece
             gen = st.get("gen_throughput") if st else None
             if gen:
-                if abs(b - gen) <= tol * gen:
+                b = self.recorder.recent_rate(now, piece)
+                if b is not None and abs(b - gen) <= tol * gen:
                     break
-                what = f"this client received {b:.0f} tok/s, the server generated {gen:.0f}"
+                what = f"this client received {b:.0f} tok/s, the server generated {gen:.0f}" if b is not None else ""
             else:
+                b = self.recorder.tokens_between(now - piece, now) / piece
                 a = self.recorder.tokens_between(now - 2 * piece, now - piece) / piece
                 if a > 0 and abs(b - a) <= tol * a:
                     break
                 what = f"{a:.0f} then {b:.0f} tok/s"
             if now - t0 >= limit:
-                self.warn(f"level {n}: the output throughput was not steady after {now - t0:.1f} s ({what}); "
-                          "measuring anyway")
+                if what:  # a measured mismatch; too few arrivals to tell is no warning (a slow trickle has no backlog)
+                    self.warn(f"level {n}: the output throughput was not steady after {now - t0:.1f} s ({what}); "
+                              "measuring anyway")
                 break
         self.recorder.close()
         return time.monotonic() - t0
@@ -434,7 +436,7 @@ class _Sweep:
         model = self.doc["model"]
         tokens = run_med if run_med is not None else self.driver.in_flight
         if model["experts"] and model["top_k"] and tokens:
-            level["per_expert_m"] = json_num(tokens * model["top_k"] / model["experts"], 2)
+            level["per_expert_m"] = json_num(tokens * model["top_k"] / model["experts"], 4)
         else:
             level["per_expert_m"] = None
         g: dict[str, Any] = {}

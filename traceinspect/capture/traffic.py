@@ -173,6 +173,22 @@ class StreamRecorder:
             return {"end": time.monotonic(), "chunks": self._chunks, "itl_s": self._itl, "finished": self._done,
                     "tpot_s": tpot}
 
+    def recent_rate(self, now: float, span_s: float, min_chunks: int = 16) -> float | None:
+        """Tokens per second over the last ``span_s`` seconds of the open window, or over as much longer as
+        holds ``min_chunks`` chunks (a few chunks carry too few tokens for a rate); None before that."""
+        with self._lock:
+            if not self._chunks:
+                return None
+            times = [t for t, _ in self._chunks]
+            i = len(times)
+            start = now - span_s
+            while i > 0 and (times[i - 1] >= start or len(times) - i < min_chunks):
+                i -= 1
+            if len(times) - i < min_chunks or i == 0:
+                return None  # not enough arrivals yet (the first chunks may predate a steady state)
+            first = times[i - 1]
+            return sum(n for _, n in self._chunks[i:]) / max(now - first, 1e-9)
+
     def tokens_between(self, t0: float, t1: float) -> int:
         """Tokens that arrived between two monotonic times of the open window."""
         with self._lock:

@@ -4,6 +4,7 @@ concurrency, and the GPU time by class per level."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -287,7 +288,8 @@ def render_sweep_html(doc: dict[str, Any]) -> str:
                   + "".join(str(el("th", None, c)) for c in classes) + "</tr>"
                   + "".join("<tr>" + "".join(str(el("td", None, x)) for x in r) + "</tr>" for r in crow) + "</table>")
     cfg = doc.get("server_config") or {}
-    cfg_rows = "".join(f"<tr>{el('td', {'class': 'l'}, k)}{el('td', {'class': 'l'}, str(v))}</tr>"
+    cfg_rows = "".join(f"<tr>{el('td', {'class': 'l'}, k)}"
+                       f"{el('td', {'class': 'l'}, v if isinstance(v, str) else json.dumps(v))}</tr>"
                        for k, v in cfg.items())
     load = doc.get("load") or {}
     return (
