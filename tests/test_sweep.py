@@ -432,6 +432,37 @@ def test_gpu_sampler_with_a_fake_nvml_and_the_power_note() -> None:
     assert power_note({**g, "gpu_util_pct": 20.0}, SweepSettings()) is None  # idle, not busy
 
 
+@pytest.mark.timeout(120)
+def test_gpu_power_is_sampled_through_nvml_during_each_window(servers: dict[str, Standin], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local server's GPUs (base_gpu_id..., one per rank) are sampled during each window; a GPU busy at
+    well under its power limit is named."""
+    import types
+
+    from traceinspect.capture.sweep import SweepOptions, run_sweep
+    from traceinspect.render.sweep import render_sweep_html
+
+    fake = FakeNvml()
+    mod = types.ModuleType("pynvml")
+    for name in dir(fake):
+        if name.startswith(("nvml", "NVML")):
+            setattr(mod, name, getattr(fake, name))
+    mod.nvmlInit = lambda: None
+    monkeypatch.setitem(sys.modules, "pynvml", mod)
+    opts = SweepOptions(url=servers["one"].url, out=tmp_path / "s", levels=[1, 2], input=8, output=64,
+                        steps=0, window_s=1.0, settle_s=0.2)
+    doc, code = run_sweep(opts)
+    assert code == 0, doc
+    assert doc["gpu_note"].startswith("GPUs 0, 1 sampled through NVML")
+    for lv in doc["levels"]:
+        assert lv["power_w"] == 235.0 and lv["power_limit_w"] == 600.0 and lv["sm_clock_mhz"] == 2400.0
+        assert [g["index"] for g in lv["gpus"]] == [0, 1] and all(g["samples"] >= 1 for g in lv["gpus"])
+        assert "235 W of their 600 W limit" in lv["power_note"]
+    assert fake.calls >= 4
+    html = render_sweep_html(doc)
+    assert html.count('data-series="power"') == 2 and "limit 600 W" in html
+
+
 def test_sweep_settings_are_validated(tmp_path: Path) -> None:
     assert SweepSettings.load() == SweepSettings()
     bad = tmp_path / "s.yaml"

@@ -254,6 +254,17 @@ def knee(levels: list[dict[str, Any]], growth: float) -> dict[str, Any] | None:
 
 # -- the sweep -----------------------------------------------------------------------------------------
 
+LEVEL_KEYS = ("running_requests", "waiting_requests", "capped_by", "output_tokens_per_s", "request_per_s",
+              "tpot_ms", "itl_ms", "server_gen_tokens_per_s", "step_us", "step_between_share", "per_expert_m",
+              "power_w", "power_limit_w", "sm_clock_mhz", "mem_clock_mhz", "gpu_util_pct", "gpus", "power_note",
+              "classes", "analysis", "capture")
+
+
+def bare_level(n: int, status: str, error: str | None) -> dict[str, Any]:
+    """A level with nothing measured (not run, or failed before its window ended): every key, null."""
+    return {"concurrency": n, **dict.fromkeys(LEVEL_KEYS), "status": status, "error": error}
+
+
 class _Sweep:
     def __init__(self, o: SweepOptions, ui: CaptureUI) -> None:
         self.o = o
@@ -531,7 +542,7 @@ class _Sweep:
                          "window_s": o.window_s, "steps": o.steps},
                 "server_config": server_config(self.info), "server_version": meta.get("server_version"),
                 "model": moe_model(self.info), "gpu_note": self.gpu_note,
-                "levels": [{"concurrency": n, "status": "not_run", "error": None} for n in o.levels],
+                "levels": [bare_level(n, "not_run", None) for n in o.levels],
                 "knee": None, "warnings": self.warnings,
             }
             pool = ServerInfo(self.info).count("max_total_num_tokens")
@@ -561,11 +572,11 @@ class _Sweep:
                 if o.steps > 0:
                     self._capture(level)
             except KeyboardInterrupt:
-                levels[i] = {"concurrency": n, "status": "failed", "error": "interrupted (Ctrl-C)"}
+                levels[i] = bare_level(n, "failed", "interrupted (Ctrl-C)")
                 failed = True
             except (TraceInspectError, RuntimeError, OSError) as e:
                 msg = e.one_line() if isinstance(e, TraceInspectError) else f"{type(e).__name__}: {e}"
-                levels[i] = {"concurrency": n, "status": "failed", "error": msg}
+                levels[i] = bare_level(n, "failed", msg)
                 failed = True
             else:
                 levels[i] = level
