@@ -279,6 +279,7 @@ class _Sweep:
         self.recorder = StreamRecorder()
         self.sampler: Any = None
         self.gpu_note: str | None = None
+        self._no_state_warned = False
 
     def warn(self, msg: str) -> None:
         self.warnings.append(msg)
@@ -344,6 +345,11 @@ class _Sweep:
             st = self._state()
             now = time.monotonic()
             if st is None:
+                if not self._no_state_warned:
+                    self._no_state_warned = True
+                    self.warn("the server reports no running batch (no /v1/loads, no sglang:num_running_reqs on "
+                              "/metrics): a level counts as ramped once this client has its requests in flight, "
+                              "and what caps the batch is unknown (start SGLang with --enable-metrics)")
                 inflight = self.driver.in_flight or 0
                 if inflight >= n:
                     return None, now - t0
