@@ -55,6 +55,7 @@ SERVERS = {
     "slow": [*SMALL, "--step-ms", "12", "--step-us-per-req", "120", "--num-continuous-decode-steps", "8"],
     "dying": [*SMALL, "--step-ms", "10", "--die-at-running", "32"],
     "one": [*GPU, "--step-ms", "5", "--experts", "64", "--top-k", "4"],
+    "kv": [*SMALL, "--step-ms", "10", "--max-total-num-tokens", "600"],
 }
 
 
@@ -285,6 +286,23 @@ def test_ctrl_c_marks_the_level_and_keeps_the_rest(servers: dict[str, Standin], 
     doc = json.loads((out / "sweep.json").read_text())
     assert doc["levels"][0] == {**doc["levels"][0], "status": "failed", "error": "interrupted (Ctrl-C)"}
     assert doc["levels"][1]["status"] == "not_run" and "stopped at level 4" in doc["levels"][1]["error"]
+
+
+@pytest.mark.timeout(120)
+def test_a_full_kv_pool_caps_the_level_and_is_named(servers: dict[str, Standin], tmp_path: Path) -> None:
+    """Requests queue on the server while the running batch is below max_running_requests and the KV pool
+    is full: the level is capped by the KV pool, and the knee says so."""
+    from traceinspect.capture.sweep import SweepOptions, run_sweep
+
+    opts = SweepOptions(url=servers["kv"].url, out=tmp_path / "s", levels=[8, 32], input=16, output=4096,
+                        steps=0, window_s=1.0, settle_s=0.2, stall_s=1.0)
+    doc, code = run_sweep(opts)
+    assert code == 0, doc
+    low, high = doc["levels"]
+    assert low["capped_by"] is None and low["running_requests"] == 8
+    assert high["capped_by"] == "kv_pool" and high["running_requests"] == 8 and high["waiting_requests"] == 24
+    assert doc["knee"]["concurrency"] == 8 and doc["knee"]["next_capped_by"] == "kv_pool"
+    assert any("KV pool holds 600 tokens" in w for w in doc["warnings"])
 
 
 # -- one request at a time, with the trace of the level analysed ------------------------------------
