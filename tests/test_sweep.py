@@ -8,6 +8,7 @@ sweep's ramp polls ``/v1/loads``), never on fixed sleeps.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -24,7 +25,6 @@ import httpx
 import numpy as np
 import pandas as pd
 import pytest
-from test_capture import GPU_FIXTURE, HAS_AIOHTTP, ROOT, Standin, run_cli
 
 from traceinspect.capture.sweep import (
     SweepSettings,
@@ -37,6 +37,54 @@ from traceinspect.capture.sweep import (
     server_config,
     window_metrics,
 )
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+GPU_FIXTURE = ROOT / "fixtures" / "kv-gather-cast-eager"
+HAS_AIOHTTP = importlib.util.find_spec("aiohttp") is not None
+
+
+class Standin:
+    """A running ``python -m standin_sglang`` subprocess (serving recorded GPU traces: no torch needed)."""
+
+    def __init__(self, name: str, args: list[str], workdir: Path) -> None:
+        self.port_file = workdir / f"{name}.port"
+        self.log = workdir / f"{name}.log"
+        self._logf = open(self.log, "wb")  # noqa: SIM115 - closed in reap()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "standin_sglang", "--port-file", str(self.port_file), *args], cwd=TESTS,
+            env={**os.environ, "PYTHONPATH": str(TESTS)}, stdout=self._logf, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL)
+        self.url = ""
+
+    def wait_ready(self, deadline: float) -> None:
+        while not self.port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.reap()
+                raise RuntimeError(f"stand-in did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port_file.read_text().strip()}"
+
+    def state(self) -> dict:
+        return httpx.get(self.url + "/standin/state", timeout=5).json()
+
+    def reap(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._logf.close()
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRACEINSPECT_API_KEY"}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-m", "traceinspect", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
 
 pytestmark = pytest.mark.skipif(not HAS_AIOHTTP or not GPU_FIXTURE.is_dir(),
                                 reason="the stand-in needs aiohttp and the recorded GPU fixture")

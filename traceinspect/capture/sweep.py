@@ -538,6 +538,11 @@ class _Sweep:
             atomic_write_json(self.out / "server_info.json", self.info)
             self.ui.info(f"server {o.url}: {describe(self.info)}")
             self._gpus()
+            host = urlsplit(o.url).hostname or ""
+            if o.steps > 0 and not is_local_host(host):
+                self.warn(f"the server ({host}) is not on this machine: each level's trace is written on ITS "
+                          f"filesystem, so {self.out} must be a directory both hosts see at the same path "
+                          "(else --steps 0 measures only)")
             if self.gpu_note and "not sampled" in self.gpu_note:
                 self.ui.info(self.gpu_note)
             self.doc = {
