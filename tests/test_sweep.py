@@ -572,3 +572,18 @@ def test_between_steps_share() -> None:
     assert b["between_share"] == pytest.approx(150 / 2150, abs=1e-6)
     assert between_steps(steps.iloc[:1], "decode")["between_share"] is None
 
+
+
+def test_sweep_html_escapes_server_text_and_has_no_non_finite_numbers() -> None:
+    from traceinspect.render.sweep import render_sweep_html
+
+    evil = "<script>alert(1)</script>"
+    doc = {"schema": "traceinspect.sweep/1", "url": "http://h:1", "tool": {"version": "x"},
+           "load": {"input": 1, "output": 2, "window_s": 1.0}, "server_config": {"served_model_name": evil},
+           "model": {"experts": None, "top_k": None, "note": "unknown: no model config"}, "gpu_note": None,
+           "levels": [{"concurrency": 1, "status": "failed", "error": f"cannot reach {evil}",
+                       "output_tokens_per_s": float("nan")}], "knee": None, "warnings": [evil]}
+    html = render_sweep_html(doc)
+    assert evil not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert "NaN" not in html and "inf" not in html.split("<style>")[0]
+    assert "per-expert M: unknown: no model config" in html
