@@ -124,8 +124,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stan
             s.reap()
 
 
-def sweep_args(url: str, out: Path, levels: str, *extra: str, window: str = "2", steps: str = "0") -> list[str]:
-    return ["sweep", "--url", url, "--concurrency", levels, "--out", str(out), "--input", "16", "--output", "512",
+def sweep_args(url: str, out: Path, levels: str, *extra: str, window: str = "2", steps: str = "0",
+               output: str = "512") -> list[str]:
+    return ["sweep", "--url", url, "--concurrency", levels, "--out", str(out), "--input", "16", "--output", output,
             "--window", window, "--settle", "1", "--steps", steps, "-q", *extra]
 
 
@@ -143,10 +144,11 @@ def finite_everywhere(v: object) -> bool:
 
 @pytest.fixture(scope="module")
 def main_sweep(servers: dict[str, Standin], tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
+    """Outputs outlive the sweep: no request finishes, so the levels' batches hold exactly their requests."""
     out = tmp_path_factory.mktemp("sweep") / "s"
     html = out.parent / "sweep.html"
     p = run_cli(*sweep_args(servers["main"].url, out, "256,512,1024,2048", "--html", str(html),
-                            "--json", str(out.parent / "copy.json"), window="3"), timeout=200)
+                            "--json", str(out.parent / "copy.json"), window="3", output="2048"), timeout=200)
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr
     return json.loads((out / "sweep.json").read_text()), out, p.stdout
