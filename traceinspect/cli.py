@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "doctor": "traceinspect.commands.doctor:doctor_cmd",
     "cache": "traceinspect.commands.cache:cache_cmd",
     "whatif": "traceinspect.commands.whatif:whatif_cmd",
+    "sweep": "traceinspect.commands.sweep:sweep_cmd",
 }
 
 # name -> the first sentence of its help: the command list of ``traceinspect --help`` without importing every
@@ -51,6 +52,8 @@ SUMMARIES: dict[str, str] = {
               "findings with evidence and fixes, time by class per rank, a step timeline, GEMM efficiency, "
               "collectives, top kernels, classification coverage and the command that made it.",
     "rules": "List, show, test and explain the diagnostic rules (rules/*.yaml).",
+    "sweep": "Measure a live SGLang server at each concurrency level: throughput, latencies, what caps the running "
+             "batch, GPU power, and each level's decode steps.",
     "whatif": "Predict the step time after a fix by replaying the trace with edits (none: replay as measured).",
 }
 

@@ -12,11 +12,20 @@ scheduler batch, so trace files appear only after N steps of real traffic. Optio
 releases (``old``: no ``/server_info``, ``/model_info``, ``/v1/loads`` nor step spans), ranks that never
 write (``silent_ranks``), slow writers and a forbidden profiling endpoint. ``gpu_trace_from`` makes each
 rank write a pre-recorded real GPU trace (``fixture-TP-<r>.trace.json.gz``) instead of its CPU trace.
+
+For load sweeps: ``/generate`` streams (``stream: true``, SGLang's ``data: {...}`` lines with cumulative
+``text`` and ``meta_info.completion_tokens``, every ``stream_interval`` tokens, then ``data: [DONE]``); a
+batch takes ``step_ms + step_us_per_req x batch`` (a fake forward whose time grows with the batch), the
+running batch is capped by ``max_running_requests`` and the KV pool; ``experts``/``top_k`` put a MoE
+model config into ``/model_info``; ``die_at_running`` ends the server the first time its running batch
+reaches that size; ``/standin/tokens?since=T&until=T`` counts the output tokens it wrote to clients between
+two wall-clock times; ``enable_mixed_chunk`` decodes the running requests in the batches that admit new ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import multiprocessing as mp
@@ -59,6 +68,16 @@ class StandinConfig:
     port_file: str | None = None
     extra_server_info: dict[str, Any] = field(default_factory=dict)
     extra_model_info: dict[str, Any] = field(default_factory=dict)
+    step_ms: float = 0.0  # fixed time of a batch
+    step_us_per_req: float = 0.0  # plus this per request in the batch
+    stream_interval: int = 1  # SGLang --stream-interval: a streamed chunk every N tokens
+    num_continuous_decode_steps: int = 1  # reported only: it changes nothing here
+    experts: int | None = None  # MoE config in /model_info (n_routed_experts, num_experts_per_tok)
+    top_k: int | None = None
+    die_at_running: int | None = None  # exit (as a crash) once the running batch reaches this size
+    enable_mixed_chunk: bool = False  # SGLang --enable-mixed-chunk: a prefill batch also decodes the running ones
+    max_prefill_tokens: int = 16384  # prompt tokens one prefill batch admits (SGLang --max-prefill-tokens)
+    pinned: tuple[str, ...] = ()  # fields given on the command line: a recorded set's values do not replace them
 
 
 @dataclass
@@ -71,6 +90,8 @@ class Req:
     out: int = 0
     created: float = field(default_factory=time.time)
     aborted: bool = False
+    stream: Any = None  # asyncio.Queue of (tokens so far, finished) for a streamed request
+    sent: int = 0  # tokens written to the client so far
 
 
 class Scheduler:
@@ -94,6 +115,8 @@ class Scheduler:
         self.generated = 0
         self.gen_throughput = 0.0
         self.calls: dict[str, int] = {"start_profile": 0, "stop_profile": 0}
+        # (wall time, output tokens) of each streamed chunk or response written to a client
+        self.history: collections.deque = collections.deque(maxlen=1_000_000)
 
     def start_workers(self) -> None:
         from .worker import worker_main
@@ -202,6 +225,36 @@ class Scheduler:
         with contextlib.suppress(RuntimeError):
             req.loop.call_soon_threadsafe(resolve)
 
+    def _deliver(self, items: list[tuple[Req, int, bool]]) -> None:
+        """Hand streamed chunks to their handlers: one wake-up of each event loop per batch."""
+        by_loop: dict[Any, list[tuple[Req, int, bool]]] = {}
+        for it in items:
+            by_loop.setdefault(it[0].loop, []).append(it)
+
+        def put(batch: list[tuple[Req, int, bool]]) -> None:
+            for r, n, done in batch:
+                r.stream.put_nowait((n, done))
+
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(put, batch)
+
+    def _die(self) -> None:
+        """End like a crashed server: the ranks and this process go at once, connections are reset."""
+        print(f"standin: dying at a running batch of {len(self.running)} (die_at_running)", file=sys.stderr,
+              flush=True)
+        for p in self.procs:
+            with contextlib.suppress(Exception):
+                p.kill()
+        os._exit(3)
+
+    def tokens_between(self, since: float, until: float) -> dict[str, Any]:
+        """Output tokens written to clients (streamed chunks, whole responses) between two wall-clock times."""
+        hist = list(self.history)
+        sel = [n for t, n in hist if since <= t < until]
+        return {"tokens": sum(sel), "batches": len(sel), "since": since, "until": until,
+                "oldest": hist[0][0] if hist else None}
+
     def _form_batch(self) -> tuple[str, int, int, list[Req]] | None:
         with self.lock:
             self.waiting = [r for r in self.waiting if not r.aborted]
@@ -212,11 +265,15 @@ class Scheduler:
                 nxt = self.waiting[0]
                 if used + nxt.input_len > self.cfg.max_total_num_tokens and (self.running or admit):
                     break
+                if admit and sum(r.input_len for r in admit) + nxt.input_len > self.cfg.max_prefill_tokens:
+                    break
                 admit.append(self.waiting.pop(0))
                 used += nxt.input_len
             if admit:
+                decoding = list(self.running) if self.cfg.enable_mixed_chunk else []
                 self.running.extend(admit)
-                return "EXTEND", len(admit), sum(r.input_len for r in admit), admit
+                toks = sum(r.input_len for r in admit) + len(decoding)
+                return ("MIXED" if decoding else "EXTEND"), len(admit) + len(decoding), toks, decoding + admit
             if self.running:
                 return "DECODE", len(self.running), len(self.running), list(self.running)
         return None
@@ -239,15 +296,28 @@ class Scheduler:
                 continue
             mode, bs, toks, reqs = batch
             self.forward_ct += 1
+            if self.cfg.die_at_running and len(self.running) >= self.cfg.die_at_running:
+                self._die()
             self._all(("batch", mode, bs, toks))
+            # the fake forward: its time grows with the batch
+            fake = self.cfg.step_ms / 1e3 + self.cfg.step_us_per_req * bs / 1e6
+            if fake > 0:
+                time.sleep(max(0.0, fake - (time.monotonic() - t0)))
+            streamed: list[tuple[Req, int, bool]] = []
             for r in reqs:
                 r.out += 1  # prefill yields the first token, each decode step one more
                 self.generated += 1
-                if r.out >= r.max_new_tokens:
+                done = r.out >= r.max_new_tokens
+                if r.stream is not None and (done or r.out == 1 or r.out % self.cfg.stream_interval == 0):
+                    streamed.append((r, r.out, done))
+                if done:
                     with self.lock:
                         if r in self.running:
                             self.running.remove(r)
-                    self._finish(r)
+                    if r.stream is None:
+                        self._finish(r)
+            if streamed:
+                self._deliver(streamed)
             now = time.monotonic()
             if now - last_t >= 1.0:
                 self.gen_throughput = (self.generated - last_gen) / (now - last_t)
@@ -292,15 +362,19 @@ def _server_args(cfg: StandinConfig) -> dict[str, Any]:
         "tp_size": cfg.tp_size, "dp_size": 1, "attn_dp_size": 1, "ep_size": cfg.ep_size, "pp_size": 1,
         "moe_dp_size": 1, "enable_dp_attention": False, "quantization": None, "kv_cache_dtype": "auto",
         "page_size": 1, "context_length": 4096, "mem_fraction_static": 0.8,
-        "max_running_requests": cfg.max_running_requests, "max_prefill_tokens": 16384,
-        "chunked_prefill_size": 8192, "cuda_graph_max_bs": 256, "disable_cuda_graph": True,
+        "max_running_requests": cfg.max_running_requests, "max_prefill_tokens": cfg.max_prefill_tokens,
+        "chunked_prefill_size": 8192, "enable_mixed_chunk": cfg.enable_mixed_chunk, "cuda_graph_max_bs": 256, "disable_cuda_graph": True,
         "attention_backend": "torch_native", "decode_attention_backend": None,
         "prefill_attention_backend": None, "sampling_backend": "pytorch", "moe_runner_backend": "auto",
         "moe_a2a_backend": "none", "fp8_gemm_runner_backend": "auto", "fp4_gemm_runner_backend": "auto",
         "disable_custom_all_reduce": False, "enable_torch_compile": False, "speculative_algorithm": None,
-        "num_continuous_decode_steps": 1, "schedule_policy": "fcfs", "random_seed": 0,
+        "num_continuous_decode_steps": cfg.num_continuous_decode_steps, "stream_interval": cfg.stream_interval,
+        "schedule_policy": "fcfs", "random_seed": 0,
         "enable_metrics": False, "log_level": "info", "skip_server_warmup": True,
     }
+    if cfg.step_ms or cfg.step_us_per_req:  # the stand-in's fake forward time, a configuration like any other
+        args["standin_step_ms"] = cfg.step_ms
+        args["standin_step_us_per_req"] = cfg.step_us_per_req
     args.update(cfg.extra_server_info)
     return args
 
@@ -343,6 +417,9 @@ def model_info(cfg: StandinConfig) -> dict[str, Any]:
         "model_type": "llama", "architectures": ["LlamaForCausalLM"],
     }
     info.update(cfg.extra_model_info)
+    if cfg.experts and cfg.top_k:  # given on the command line: over a recorded set's
+        info.update({"n_routed_experts": cfg.experts, "num_experts_per_tok": cfg.top_k})
+        info.setdefault("num_hidden_layers", 2)
     return info
 
 
@@ -443,8 +520,7 @@ def build_app(cfg: StandinConfig, sched: Scheduler) -> web.Application:
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             return web.json_response({"error": "Either text or input_ids should be provided."}, status=400)
-        if body.get("stream"):
-            return web.json_response({"error": "stream is not supported by this server"}, status=400)
+        stream = bool(body.get("stream"))
         batch = isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))
         items = (text if isinstance(text, list) else [text]) if text is not None else (ids if batch else [ids])
         sp = body.get("sampling_params") or {}
@@ -462,7 +538,11 @@ def build_app(cfg: StandinConfig, sched: Scheduler) -> web.Application:
                 return _error_400("max_new_tokens must be at least 1")
             req_id = (rid[i] if isinstance(rid, list) else rid) if rid else uuid.uuid4().hex
             reqs.append(Req(rid=str(req_id), input_len=n_in, max_new_tokens=max_new, loop=loop,
-                            future=loop.create_future()))
+                            future=loop.create_future(), stream=asyncio.Queue() if stream else None))
+        if stream:
+            if len(reqs) != 1:
+                return _error_400("streaming takes one prompt per request")
+            return await _stream(request, reqs[0])
         for q in reqs:
             sched.submit(q)
         try:
@@ -471,7 +551,33 @@ def build_app(cfg: StandinConfig, sched: Scheduler) -> web.Application:
             for q in reqs:
                 q.aborted = True  # the client went away: abort, as SGLang does
             raise
+        sched.history.append((time.time(), sum(q.out for q in reqs)))
         return web.json_response(outs if batch else outs[0])
+
+    async def _stream(request: web.Request, q: Req) -> web.StreamResponse:
+        """SGLang's streamed /generate: ``data: {text, output_ids, meta_info}`` lines, then ``data: [DONE]``."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        sched.submit(q)
+        try:
+            while True:
+                n, done = await q.stream.get()
+                chunk = {
+                    "text": " ".join(WORDS[i % len(WORDS)] for i in range(n)),
+                    "output_ids": [(17 * i) % 512 for i in range(n)],
+                    "meta_info": {"id": q.rid, "finish_reason": {"type": "length", "length": n} if done else None,
+                                  "prompt_tokens": q.input_len, "completion_tokens": n, "cached_tokens": 0},
+                }
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                sched.history.append((time.time(), n - q.sent))
+                q.sent = n
+                if done:
+                    break
+            await resp.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            q.aborted = True
+            raise
+        return resp
 
     async def start_profile(request: web.Request) -> web.Response:
         if cfg.forbid_profile:
@@ -531,6 +637,13 @@ def build_app(cfg: StandinConfig, sched: Scheduler) -> web.Application:
     for path, h in (("/start_profile", start_profile), ("/stop_profile", stop_profile)):
         r.add_route("GET", path, h)
         r.add_route("POST", path, h)
+    async def standin_tokens(request: web.Request) -> web.Response:
+        """Test hook: tokens generated between ``since`` and ``until`` (wall-clock seconds)."""
+        since = float(request.query.get("since", "0"))
+        until = float(request.query.get("until", str(time.time())))
+        return web.json_response(sched.tokens_between(since, until))
+
+    r.add_get("/standin/tokens", standin_tokens)
     r.add_get("/standin/state", standin_state)
     r.add_post("/standin/configure", standin_configure)
     return app
@@ -551,11 +664,13 @@ def overlay_fixture(cfg: StandinConfig) -> None:
         mi = data.pop("model_info", None)
         for k in ("tp_size", "dp_size", "pp_size", "ep_size"):
             data.pop(k, None)
+        for key in cfg.pinned:
+            data.pop(key, None)
         cfg.extra_server_info = {**data, **cfg.extra_server_info}
         if isinstance(mi, dict):
             cfg.extra_model_info = {**mi, **cfg.extra_model_info}
         for key in ("max_total_num_tokens", "max_running_requests"):
-            if isinstance(data.get(key), int) and data[key] > 0:
+            if isinstance(data.get(key), int) and data[key] > 0 and key not in cfg.pinned:
                 setattr(cfg, key, max(data[key], 1))
 
 

@@ -178,6 +178,54 @@ class SGLangClient:
                 return int(total)
         return None
 
+    def load_state(self) -> dict[str, Any] | None:
+        """The scheduler's load summed over DP ranks: ``running``, ``waiting``, ``used_tokens``,
+        ``max_total_num_tokens``, ``max_running_requests``, ``token_usage`` (the highest rank's),
+        ``gen_throughput`` (generated tokens/s, as the scheduler last logged it) and ``source``; None where the
+        server reports none of it.
+
+        Reads ``GET /v1/loads?include=core`` (SGLang's ``loads``: one snapshot per DP rank), else the
+        ``sglang:num_running_reqs``, ``sglang:num_queue_reqs`` and ``sglang:token_usage`` gauges on ``/metrics``.
+        """
+        r = self.request("GET", "/v1/loads?include=core", timeout=10.0)
+        if r.status_code == 200:
+            try:
+                loads = [x for x in (r.json().get("loads") or []) if isinstance(x, dict)]
+            except (ValueError, AttributeError, TypeError):
+                loads = []
+            if loads:
+                def total(key: str) -> int | None:
+                    vals = [x.get(key) for x in loads if isinstance(x.get(key), (int, float))]
+                    return int(sum(vals)) if vals else None
+
+                usage = [float(x["token_usage"]) for x in loads if isinstance(x.get("token_usage"), (int, float))]
+                gen = [float(x["gen_throughput"]) for x in loads if isinstance(x.get("gen_throughput"), (int, float))]
+                return {"running": total("num_running_reqs") or 0, "waiting": total("num_waiting_reqs") or 0,
+                        "used_tokens": total("num_used_tokens"), "max_total_num_tokens": total("max_total_num_tokens"),
+                        "max_running_requests": total("max_running_requests"),
+                        "token_usage": max(usage) if usage else None,
+                        "gen_throughput": sum(gen) if gen else None, "source": "/v1/loads"}
+        r = self.request("GET", "/metrics", timeout=10.0)
+        if r.status_code != 200 or "num_running_reqs" not in r.text:
+            return None
+        sums: dict[str, float] = {}
+        peak: dict[str, float] = {}
+        for line in r.text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0].replace("sglang_", "sglang:", 1)
+            if name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage",
+                        "sglang:gen_throughput"):
+                try:
+                    v = float(line.rsplit(None, 1)[-1])
+                except ValueError:
+                    continue
+                sums[name] = sums.get(name, 0.0) + v
+                peak[name] = max(peak.get(name, v), v)
+        return {"running": int(sums.get("sglang:num_running_reqs", 0)),
+                "waiting": int(sums.get("sglang:num_queue_reqs", 0)), "used_tokens": None,
+                "max_total_num_tokens": None, "max_running_requests": None,
+                "token_usage": peak.get("sglang:token_usage"), "gen_throughput": sums.get("sglang:gen_throughput"),
+                "source": "/metrics"}
+
     def start_profile(self, body: dict[str, Any]) -> str:
         """POST ``/start_profile``; returns the reply text (``Start profiling.``) once the profiler is armed."""
         r = self.request("POST", "/start_profile", json=body, timeout=120.0, admin=True)

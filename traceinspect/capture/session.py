@@ -85,6 +85,34 @@ def _sigint_deferred() -> Iterator[None]:
             signal.signal(signal.SIGINT, old)
 
 
+def read_server(client: SGLangClient, url: str, secrets: tuple[str, ...],
+                warn: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``/server_info`` with ``/model_info`` under ``model_info`` and, for a server on this machine, the model's
+    config under ``model_config``, secrets redacted; and what to record about where they came from.
+    ``warn(text)`` is told about an old server or a model info that could not be read."""
+    si_path, info = client.server_info()
+    meta: dict[str, Any] = {}
+    try:
+        mi_path, model = client.model_info()
+    except CaptureError as e:
+        mi_path, model = None, None
+        warn(f"could not read model info: {e.one_line()}")
+    if si_path != "/server_info":
+        warn(f"old server: read {si_path} (no /server_info)")
+    info = dict(info)
+    info["model_info"] = model
+    from traceinspect.capture.modelconfig import model_config
+
+    cfg, why = model_config(info, model, is_local_host(urlsplit(url).hostname or ""))
+    if cfg is not None:
+        info["model_config"] = cfg
+    else:
+        meta["model_config"] = why
+    meta.update({"server_info_endpoint": si_path, "model_info_endpoint": mi_path,
+                 "server_version": info.get("version")})
+    return redact(info, secrets), meta
+
+
 class _Capture:
     def __init__(self, opts: CaptureOptions, ui: CaptureUI) -> None:
         self.o = opts
@@ -182,27 +210,9 @@ class _Capture:
     def _read_server(self) -> None:
         assert self.client is not None
         t = time.monotonic()
-        si_path, info = self.client.server_info()
-        try:
-            mi_path, model = self.client.model_info()
-        except CaptureError as e:
-            mi_path, model = None, None
-            self.warn(f"could not read model info: {e.one_line()}")
+        self.server_info, meta = read_server(self.client, self.o.url, self.secrets, self.warn)
         self.timings["server_info"] = time.monotonic() - t
-        if si_path != "/server_info":
-            self.warn(f"old server: read {si_path} (no /server_info)")
-        info = dict(info)
-        info["model_info"] = model
-        from traceinspect.capture.modelconfig import model_config
-
-        cfg, why = model_config(info, model, is_local_host(urlsplit(self.o.url).hostname or ""))
-        if cfg is not None:
-            info["model_config"] = cfg
-        else:
-            self.meta["model_config"] = why
-        self.server_info = redact(info, self.secrets)
-        self.meta.update({"server_info_endpoint": si_path, "model_info_endpoint": mi_path,
-                          "server_version": info.get("version")})
+        self.meta.update(meta)
 
     def _target_batch(self) -> int:
         o, info = self.o, self.server_info
@@ -581,4 +591,4 @@ def run_capture(opts: CaptureOptions, ui: CaptureUI | None = None) -> CaptureRes
     return _Capture(opts, ui).run()
 
 
-__all__ = ["CaptureOptions", "CaptureResult", "run_capture", "is_local_host"]
+__all__ = ["CaptureOptions", "CaptureResult", "run_capture", "is_local_host", "read_server"]

@@ -5,6 +5,9 @@
 full while the profiler records. Two drivers:
 
 * ``builtin`` (default): an async httpx client posting ``input_ids`` to ``/generate``; needs no tokenizer.
+  With ``stream=True`` it streams each response and hands every chunk's arrival time and token count to
+  a :class:`StreamRecorder` (what ``traceinspect sweep`` measures); :meth:`BuiltinTraffic.set_concurrency`
+  changes the number of requests in flight while it runs.
 * ``bench_serving``: ``python -m sglang.bench_serving`` (sglang installed) with ``--dataset-name random-ids``
   and ``--max-concurrency``. ``--request-rate`` is left at its default (inf): ``--request-rate -1``
   with ``--max-concurrency`` crashes bench_serving (``np.random.exponential(1/-1)``).
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import json
 import os
 import random
 import subprocess
@@ -30,6 +34,7 @@ import httpx
 from traceinspect.capture.errors import ConfigError
 
 DRIVERS = ("builtin", "bench_serving")
+POOL_SIZE = 64  # requests in flight per HTTP client of the builtin driver
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,81 @@ class TrafficDriver:
         return {}
 
 
+class StreamRecorder:
+    """Arrivals of streamed tokens by this client's own clock (``time.monotonic``), kept while a window is open.
+
+    A chunk carries ``meta_info.completion_tokens`` (the request's tokens so far): the difference to the
+    previous chunk is the number of new tokens, all counted at the chunk's arrival. Its gap to the previous
+    chunk of the same request, divided by those tokens, is one inter-token latency per token (as
+    sglang.bench_serving counts it). Each request's time per output token is taken over its chunks in the
+    window after its first one: (last - first arrival) / (tokens between).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = False
+        self._chunks: list[tuple[float, int]] = []
+        self._itl: list[tuple[float, int]] = []
+        self._done: list[float] = []
+        self._spans: dict[int, list[float]] = {}  # request key -> [first t, first n, last t, last n]
+
+    def open(self) -> float:
+        """Start recording (forgets an earlier window); returns the start on the monotonic clock."""
+        with self._lock:
+            self._chunks, self._itl, self._done, self._spans = [], [], [], {}
+            self._open = True
+            return time.monotonic()
+
+    def close(self) -> dict[str, Any]:
+        """Stop recording: ``{end, chunks: [(t, tokens)], itl_s: [(gap per token, tokens)], finished: [t],
+        tpot_s: [per request]}``."""
+        with self._lock:
+            self._open = False
+            tpot = [(s[2] - s[0]) / (s[3] - s[1]) for s in self._spans.values() if s[3] > s[1] and s[2] > s[0]]
+            return {"end": time.monotonic(), "chunks": self._chunks, "itl_s": self._itl, "finished": self._done,
+                    "tpot_s": tpot}
+
+    def recent_rate(self, now: float, span_s: float, min_chunks: int = 16) -> float | None:
+        """Tokens per second over the last ``span_s`` seconds of the open window, or over as much longer as
+        holds ``min_chunks`` chunks (a few chunks carry too few tokens for a rate); None before that."""
+        with self._lock:
+            if not self._chunks:
+                return None
+            times = [t for t, _ in self._chunks]
+            i = len(times)
+            start = now - span_s
+            while i > 0 and (times[i - 1] >= start or len(times) - i < min_chunks):
+                i -= 1
+            if len(times) - i < min_chunks or i == 0:
+                return None  # not enough arrivals yet (the first chunks may predate a steady state)
+            first = times[i - 1]
+            return sum(n for _, n in self._chunks[i:]) / max(now - first, 1e-9)
+
+    def tokens_between(self, t0: float, t1: float) -> int:
+        """Tokens that arrived between two monotonic times of the open window."""
+        with self._lock:
+            return sum(n for t, n in self._chunks if t0 <= t < t1)
+
+    def chunk(self, key: int, t: float, new: int, total: int, gap_s: float | None, finished: bool) -> None:
+        """One chunk of request ``key``: ``new`` tokens arrived at ``t`` (``total`` so far), ``gap_s`` after the
+        request's previous chunk (None for its first)."""
+        with self._lock:
+            if not self._open:
+                return
+            self._chunks.append((t, new))
+            if gap_s is not None:
+                self._itl.append((gap_s / new, new))
+                span = self._spans.get(key)
+                if span is None:
+                    self._spans[key] = [t, float(total), t, float(total)]
+                else:
+                    span[2], span[3] = t, float(total)
+            else:  # the first token (prefill): later tokens are timed from it
+                self._spans[key] = [t, float(total), t, float(total)]
+            if finished:
+                self._done.append(t)
+
+
 @dataclass
 class _Counters:
     sent: int = 0
@@ -149,9 +229,16 @@ class BuiltinTraffic(TrafficDriver):
 
     name = "builtin"
 
-    def __init__(self, url: str, spec: TrafficSpec, api_key: str | None = None, seed: int = 0) -> None:
+    def __init__(self, url: str, spec: TrafficSpec, api_key: str | None = None, seed: int = 0,
+                 stream: bool = False, recorder: StreamRecorder | None = None) -> None:
         self.url = url
         self.spec = spec
+        self.stream = stream or recorder is not None
+        self.recorder = recorder
+        self._workers: list[asyncio.Task] = []
+        self._cancelled: list[asyncio.Task] = []
+        self._clients: list[httpx.AsyncClient] = []
+        self._keys = 0
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._rng = random.Random(seed)
         self._c = _Counters()
@@ -175,21 +262,56 @@ class BuiltinTraffic(TrafficDriver):
         try:
             loop.run_until_complete(self._main())
         finally:
+            # the streamed responses' line iterators end here, not after the loop is gone
+            with contextlib.suppress(RuntimeError):
+                loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
     async def _main(self) -> None:
         self._stop_event = asyncio.Event()
-        limits = httpx.Limits(max_connections=self.spec.concurrency + 4,
-                              max_keepalive_connections=self.spec.concurrency + 4)
-        timeout = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=None)
-        async with httpx.AsyncClient(base_url=self.url, headers=self._headers, limits=limits,
-                                     timeout=timeout, trust_env=False) as client:
-            workers = [asyncio.create_task(self._worker(client, i)) for i in range(self.spec.concurrency)]
+        try:
+            self._resize(self.spec.concurrency)
             self._started.set()
             await self._stop_event.wait()
-            for w in workers:
-                w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            self._resize(0)
+            await asyncio.gather(*self._cancelled, return_exceptions=True)
+        finally:
+            for c in self._clients:
+                await c.aclose()
+
+    def _client_for(self, i: int) -> httpx.AsyncClient:
+        """The client of worker ``i``: one per POOL_SIZE workers, since a connection pool's bookkeeping grows
+        with the square of its connections (thousands in one pool take seconds per request)."""
+        k = i // POOL_SIZE
+        while len(self._clients) <= k:
+            limits = httpx.Limits(max_connections=POOL_SIZE, max_keepalive_connections=POOL_SIZE)
+            timeout = httpx.Timeout(connect=10.0, read=None, write=30.0, pool=None)
+            self._clients.append(httpx.AsyncClient(base_url=self.url, headers=self._headers, limits=limits,
+                                                   timeout=timeout, trust_env=False))
+        return self._clients[k]
+
+    def _resize(self, n: int) -> None:
+        """Start or cancel workers (in the event loop) so that ``n`` requests are in flight."""
+        while len(self._workers) < n:
+            i = len(self._workers)
+            self._workers.append(asyncio.create_task(self._worker(self._client_for(i), i)))
+        while len(self._workers) > n:
+            w = self._workers.pop()
+            w.cancel()
+            self._cancelled.append(w)
+
+    def set_concurrency(self, n: int, timeout: float = 30.0) -> None:
+        """Keep ``n`` requests in flight from now on (the extra ones are cancelled: the server aborts them)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            raise RuntimeError("the load is not running")
+        self.spec = TrafficSpec(concurrency=n, input=self.spec.input, output=self.spec.output,
+                                prompts=self.spec.prompts, driver=self.spec.driver)
+
+        async def resize() -> None:
+            self._resize(n)
+
+        asyncio.run_coroutine_threadsafe(resize(), loop).result(timeout)
 
     async def _worker(self, client: httpx.AsyncClient, i: int) -> None:
         assert self._stop_event is not None
@@ -198,13 +320,13 @@ class BuiltinTraffic(TrafficDriver):
                 "input_ids": [self._rng.randrange(1000, 10000) for _ in range(self.spec.input)],
                 "sampling_params": {"max_new_tokens": self.spec.output, "temperature": 0.0,
                                     "ignore_eos": True},
-                "stream": False,
+                "stream": self.stream,
             }
             with self._lock:
                 self._c.sent += 1
                 self._c.in_flight += 1
             try:
-                r = await client.post("/generate", json=body)
+                r = await (self._streamed(client, body) if self.stream else client.post("/generate", json=body))
                 with self._lock:
                     self._c.statuses[r.status_code] = self._c.statuses.get(r.status_code, 0) + 1
                     if r.status_code == 200:
@@ -225,10 +347,47 @@ class BuiltinTraffic(TrafficDriver):
                 with self._lock:
                     self._c.in_flight -= 1
 
+    async def _streamed(self, client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+        """POST a streamed /generate and read it to the end, recording each chunk; returns the response."""
+        self._keys += 1
+        key = self._keys
+        rec = self.recorder
+        async with client.stream("POST", "/generate", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return r
+            seen, last_t = 0, None
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                t = time.monotonic()
+                try:
+                    meta = json.loads(data).get("meta_info") or {}
+                    total = int(meta.get("completion_tokens") or 0)
+                except (ValueError, TypeError, AttributeError):
+                    continue
+                new = total - seen
+                if new <= 0:
+                    continue
+                if rec is not None:
+                    rec.chunk(key, t, new, total, None if last_t is None else t - last_t,
+                              meta.get("finish_reason") is not None)
+                seen, last_t = total, t
+        return r
+
     @property
     def in_flight(self) -> int | None:
         with self._lock:
             return self._c.in_flight
+
+    @property
+    def failures(self) -> tuple[int, int, str | None]:
+        """(finished, failed, last error) so far."""
+        with self._lock:
+            return self._c.finished, self._c.failed, self._c.last_error
 
     @property
     def error(self) -> str | None:

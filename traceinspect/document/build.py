@@ -11,6 +11,7 @@ import pandas as pd
 
 from traceinspect.document import REPORT, SCHEMA
 from traceinspect.document.report import report_section
+from traceinspect.measure.between import between_steps
 from traceinspect.measure.time import percentile, top_kernels
 from traceinspect.model.classes import CLASSES
 from traceinspect.units import json_num
@@ -219,6 +220,7 @@ def trace_sections(a: Analysis) -> dict[str, Any]:
                          for r in a.steps[~a.steps["included"]].itertuples()],
             "samples": _step_samples(samples),
             "rank_samples": _rank_samples(a),
+            **between_steps(a.steps, a.phase),
         },
         "classes": classes,
         "top_kernels": [{"name": r.name, "cls": r.cls, "calls": int(r.calls), "us": json_num(r.us),

@@ -54,6 +54,10 @@ def render(doc: dict[str, Any], console: Console | None = None) -> None:
               f" edge steps excluded: {steps['excluded_edge']}")
     con.print(f"  [bold]{steps['phase']} step[/bold] (slowest rank's GPU span): median {_us(steps['median_us'])},"
               f" p90 {_us(steps['p90_us'])} over {steps['count']} step(s) per rank")
+    if steps.get("between_share") is not None:
+        con.print(f"  between {steps['phase']} steps (scheduler and host work outside the forward): median "
+                  f"{_us(steps['between_us'])}, {_pct(steps['between_share'])} of the {steps['phase']} cycle: the most "
+                  "that batching decode steps (--num-continuous-decode-steps) can save")
 
     st = story(doc)
     if st.lead is not None:
