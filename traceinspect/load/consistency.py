@@ -155,8 +155,12 @@ def _facts(path: Path, p: ParsedRank) -> _FileFacts:
     import pandas as pd
 
     gpus = frozenset(d.name for d in p.devices if d.name and d.name.strip() and d.name != "unknown")
-    starts = [float(t["ts"].min()) for t in (p.kernels, p.runtime) if len(t)]
-    starts = [s for s in starts if math.isfinite(s)]
+    import numpy as np
+
+    # the recording's middle (median event time), not its first event: a few events far from the rest
+    # (a clock glitch) do not move it
+    ts = np.concatenate([t["ts"].to_numpy(dtype=np.float64) for t in (p.kernels, p.runtime) if len(t)] or [[]])
+    ts = ts[np.isfinite(ts)]
     pat = training_ops()
     training = False
     for t in (p.cpu_ops, p.annotations):
@@ -165,7 +169,7 @@ def _facts(path: Path, p: ParsedRank) -> _FileFacts:
             break
     k = p.kernels
     names = pd.unique(k.loc[(k["kind"] == "kernel").to_numpy(), "name"].to_numpy(dtype=object)) if len(k) else []
-    return _FileFacts(path.name, gpus, min(starts) if starts else None, training,
+    return _FileFacts(path.name, gpus, float(np.median(ts)) if len(ts) else None, training,
                       frozenset(_DIGITS.sub("#", str(n)) for n in names))
 
 
@@ -187,7 +191,7 @@ def _files(names: list[str]) -> str:
 def mismatch_reasons(paths: list[Path], parsed: list[ParsedRank]) -> list[str]:
     """Why the given rank files are not the ranks of one run, or [] (one file, or files that agree): files
     on different GPUs (deviceProperties), training files beside inference ones, recordings that start
-    further apart than ``max_start_apart_s`` (different captures), and kernel mixes that hardly overlap
+    (median event times) further apart than ``max_start_apart_s`` (different captures), and kernel mixes that hardly overlap
     (different workloads); ``rules/tables/traceset.yaml`` holds the thresholds."""
     if len(parsed) < 2:
         return []
@@ -207,8 +211,8 @@ def mismatch_reasons(paths: list[Path], parsed: list[ParsedRank]) -> list[str]:
         first, last = timed[0], timed[-1]
         gap_s = ((last.start_us or 0.0) - (first.start_us or 0.0)) / 1e6
         if gap_s > apart_s:
-            out.append(f"recordings that start {gap_s:.3g} s apart ({first.name} first, {last.name} last; "
-                       f"the ranks of one capture start within {apart_s:g} s): different captures")
+            out.append(f"recordings {gap_s:.3g} s apart (median event times; {first.name} first, {last.name} "
+                       f"last; the ranks of one capture lie within {apart_s:g} s): different captures")
     ref = max(facts, key=lambda f: len(f.kernels))
     low = []
     for f in facts:
