@@ -11,6 +11,8 @@ replayed kernel rescaled by what its work depends on, capped by what the server 
   (measured bandwidth at least ``stream_min_pct_bw`` of the GPU's peak) scales like a KV read; one below it is
   latency-bound and takes the added bytes at the GPU's peak bandwidth; without recorded bytes a kernel taking
   at least ``stream_min_latency_multiple`` times the fixed part streams, a shorter one keeps its measured time.
+  MoE routing kernels without recorded bytes move the step's routing entries (tokens x top-k x
+  ``route_entry_bytes``), which keeps them latency-bound at decode batches.
 - Collectives, launch gaps, host time: unchanged.
 
 No kernel goes below its roofline floor at the new size (:mod:`.floors`). The target batch is capped by the
@@ -198,6 +200,11 @@ def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: 
                         if att.any() else ""))
     # memory-bound kernels with recorded bytes (efficiency calls)
     mem_by, mem_gbps = _memory_rows(a, m)
+    routed = _routing_bytes(a, plan, cls, coll, mem_by, mem_gbps, dur, settings)
+    if routed is not None:
+        n_route, mem_by, mem_gbps = routed
+        notes.append(f"{n_route} MoE routing call(s) without recorded bytes move the step's tokens x top-k routing "
+                     f"entries ({settings.batch_route_entry_bytes:g} bytes each): latency-bound at any decode batch")
     # a KV cast of the whole pool (at least one layer's pool bytes) follows the pool, not the batch
     pool_bytes = _pool_bytes(a)
     whole = (cls == "kv_cast") & np.isfinite(mem_by) & (mem_by >= 0.9 * pool_bytes if pool_bytes else False)
@@ -249,6 +256,22 @@ def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: 
     if len(fixed):
         notes.append(f"{len(fixed)} collective call(s) unchanged ({_per(dur, fixed, steps)} per step)")
     return notes, []
+
+
+def _routing_bytes(a: Analysis, plan: BatchPlan, cls: np.ndarray, coll: np.ndarray, mem_by: np.ndarray,
+                   mem_gbps: np.ndarray, dur: np.ndarray, settings: Any) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """MoE routing kernels (``moe_dispatch``) without recorded bytes: their bytes are the step's routing
+    entries (observed batch x top-k x ``route_entry_bytes``), so they are judged like kernels with recorded
+    bytes; (how many, bytes and GB/s per op), or None where top-k or the batch is unknown or none applies."""
+    rm = getattr(a, "run_model", None)
+    k = rm.value("top_k") if rm is not None else None
+    sel = (cls == "moe_dispatch") & ~coll & ~np.isfinite(mem_by) & (dur > 0)
+    if not k or not plan.observed or not sel.any():
+        return None
+    by, gbps = mem_by.copy(), mem_gbps.copy()
+    by[sel] = float(plan.observed) * float(k) * float(settings.batch_route_entry_bytes)
+    gbps[sel] = by[sel] / dur[sel] / 1e3
+    return int(sel.sum()), by, gbps
 
 
 def _per(dur: np.ndarray, ops: np.ndarray, steps: int) -> str:

@@ -55,6 +55,7 @@ class Settings(msgspec.Struct, frozen=True):
     batch_latency_pct: float = 25.0  # batch edit: a kernel's fixed part, this percentile of the rank's kernel times
     batch_stream_pct: float = 10.0  # batch edit: a kernel streams from this share of peak bandwidth (percent)
     batch_stream_latency_multiple: float = 3.0  # ... or, without recorded bytes, from this multiple of its fixed part
+    batch_route_entry_bytes: float = 32.0  # ... MoE routing kernels without recorded bytes: bytes per tokens x top-k
 
 
 @lru_cache(maxsize=4)
@@ -77,7 +78,8 @@ def load_settings(path: str | None = None) -> Settings:
                         batch_latency_pct=float((doc.get("batch") or {}).get("latency_percentile", 25.0)),
                         batch_stream_pct=float((doc.get("batch") or {}).get("stream_min_pct_bw", 10.0)),
                         batch_stream_latency_multiple=float((doc.get("batch") or {}).get(
-                            "stream_min_latency_multiple", 3.0)))
+                            "stream_min_latency_multiple", 3.0)),
+                        batch_route_entry_bytes=float((doc.get("batch") or {}).get("route_entry_bytes", 32.0)))
     except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError, re.error) as e:
         raise RuleError(f"unusable replay settings: {type(e).__name__}: {e}", file) from None
 
