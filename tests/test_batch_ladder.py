@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ def _set(b: int) -> Path:
     return fixture_dir(f"tp1-l6-gather-graph-nocapture-bs{b}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _doc(b: int, config: bool = True) -> dict[str, Any]:
     opts = Options(command="test", use_cache=False, model_config=str(TINY) if config else None)
     return analyze(str(_set(b)), opts).to_json()
