@@ -203,6 +203,13 @@ def test_full_capture_writes_every_rank_and_metadata(full_capture: tuple[Path, P
     assert all(f.name.startswith(f"traceinspect-{cap['profile_id']}-TP-") for f in files)
     assert cap["profiler_reset"] == "ok"
     assert cap["running_batch_at_start"] == 6 and set(cap["timings_s"]) >= {"ramp", "start_profile", "wait"}
+    load = cap["server_load"]  # the server's load in the profile window, as /v1/loads reported it
+    ats = [s["at"] for s in load["samples"]]
+    assert ats[0] == "start" and ats[-1] == "end" and "problem" not in load
+    assert load["samples"][0]["t_s"] <= 0 <= load["samples"][-1]["t_s"]
+    for s in load["samples"]:
+        assert s["source"] == "/v1/loads" and s["running"] == 6 and s["used_tokens"] > 0
+        assert s["max_total_num_tokens"] == info["max_total_num_tokens"]
 
 
 @pytest.mark.timeout(SAFETY_S)
@@ -327,6 +334,16 @@ def test_capture_analyze_end_to_end_with_recorded_gpu_traces(servers: dict[str, 
         assert (out / "report.html").is_file()
     cap = json.loads((out / "capture.json").read_text())
     assert cap["status"] == "complete" and cap["analysis"]["status"] == "ok"
+    # the server's load is evidence of the analysis: the recorded traces' bs=N markers win the batch, and
+    # the server's running batch (the load's concurrency) disagrees with them, which is warned about
+    facts = analysis["run"]["facts"]
+    running, in_use = facts["running_requests"], facts["kv_tokens_in_use"]
+    assert running["value"] == 6 and running["source"] == "server_load" and "capture.json" in running["detail"]
+    assert in_use["source"] == "server_load" and in_use["value"] > 0
+    assert facts["batch"]["source"] == "trace_structure"
+    marker = facts["batch"]["value"]
+    assert marker != 6 and any(f"batch of {marker:,.0f}" in w and "6 running requests" in w
+                               for w in analysis["warnings"])
 
 
 @pytest.mark.timeout(SAFETY_S)

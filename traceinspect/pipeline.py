@@ -252,6 +252,7 @@ def analysed_steps(ts: TraceSet, opts: Options) -> tuple[Stepped, Classified, Se
     ts.warnings += stepped.notes
     user = user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config, model_config=opts.model_config)
     labels = classify(ts, stepped, user=user, phase=opts.phase)
+    ts.warnings += labels.run_model.warnings
     selected = select(ts, stepped, opts.phase)
     ts.warnings += selected.warnings
     return stepped, labels, selected

@@ -35,6 +35,7 @@ from traceinspect.capture.layout import (
     redact_argv,
     redact_text,
 )
+from traceinspect.capture.loadsample import LoadSampler
 from traceinspect.capture.options import PHASES, WHY_MISSING, CaptureOptions, CaptureResult
 from traceinspect.capture.traffic import TrafficDriver, make_driver, wait_for_batch
 from traceinspect.capture.ui import CaptureUI
@@ -132,6 +133,7 @@ class _Capture:
         self.watcher: RankWatcher | None = None
         self.profile_id = new_profile_id()
         self.body: dict[str, Any] = {}
+        self.load: LoadSampler | None = None  # the server's load in the profile window
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -298,12 +300,16 @@ class _Capture:
             "profile_id": self.profile_id,
             "profile_prefix": o.prefix,
         }
+        self.load = LoadSampler(self.client)
+        self.load.sample("start")
         t = time.monotonic()
+        self.load.profile_started()
         reply = self.client.start_profile(self.body)
         self.profile_started = True
         self.armed = by_stage
         self.timings["start_profile"] = time.monotonic() - t
         self.meta["start_profile_reply"] = reply
+        self.meta["server_load"] = self.load.record()
 
     def _wait(self) -> WaitResult:
         assert self.watcher is not None
@@ -317,9 +323,17 @@ class _Capture:
             return self.driver.error if self.driver is not None else None
 
         with self.ui.progress("rank files", n, "ranks") as update:
-            res = wait_for_ranks(self.watcher, o.timeout_s, poll_s=o.poll_s, progress=update,
+            def prog(done: int, total: int, note: str) -> None:
+                update(done, total, note)
+                if self.load is not None:
+                    self.load.maybe_sample()
+
+            res = wait_for_ranks(self.watcher, o.timeout_s, poll_s=o.poll_s, progress=prog,
                                  should_stop=stop_reason)
         self.timings["wait"] = time.monotonic() - t
+        if self.load is not None:
+            self.load.sample("end")
+            self.meta["server_load"] = self.load.record()
         return res
 
     def _stop_profile(self) -> None:

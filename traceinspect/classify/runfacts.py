@@ -13,6 +13,8 @@ Sources, strongest first:
 ``capture_trace``    recorded shapes of the CUDA-graph capture trace
 ``trace_structure``  the kernel sequence itself (a decoder step repeats one block per layer)
 ``file_names``       the rank files' names (``-TP-r``, ``-PP-p``, ``-EP-e``)
+``server_load``      the server's load while profiled, as ``traceinspect capture`` records it in capture.json
+                     (running batch, KV tokens in use: :mod:`traceinspect.model.serverload`)
 ``default``          a documented default (page size 1, PP/EP size 1)
 
 Confidence is ``high`` (stated by the user or the server, or two independent methods agree),
@@ -40,6 +42,7 @@ from traceinspect.model.run import (
     model_int,
     undecided,
 )
+from traceinspect.model.serverload import load_facts
 from traceinspect.model.shapes import dims, tensor_bytes
 from traceinspect.steps import select_steps
 from traceinspect.tables import combine_codes, factorize_text, text_isin, text_values
@@ -174,6 +177,7 @@ def decide(ts: TraceSet, steps: pd.DataFrame | None = None, graph_ops: GraphOps 
     bs = bs[bs >= 0]
     f["batch"] = (Fact(float(np.median(bs)), "trace_structure", "high", "median bs=N of the step annotations")
                   if len(bs) else undecided("steps carry no bs=N annotation"))
+    rm.warnings += load_facts(f, getattr(ts, "capture", None), si.size("dp_size"))
     _model_facts(rm)
     return rm
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traceinspect.errors import TraceInputError
-from traceinspect.load.discover import RankFile, discover, read_server_info
+from traceinspect.load.discover import RankFile, discover, read_capture_json, read_server_info
 from traceinspect.load.raw import Digest, _sha256, hex_digest, parse_processes
 
 if TYPE_CHECKING:
@@ -376,6 +376,7 @@ def load_trace_set(
     # (Kineto gives every rank its own trace_id: it cannot tell captures apart; profile ids can)
     si_path = Path(server_info) if server_info else found.server_info_path
     si = read_server_info(si_path) if si_path else None
+    cap = read_capture_json(found.capture_json_path, warnings) if found.capture_json_path else None
 
     rts, ops = [p.runtime for p in ordered], [p.cpu_ops for p in ordered]
     linked = all(p.linked for p in ordered)
@@ -391,6 +392,7 @@ def load_trace_set(
         gpu_annotations=_concat([p.gpu_annotations for p in ordered], ranks),
         server_info=si,
         server_info_path=si_path,
+        capture=cap,
         capture_traces=found.capture_traces,
         warnings=warnings,
         sources=[str(p) for p in paths],

@@ -46,6 +46,7 @@ class Discovery:
     server_info_path: Path | None
     capture_traces: dict[int, Path]
     notes: list[str]
+    capture_json_path: Path | None = None  # what `traceinspect capture` recorded beside server_info.json
 
 
 def parse_name(path: Path) -> RankFile:
@@ -140,15 +141,18 @@ def discover(paths: list[str | Path], phase: str = "decode") -> Discovery:
         notes.append(f"both EXTEND and DECODE captures present; using the {want} files for phase '{phase}'")
         rank_files = [rf for rf in rank_files if rf.stage in (want, None)]
 
-    server_info = None
+    server_info = capture_json = None
     capture: dict[int, Path] = {}
     for d in dirs or sorted({f.parent for f in files}):
         si = d / "server_info.json"
         if server_info is None and si.is_file():
             server_info = si
+        if capture_json is None and (d / "capture.json").is_file():
+            capture_json = d / "capture.json"
         for r, cp in _capture_traces(d).items():
             capture.setdefault(r, cp)
-    return Discovery(files=rank_files, server_info_path=server_info, capture_traces=capture, notes=notes)
+    return Discovery(files=rank_files, server_info_path=server_info, capture_traces=capture, notes=notes,
+                     capture_json_path=capture_json)
 
 
 def read_server_info(path: Path) -> dict[str, Any]:
@@ -161,4 +165,18 @@ def read_server_info(path: Path) -> dict[str, Any]:
         raise TraceInputError(f"not a readable server_info JSON file: {e}", path) from None
     if not isinstance(data, dict):
         raise TraceInputError("server_info must be a JSON object", path)
+    return data
+
+
+def read_capture_json(path: Path, warnings: list[str]) -> dict[str, Any] | None:
+    """The ``capture.json`` a capture wrote beside its traces; an unreadable one is a warning (it is evidence
+    beside the traces, not needed to analyse them)."""
+    try:
+        data = json.loads(path.read_text(), parse_constant=lambda c: None)
+    except (OSError, ValueError, RecursionError) as e:
+        warnings.append(f"{path}: not a readable capture.json, ignored ({type(e).__name__}: {str(e)[:120]})")
+        return None
+    if not isinstance(data, dict):
+        warnings.append(f"{path}: capture.json is not a JSON object, ignored")
+        return None
     return data

@@ -18,7 +18,7 @@ from traceinspect.fileio import read_toml
 
 FACTS = ("layers", "kv_pool_tokens", "kv_cache_dtype", "page_size", "kv_row_bytes", "experts", "top_k",
          "hidden_size", "vocab_size", "tp_size", "pp_size", "ep_size", "batch", "model_config", "attention_heads",
-         "kv_heads", "head_dim", "gemm_shapes")
+         "kv_heads", "head_dim", "gemm_shapes", "running_requests", "kv_tokens_in_use")
 USER_KEYS = {"layers": "layers", "experts": "experts", "top-k": "top_k"}  # traceinspect.toml [model] -> fact
 CONFIG_KEY = "config"  # traceinspect.toml [model] config = "path/to/config.json"
 USER_FLAGS = {"layers": "--layers", "experts": "--experts", "top_k": "--top-k", "model_config": "--model-config"}
@@ -90,6 +90,7 @@ class RunModel(msgspec.Struct):
     config: dict[str, Any] | None = None
     config_source: str | None = None
     gemms: ModelGemms | None = None
+    warnings: list[str] = msgspec.field(default_factory=list)  # evidence that disagrees (added to the trace set's)
 
     def value(self, name: str) -> Any:
         f = self.facts.get(name)

@@ -111,6 +111,7 @@ class TraceSet(msgspec.Struct, eq=False):
     gpu_annotations: pd.DataFrame
     server_info: dict[str, Any] | None = None
     server_info_path: Path | None = None
+    capture: dict[str, Any] | None = None  # capture.json (``server_load``: the server's load while profiled)
     capture_traces: dict[int, Path] = msgspec.field(default_factory=dict)
     warnings: list[str] = msgspec.field(default_factory=list)
     sources: list[str] = msgspec.field(default_factory=list)

@@ -112,10 +112,54 @@ def active_kv_rows(a: Analysis, steps: pd.DataFrame | None = None) -> tuple[floa
             if cap is not None:
                 found += _active_in(cap, pool)
         src = "the CUDA-graph capture trace's ops gathering rows from the pool"
+    if not found and len(ops) and len(sel):
+        found, src = _consumed_rows(ops[_inside_steps(ops, sel)], pool)
     if not found:
+        rm = getattr(a, "run_model", None)
+        used = rm.value("kv_tokens_in_use") if rm is not None else None
+        if used is not None and 0 < used <= pool:
+            return float(used), pool, (f"no op gathers rows out of a pool-shaped tensor; the KV tokens in use "
+                                       f"({rm.describe('kv_tokens_in_use')}); pool: {psrc}")
         return None, pool, ("no op gathers rows out of a pool-shaped tensor in the recorded shapes or a "
                             "graph-capture trace; record shapes (record_shapes=True) or keep the capture trace")
     return float(np.median(found)), pool, f"{src}; pool: {psrc}"
+
+
+CONSUMER_LOOKAHEAD = 64  # ops after a gather searched for the one that reads its rows
+
+
+def _consumed_rows(ops: pd.DataFrame, pool: float) -> tuple[list[int], str]:
+    """The active rows of gathers whose index is not recorded (``pool[idx]`` is ``aten::index`` with a
+    TensorList index, which Kineto writes as ``[]``): the leading dim of the next op on the gather's thread,
+    starting after it ends, whose first input is a [rows, <the pool's row dims>] tensor with fewer rows."""
+    if not len(ops) or not {"tid", "end"} <= set(ops.columns):
+        return [], ""
+    ops = ops.sort_values(["rank", "tid", "ts"], kind="stable")
+    gathers = np.flatnonzero(per_distinct(ops["name"], lambda nm: bool(GATHER_OP.match(str(nm)))))
+    names, raws = ops["name"].to_numpy(dtype=object), ops["input_dims"].to_numpy(dtype=object)
+    rank, tid = ops["rank"].to_numpy(), ops["tid"].to_numpy()
+    ts, end = ops["ts"].to_numpy(dtype=np.float64), ops["end"].to_numpy(dtype=np.float64)
+    found: list[int] = []
+    how = ""
+    for i in gathers.tolist():
+        d = _dims(raws[i])
+        if not d or len(d[0]) < 2 or abs(d[0][0] - pool) > max(16.0, 1e-3 * pool):
+            continue
+        if any(x and 0 < x[0] < 0.99 * pool for x in d[1:]):
+            continue  # its index is recorded: _active_in reads it
+        row = d[0][1:]
+        for j in range(i + 1, min(i + 1 + CONSUMER_LOOKAHEAD, len(ops))):
+            if rank[j] != rank[i] or tid[j] != tid[i]:
+                break
+            if not ts[j] >= end[i]:
+                continue  # inside the gather
+            c = _dims(raws[j])
+            if c and len(c[0]) == len(d[0]) and c[0][1:] == row and 0 < c[0][0] < 0.99 * pool:
+                found.append(c[0][0])
+                how = how or (f"recorded shapes of the op that reads the rows {names[i]} gathers from the pool "
+                              f"(its index is not recorded: a TensorList): {names[j]} {c[0]}")
+                break
+    return found, how
 
 
 def cached_active_kv_rows(a: Analysis, cache: dict | None = None) -> tuple[float | None, float | None, str]:
