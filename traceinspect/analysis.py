@@ -73,10 +73,6 @@ class Analysis(msgspec.Struct, eq=False):
     rule_set: Any = None  # the rules the findings were judged with (their texts go into the report)
     run_kind: RunKind | None = None  # decode, prefill, mixed or training, decided once (steps.run_kind)
     replay: Any = None  # the what-if replayer (traceinspect.measure.replay), built on first use
-    # its model and measured replay, being built beside the analysis (measure stage): a call that waits for them
-    replay_base: Any = None
-    # the document's sections made from the tables alone, made beside the rules: (tables key, sections)
-    trace_sections: Any = None
     all_fixed: Any = None  # the step with every finding fixed, from one replay (traceinspect.judge.fixes)
     _samples: Any = None  # (key, step_samples())
 
@@ -111,10 +107,6 @@ class Analysis(msgspec.Struct, eq=False):
         if self._samples is None or self._samples[0] != key:
             self._samples = (key, self._step_samples())
         return self._samples[1]
-
-    def keep_step_samples(self, samples: pd.DataFrame) -> None:
-        """Keep :meth:`step_samples` made elsewhere (a process forked from this one, from the same tables)."""
-        self._samples = (self._samples_key(), samples)
 
     def _samples_key(self) -> tuple[int, int]:
         return id(self.selected), id(self.class_steps)  # the tables the samples are built from

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -359,24 +359,6 @@ class ClassTable(msgspec.Struct):
             self._cache[key] = label
         return label
 
-    def prime(self, names: Iterable[str]) -> None:
-        """Ask every name pattern of the rules about each of ``names`` now, into the memo
-        :meth:`classify` reads (which asks them as its rules reach them): the CLI's early-read process
-        does this for the GPU event names of the file it read, while the analysis imports."""
-        patterns = list(dict.fromkeys(p for r in self.rules for p in (*r.name, *r.not_name)))
-        for name in names:
-            name = name[:MAX_MATCH_CHARS]
-            if name in self._name_hits:
-                hits = self._name_hits[name]
-            elif len(self._name_hits) < _NAME_HITS_MAX:
-                hits = self._name_hits[name] = {}
-            else:
-                return
-            lower = name.lower()
-            for p in patterns:
-                if p not in hits:
-                    hits[p] = p.matches(name, lower)
-
     def rule(self, rule_id: str) -> Rule:
         """The rule with this id (KeyError if none)."""
         for r in self.rules:
@@ -608,7 +590,7 @@ def load_class_table(path: str | Path | None = None, extra: Sequence[Path] = ())
     return ClassTable(rules=rules, source=main, extra=extras, promote=promote)
 
 
-_DEFAULT: list[ClassTable] = []  # the shipped table, once read (or adopted)
+_DEFAULT: list[ClassTable] = []  # the shipped table, once read
 
 
 def default_table() -> ClassTable:
@@ -616,13 +598,6 @@ def default_table() -> ClassTable:
     if not _DEFAULT:
         _DEFAULT.append(load_class_table())
     return _DEFAULT[0]
-
-
-def adopt_default_table(table: ClassTable) -> None:
-    """Take ``table``, read from the shipped files by a process forked from this one, as
-    :func:`default_table`'s, unless this process has read it already."""
-    if not _DEFAULT:
-        _DEFAULT.append(table)
 
 
 def classify_name(name: str, op_path: str = "", kind: str = "kernel", table: ClassTable | None = None) -> Label:

@@ -174,7 +174,7 @@ class Prediction(msgspec.Struct, eq=False):
 
 class ReplayBase(msgspec.Struct):
     """What a :class:`Replayer` starts from: the replay model of an analysis and its replay as measured
-    (made once; made beside the analysis by the measure stage, see :func:`replay_base`)."""
+    (made once)."""
 
     model: Model
     params: Params
@@ -362,7 +362,5 @@ def replayer(a: Analysis) -> Replayer:
     """The analysis's replayer, built on first use."""
     rp = getattr(a, "replay", None)
     if rp is None:
-        pending, a.replay_base = getattr(a, "replay_base", None), None
-        rp = Replayer(a, base=pending() if pending is not None else None)
-        a.replay = rp
+        rp = a.replay = Replayer(a)
     return rp
