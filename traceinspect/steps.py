@@ -45,6 +45,7 @@ import pandas as pd
 from traceinspect.link import GRAPH_LAUNCH
 from traceinspect.load.consistency import training_ops
 from traceinspect.model import TraceSet
+from traceinspect.model.analysis import RunKind
 from traceinspect.tables import factorize_text
 
 STEP_SPAN = re.compile(r"^step\[(\w+)", re.IGNORECASE)
@@ -592,16 +593,6 @@ def select_steps(steps: pd.DataFrame, phase: str) -> pd.DataFrame:
     return s[(s["phase"] == phase) | (s["phase"] == "unknown")]
 
 
-
-
-class RunKind(msgspec.Struct):
-    """What kind of run the trace is: decode, prefill, mixed, training, or None (undecided) with why."""
-
-    kind: str | None
-    evidence: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "kind_evidence": self.evidence}
 
 
 def run_kind(ts: TraceSet, steps: pd.DataFrame) -> RunKind:

@@ -18,7 +18,7 @@ from traceinspect.units import json_num
 from traceinspect.version import __version__
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 
 def _coverage(a: Analysis) -> dict[str, Any]:

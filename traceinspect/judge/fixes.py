@@ -15,9 +15,9 @@ from traceinspect.measure.replay.edits import Edit, edit_from_mapping
 from traceinspect.model.findings import SEVERITY_RANK, group_children
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
     from traceinspect.judge.engine import Finding
     from traceinspect.judge.rule import Rule, RuleSet
+    from traceinspect.model.analysis import Analysis
 
 # two findings share a cause when fixing both saves less than the sum of their savings by at least this
 # share of the smaller saving (their savings overlap)

@@ -54,7 +54,7 @@ from traceinspect.measure.stragglers import _straggler
 from traceinspect.units import json_num
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 
 class Collectives(msgspec.Struct):

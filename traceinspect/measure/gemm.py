@@ -41,7 +41,7 @@ from traceinspect.tables import (
 from traceinspect.units import json_num
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 # an fp32 GEMM on tensor cores computes in tf32: measured against the tf32 peak, not the fp32 (SIMT) one
 _TF32_KERNEL = re.compile(r"tf32|s1688gemm(?!_(bf16|f16|h))", re.IGNORECASE)

@@ -15,7 +15,7 @@ from traceinspect.measure.replay.model import load_settings
 from traceinspect.measure.replay.stalls import stall_stretches
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 
 class HostActivity(msgspec.Struct):

@@ -31,7 +31,7 @@ from traceinspect.steps import group_unions
 from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 __all__ = ["Edit", "EditError", "Prediction", "ReplayBase", "Replayer", "parse_edit", "replay_base", "replayer"]
 

@@ -32,9 +32,9 @@ from traceinspect.model.classes import GEMM_CLASSES
 from traceinspect.model.run import ServerInfo
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
     from traceinspect.measure.replay.edits import Edit
     from traceinspect.measure.replay.model import Model
+    from traceinspect.model.analysis import Analysis
 
 TOKEN_CLASSES = ("attention", "kv_cast")  # work follows the active tokens (batch x context)
 FIXED_CLASSES = ("comm",)  # unchanged (latency floor, transfers of the step's own size not modelled)

@@ -44,9 +44,9 @@ from traceinspect.saferegex import RegexError, compile_safe
 from traceinspect.tables import name_mask, text_values
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
     from traceinspect.measure.replay.model import Model
     from traceinspect.measure.replay.sim import Params
+    from traceinspect.model.analysis import Analysis
 
 
 class EditError(ConfigError):

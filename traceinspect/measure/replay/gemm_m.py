@@ -12,8 +12,8 @@ import pandas as pd
 from traceinspect.measure.roofline import floor_us, gpu_roofs
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
     from traceinspect.measure.replay.model import Model
+    from traceinspect.model.analysis import Analysis
 
 
 def _floats(s: pd.Series) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 MIN_PLACES = 10  # fewer places than this: undecided
 

@@ -37,7 +37,7 @@ from traceinspect.tables import per_distinct, text_values
 yaml = lazy_module("yaml")
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 SETTINGS_FILE = "replay.yaml"
 XSTREAM_TOL_US = 2.0  # an operation starting this close to another stream's end waits for it

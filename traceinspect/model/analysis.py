@@ -1,0 +1,235 @@
+"""The analysis record every stage after the load reads and fills, and the types the stages share.
+
+Inputs: what the pipeline's stages produce. Outputs: :class:`Options` (what an analysis was asked to do),
+:class:`Analysis` (everything measured, filled stage by stage), :class:`RunKind`, :class:`Finding` and
+:class:`Gaps`. Imports no stage: a stage's own result types (the GEMM efficiency, the collectives, the
+recovered graph ops) are held here as they come and described where they are made.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pandas as pd
+
+from traceinspect.model.run import RunModel
+from traceinspect.model.trace import TraceSet
+
+__all__ = ["Analysis", "Finding", "Gaps", "Options", "RunKind"]
+
+MAX_EVIDENCE_TEXT = 600  # characters of a text value in a finding's evidence
+
+
+class RunKind(msgspec.Struct):
+    """What kind of run the trace is: decode, prefill, mixed, training, or None (undecided) with why."""
+
+    kind: str | None
+    evidence: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "kind_evidence": self.evidence}
+
+
+class Finding(msgspec.Struct):
+    """One problem found by one rule (on one subject, or on several merged ranks)."""
+
+    rule: str
+    severity: str
+    title: str
+    message: str
+    share: float | None
+    est_saving_us_per_step: float | None
+    ranks: list[int]
+    evidence: dict[str, Any]
+    remediation: str
+    # what the rule's fixes act on: the subject's selection, ranks and the fix edits' values
+    fix_context: dict[str, Any] = msgspec.field(default_factory=dict)
+    # replays of the rule's fixes (traceinspect.judge.fixes): variant, label, predicted step, saving, edits
+    fixes: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    estimate_source: str = "rule"  # 'replay' when the saving comes from replaying a fix
+    parent: str | None = None  # the finding (rule id) sharing this one's cause with the larger saving
+    children: list[str] = msgspec.field(default_factory=list)
+    prediction: Any = None  # the replay behind the estimate (not serialised)
+
+    @property
+    def id(self) -> str:
+        return self.rule
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON form (``findings`` list of ``traceinspect.analysis/1``)."""
+        return {
+            "rule": self.rule, "severity": self.severity, "title": self.title, "message": self.message,
+            "share": _round(self.share), "est_saving_us_per_step": _round(self.est_saving_us_per_step),
+            "estimate_source": self.estimate_source,
+            "fixes": list(self.fixes),
+            "group": {"parent": self.parent, "children": list(self.children)},
+            "ranks": list(self.ranks), "evidence": {k: _json_value(v) for k, v in self.evidence.items()},
+            "remediation": self.remediation,
+        }
+
+
+def _round(x: Any) -> Any:
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        if not math.isfinite(x):
+            return None
+        x = float(x)
+        if x.is_integer() and abs(x) < 2**53:
+            return int(x)
+        if abs(x) >= 100:
+            return round(x, 1)
+        return float(f"{x:.6g}")  # enough digits that a share prints as the message printed it
+    return x
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, str):
+        return v if len(v) <= MAX_EVIDENCE_TEXT else v[:MAX_EVIDENCE_TEXT] + "…"
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    return _round(v)
+
+
+class Gaps(msgspec.Struct):
+    """``undecided``: [{rule, subject, share, missing, how_to_supply}]; ``unexplained``:
+    [{cls, share, explain_with}]; both largest share first."""
+
+    undecided: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    unexplained: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"undecided": self.undecided, "unexplained": self.unexplained}
+
+
+class Options(msgspec.Struct):
+    """What an analysis was asked to do (also recorded in the JSON)."""
+
+    phase: str = "auto"  # decode | prefill | all | auto (decode, else the one phase the trace holds)
+    server_info: str | Path | None = None
+    gpu: str | None = None  # GPU spec override: a name in rules/tables/gpus.yaml or a YAML file
+    rules: Sequence[str | Path] = ()
+    only: Sequence[str] = ()
+    disable: Sequence[str] = ()
+    jobs: int | None = None
+    executor: str = "local"  # local | dask | dask://HOST:PORT
+    use_cache: bool = True
+    command: str | None = None
+    # facts the user states about the run (they win over everything the trace says)
+    layers: int | None = None
+    experts: int | None = None
+    top_k: int | None = None
+    config: str | Path | None = None  # a traceinspect.toml whose [model] table states them too
+    allow_mismatch: bool = False  # analyse files that are not one run's ranks together (a warning, not exit 2)
+    model_config: str | Path | None = None  # the model's Hugging Face config.json (GEMM shapes from the model)
+
+
+class Analysis(msgspec.Struct, eq=False):
+    """Everything measured about one trace set, as tables, plus the findings."""
+
+    trace: TraceSet
+    options: Options
+    steps: pd.DataFrame  # all steps of all ranks (see traceinspect.steps)
+    selected: pd.DataFrame  # the analysed steps
+    kernels: pd.DataFrame  # kernels of the analysed steps, classified
+    class_steps: pd.DataFrame  # rank, step, cls, us, calls
+    class_totals: pd.DataFrame  # rank, cls, us, calls, share
+    efficiency: Any = None  # GEMM and memory efficiency (the measure stage's traceinspect.measure.gemm.Efficiency)
+    collectives: Any = None  # the collectives across ranks (the measure stage's measure.collectives.Collectives)
+    host: Any = None  # stall stretches, syncs, GPU gaps of the analysed steps (the measure stage's measure.host)
+    findings: list[Finding] = msgspec.field(default_factory=list)
+    graph_ops: Any = None  # CPU ops of CUDA-graph replays, from the capture traces (classify.graphs.GraphOps)
+    run_model: RunModel = msgspec.field(default_factory=RunModel)  # layers, KV pool, experts, ... (one place)
+    gaps: Gaps = msgspec.field(default_factory=Gaps)  # rules that could not decide, large classes nothing explains
+    rule_set: Any = None  # the rules the findings were judged with (their texts go into the report)
+    run_kind: RunKind | None = None  # decode, prefill, mixed or training, decided once (steps.run_kind)
+    replay: Any = None  # the what-if replayer (traceinspect.whatif), built on first use
+    all_fixed: Any = None  # the step with every finding fixed, from one replay (traceinspect.whatif.fixes)
+    _samples: Any = None  # (key, step_samples())
+
+    @property
+    def phase(self) -> str:
+        return self.options.phase
+
+    @property
+    def rule_phase(self) -> str:
+        """The steps rules are scoped by: the analysed phase, or ``training`` in a training run (whose
+        steps no inference advice fits)."""
+        return "training" if self.run_kind is not None and self.run_kind.kind == "training" else self.phase
+
+    @property
+    def n_ranks(self) -> int:
+        return self.trace.n_ranks
+
+    @property
+    def server_info(self) -> dict[str, Any]:
+        return self.trace.server_info or {}
+
+    def steps_per_rank(self) -> int:
+        """Number of analysed steps per rank (the smallest over ranks)."""
+        counts = self.selected.groupby("rank").size()
+        return int(counts.min()) if len(counts) else 0
+
+    def step_samples(self) -> pd.DataFrame:
+        """One row per aligned step index: the TP step time (slowest rank's GPU span) and the mean
+        per-rank time of each class in that step. Used for medians and for the gate's noise test (built
+        once per pair of step and class tables; callers only read it)."""
+        key = self._samples_key()
+        if self._samples is None or self._samples[0] != key:
+            self._samples = (key, self._step_samples())
+        return self._samples[1]
+
+    def _samples_key(self) -> tuple[int, int]:
+        return id(self.selected), id(self.class_steps)  # the tables the samples are built from
+
+    def _step_samples(self) -> pd.DataFrame:
+        # one group-by reduction per column, and the class rows of the selected steps taken in their order
+        # (what a named aggregation and an inner merge give, value for value, at half the cost)
+        sel = self.selected
+        pos = sel.groupby("rank").cumcount()
+        keep = (pos < self.steps_per_rank()).to_numpy()
+        sel, pos = sel[keep], pos[keep]
+        g = sel.groupby(pos.rename("pos"))
+        out = pd.DataFrame({"step_us": g["span_us"].max(), "busy_us": g["busy_us"].mean(),
+                            "kernel_us": g["kernel_us"].mean(), "bs": g["bs"].max()})
+        if len(self.class_steps):
+            cs = self.class_steps
+            at = pos.reindex(cs["step"].to_numpy())  # (the selected steps' index: unique step ids)
+            hit = at.notna().to_numpy()
+            cs = cs[hit]
+            wide = cs.groupby([at[hit].to_numpy(dtype=np.int64), cs["cls"]], observed=True)["us"].sum()
+            wide.index.names = ["pos", "cls"]
+            wide = wide.unstack("cls", fill_value=0.0) / self.n_ranks
+            out = out.join(wide.add_prefix("class."), how="left").fillna(0.0)
+        return out
+
+    def representative_step(self) -> tuple[int | None, dict[int, int]]:
+        """The aligned step position whose TP step time is closest to the median (the step the report
+        draws), and the row of that step in ``steps`` for each rank."""
+        sel = self.selected.copy()
+        if not len(sel):
+            return None, {}
+        sel["pos"] = sel.groupby("rank").cumcount()
+        sel = sel[sel["pos"] < self.steps_per_rank()]
+        per_pos = sel.groupby("pos")["span_us"].max()
+        if not len(per_pos):
+            return None, {}
+        med = float(np.median(per_pos.to_numpy()))
+        pos = int((per_pos - med).abs().idxmin())
+        rows = sel[sel["pos"] == pos]
+        return pos, {int(r): int(i) for i, r in zip(rows.index, rows["rank"], strict=True)}
+
+    def device_name(self) -> str | None:
+        for r in self.trace.ranks:
+            if r.device is not None:
+                return r.device.name
+        return None
