@@ -18,7 +18,7 @@ from traceinspect.tables import groups, text_values
 from traceinspect.units import json_num
 
 if TYPE_CHECKING:
-    from traceinspect.measure.collectives import Collectives
+    from traceinspect.measure.comm_result import Collectives
     from traceinspect.model.analysis import Analysis
 
 
