@@ -13,8 +13,8 @@ from conftest import FIXTURES, REAL_TRACES
 
 from traceinspect.measure.host import host_activity
 from traceinspect.measure.idle import gpu_gaps, host_syncs
-from traceinspect.measure.replay.model import load_settings
-from traceinspect.measure.replay.stalls import stall_stretches
+from traceinspect.measure.replay_settings import load_settings
+from traceinspect.measure.stalls import stall_stretches
 from traceinspect.pipeline import analyze
 
 HOSTDELAY = FIXTURES / "tp1-l6-gather-eager-hostdelay"  # host stalls, one rank

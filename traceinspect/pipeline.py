@@ -1,5 +1,5 @@
-"""The pipeline: load -> link -> steps -> classify -> measure -> judge, each stage a function from named inputs
-to a typed result, and the one place the stages are put in order.
+"""The pipeline: load -> link -> steps -> classify -> measure -> judge -> whatif, each stage a function from
+named inputs to a typed result, and the one place the stages are put in order.
 
 :func:`analyze` runs every stage into an :class:`~traceinspect.analysis.Analysis`; ``traceinspect doctor``,
 ``traceinspect classify`` and the rule tests run the stages up to the one they need (:func:`classified`,
@@ -24,7 +24,6 @@ from traceinspect.classify import ClassTable, GraphOps, classify_kernels, recove
 from traceinspect.errors import TraceInputError
 from traceinspect.judge import Finding, RuleSet, explain, load_rule_set
 from traceinspect.judge.engine import findings_of
-from traceinspect.judge.fixes import order_findings, replay_findings
 from traceinspect.judge.gaps import Gaps, find_gaps
 from traceinspect.load import load_trace_set
 from traceinspect.measure.clock import clock_warnings
@@ -41,10 +40,11 @@ from traceinspect.steps import (
     select_steps,
     step_count_warnings,
 )
+from traceinspect.whatif.fixes import AllFixed, order_findings, replay_findings
 
-__all__ = ["Analysis", "Classified", "Judged", "Measured", "Options", "Selected", "Stepped", "analyze",
+__all__ = ["Analysis", "Classified", "Judged", "Measured", "Options", "Replayed", "Selected", "Stepped", "analyze",
            "analysed_steps", "classify", "classified", "collectives", "judge", "link", "load", "measure", "record",
-           "select", "steps"]
+           "select", "steps", "whatif"]
 
 
 # ----------------------------------------------------------------------------- stage results
@@ -86,13 +86,19 @@ class Measured(msgspec.Struct):
 
 
 class Judged(msgspec.Struct):
-    """The judge stage: the findings (ordered), the step with every finding fixed, and what could not be
-    decided."""
+    """The judge stage: the findings, each with its rule's fixes to replay, and what could not be decided."""
 
     rule_set: RuleSet
     findings: list[Finding]
-    all_fixed: Any
     gaps: Gaps
+
+
+class Replayed(msgspec.Struct):
+    """The what-if stage: the findings with their fixes replayed (savings, shared causes; ordered), and the
+    step with every finding fixed."""
+
+    findings: list[Finding]
+    all_fixed: AllFixed
 
 
 # ----------------------------------------------------------------------------- the stages
@@ -158,11 +164,16 @@ def measure(a: Analysis) -> Measured:
 
 
 def judge(a: Analysis, rule_set: RuleSet) -> Judged:
-    """Stage 6, judge: the rules over the measured analysis, their fixes replayed."""
+    """Stage 6, judge: the rules over the measured analysis."""
     outcomes = explain(a, rule_set)
-    findings = findings_of(a, rule_set, outcomes)
-    all_fixed = replay_findings(a, findings, rule_set)
-    return Judged(rule_set, order_findings(findings), all_fixed, find_gaps(a, rule_set, outcomes))
+    return Judged(rule_set, findings_of(a, rule_set, outcomes), find_gaps(a, rule_set, outcomes))
+
+
+def whatif(a: Analysis, judged: Judged) -> Replayed:
+    """Stage 7, what-if: the judge's findings' fixes replayed on the analysed steps (each finding's saving,
+    findings that share a cause grouped), then every fix together."""
+    all_fixed = replay_findings(a, judged.findings, judged.rule_set)
+    return Replayed(order_findings(judged.findings), all_fixed)
 
 
 # ----------------------------------------------------------------------------- runs of the stages
@@ -217,5 +228,6 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
     a.efficiency, a.collectives, a.host = measured.efficiency, measured.collectives, measured.host
     ts.warnings += measured.warnings
     judged = judge(a, rule_set)
-    a.rule_set, a.findings, a.all_fixed, a.gaps = judged.rule_set, judged.findings, judged.all_fixed, judged.gaps
+    replayed = whatif(a, judged)
+    a.rule_set, a.findings, a.all_fixed, a.gaps = judged.rule_set, replayed.findings, replayed.all_fixed, judged.gaps
     return a

@@ -49,7 +49,7 @@ class Finding(msgspec.Struct):
     remediation: str
     # what the rule's fixes act on: the subject's selection, ranks and the fix edits' values
     fix_context: dict[str, Any] = msgspec.field(default_factory=dict)
-    # replays of the rule's fixes (traceinspect.judge.fixes): variant, label, predicted step, saving, edits
+    # replays of the rule's fixes (traceinspect.whatif.fixes): variant, label, predicted step, saving, edits
     fixes: list[dict[str, Any]] = msgspec.field(default_factory=list)
     estimate_source: str = "rule"  # 'replay' when the saving comes from replaying a fix
     parent: str | None = None  # the finding (rule id) sharing this one's cause with the larger saving

@@ -16,9 +16,11 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.load.native import native_available, native_module
-from traceinspect.measure.replay.edits import Edit, EditError, apply_edits, parse_edit
-from traceinspect.measure.replay.model import Model, build_model, describe
-from traceinspect.measure.replay.sim import (
+from traceinspect.steps import group_unions
+from traceinspect.tables import factorize_text
+from traceinspect.whatif.edits import Edit, EditError, apply_edits, parse_edit
+from traceinspect.whatif.model import Model, build_model, describe
+from traceinspect.whatif.sim import (
     BY_LAUNCH,
     BY_STREAM,
     BY_XSTREAM,
@@ -27,8 +29,6 @@ from traceinspect.measure.replay.sim import (
     measured_params,
     simulate,
 )
-from traceinspect.steps import group_unions
-from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
     from traceinspect.model.analysis import Analysis
