@@ -196,3 +196,17 @@ def test_loading_imports_no_judge_or_renderer() -> None:
     assert "traceinspect.load" in ours
     late = [m for m in ours if m.split(".")[1:2] in (["judge"], ["render"], ["gate"], ["analysis"], ["document"])]
     assert late == []
+
+
+# each stage's module: its docstring says what it takes and what it gives, one line each
+STAGE_MODULES = ["model/__init__.py", "load/__init__.py", "link.py", "steps/__init__.py", "classify/__init__.py",
+                 "measure/__init__.py", "judge/__init__.py", "whatif/__init__.py", "document/__init__.py",
+                 "pipeline.py", "render/__init__.py"]
+
+
+def test_each_stage_says_its_inputs_and_outputs() -> None:
+    for rel in STAGE_MODULES:
+        doc = ast.get_docstring(ast.parse((ROOT / "traceinspect" / rel).read_text(encoding="utf-8"))) or ""
+        lines = doc.splitlines()
+        said = [i for i, line in enumerate(lines) if line.startswith(("Inputs: ", "Outputs: "))]
+        assert len(said) == 2 and said[1] == said[0] + 1 and lines[said[0]].startswith("Inputs: "), rel

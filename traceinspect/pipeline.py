@@ -1,6 +1,9 @@
 """The pipeline: load -> link -> steps -> classify -> measure -> judge -> whatif, each stage a function from
 named inputs to a typed result, and the one place the stages are put in order.
 
+Inputs: trace paths (a directory, files or globs) and :class:`Options`.
+Outputs: the analysis record filled by every stage (:func:`analyze`), or the stages up to one.
+
 :func:`analyze` runs every stage into an :class:`~traceinspect.analysis.Analysis`; ``traceinspect doctor``,
 ``traceinspect classify`` and the rule tests run the stages up to the one they need (:func:`classified`,
 :func:`analysed_steps`). A stage's warnings come back in its result; the caller adds them to the trace set's

@@ -1,4 +1,8 @@
-"""Stage 1, load: rank files -> a :class:`~traceinspect.model.TraceSet` of typed tables."""
+"""Stage 1, load: rank files -> a :class:`~traceinspect.model.TraceSet` of typed tables.
+
+Inputs: rank files (a directory, files or globs), the server_info.json beside them, the cache.
+Outputs: a :class:`~traceinspect.model.TraceSet` of typed tables, each rank linked where it was parsed.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""What-if replay: rebuild each analysed step's dependency graph (host calls, GPU operations,
+"""Stage 7, what-if: rebuild each analysed step's dependency graph (host calls, GPU operations,
 collectives), replay it as measured, and replay it with edits to predict the step a fix gives.
+
+Inputs: the analysis record, and the judge's findings with their fixes (or edits given by hand).
+Outputs: each replay's predicted step; the findings' savings and shared causes; every fix together.
 
 ``Replayer(a)`` builds the model once; ``predict(edits)`` replays with edits and returns a
 :class:`Prediction` (per rank and step: measured, replayed and predicted span and busy time, the
