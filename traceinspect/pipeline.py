@@ -30,19 +30,15 @@ from traceinspect.judge.engine import findings_of
 from traceinspect.judge.gaps import Gaps, find_gaps
 from traceinspect.load import load_trace_set
 from traceinspect.measure.clock import clock_warnings
-from traceinspect.measure.collectives import Collectives, analyze_collectives
+from traceinspect.measure.collectives import analyze_collectives
+from traceinspect.measure.comm_result import Collectives
 from traceinspect.measure.gemm import Efficiency, measure_efficiency
 from traceinspect.measure.host import HostActivity, host_activity
 from traceinspect.measure.time import class_step_time, class_totals
 from traceinspect.model import TraceSet
 from traceinspect.model.run import RunModel, user_facts
-from traceinspect.steps import (
-    build_steps,
-    resolve_phase,
-    run_kind,
-    select_steps,
-    step_count_warnings,
-)
+from traceinspect.steps import build_steps
+from traceinspect.steps.select import resolve_phase, run_kind, select_steps, step_count_warnings
 from traceinspect.whatif.fixes import AllFixed, order_findings, replay_findings
 
 __all__ = ["Analysis", "Classified", "Judged", "Measured", "Options", "Replayed", "Selected", "Stepped", "analyze",

@@ -27,13 +27,12 @@ from traceinspect.capture.expect import check_expected, describe
 from traceinspect.capture.layout import atomic_write_json, redact_argv
 from traceinspect.capture.options import DEFAULT_STEPS, CaptureOptions
 from traceinspect.capture.session import is_local_host, read_server, run_capture
-from traceinspect.capture.sweep_levels import (  # noqa: F401 - importable from here
+from traceinspect.capture.sweep_levels import (
     SweepSettings,
     bare_level,
     cap_of,
     knee,
     moe_model,
-    parse_levels,
     power_note,
     server_config,
     window_metrics,

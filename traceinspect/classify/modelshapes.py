@@ -32,11 +32,10 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from traceinspect.classify.architectures import (  # noqa: F401 - importable from here
+from traceinspect.classify.architectures import (
     Architectures,
     GemmSpec,
     _Missing,
-    _parse,
     architectures,
     evaluate,
 )
@@ -44,7 +43,8 @@ from traceinspect.model.classes import GEMM_CLASSES
 from traceinspect.model.run import Fact, ModelGemms, RunModel, undecided
 from traceinspect.model.shapes import Shape
 from traceinspect.resources import lazy_module
-from traceinspect.steps import select_steps, step_rules
+from traceinspect.steps import step_rules
+from traceinspect.steps.select import select_steps
 from traceinspect.tables import set_object_column, text_values
 
 yaml = lazy_module("yaml")

@@ -196,17 +196,6 @@ class NamePattern:
     def __repr__(self) -> str:
         return f"NamePattern({self.pattern!r})"
 
-    def __getstate__(self) -> dict[str, Any]:
-        # without its compiled regexes (made again when first needed): unpickling one compiles it, and the
-        # process that takes a table from the CLI's early-read process finds most answers in its name memo
-        state = {k: getattr(self, k) for k in self.__slots__}
-        state["_full"] = state["_rest"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
-
 
 _NAME_PATTERNS: dict[tuple[str, int], NamePattern] = {}
 

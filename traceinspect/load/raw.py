@@ -77,20 +77,6 @@ _NATIVE_COLUMNS = {
 }
 
 
-def gpu_event_names(res: dict[str, Any] | None) -> list[str]:
-    """The distinct names of the GPU events (kernels, memory copies and sets) of a scanner result
-    (:func:`read_scan`), in the order of the scanner's strings; [] for none."""
-    if res is None:
-        return []
-    strings = res["strings"]
-    codes: set[int] = set()
-    for kind in GPU_KINDS:
-        col = res["kinds"][_KINDS.index(kind)].get("name")
-        if col is not None and len(col):
-            codes.update(memoryview(col).cast("B").cast("i"))
-    return [strings[c] for c in sorted(codes) if 0 <= c < len(strings)]
-
-
 def parse_processes(n_files: int, jobs: int | None) -> int:
     """How many processes parse ``n_files`` rank files: ``jobs`` when given, else one per two CPUs (a
     parse keeps about two cores busy already: the scanner, and the inflate and hash threads beside it),
@@ -333,10 +319,6 @@ class Sha256After:
         if self._digest is None:  # a process forked while the thread ran: the thread is not in it
             self._digest = _sha256(self.path)
         return self._digest
-
-    def running(self) -> bool:
-        """Whether the hash is still to come (under way or not begun)."""
-        return self._digest is None and self._error is None and not self._f.closed
 
     def close(self) -> None:
         """Give up a hash never begun (its file closed)."""

@@ -36,7 +36,7 @@ from traceinspect.measure.comm_match import (  # noqa: F401 - importable from he
     _message_bytes,
     _span_kinds,
 )
-from traceinspect.measure.comm_result import Collectives, _instances_json  # noqa: F401 - importable from here
+from traceinspect.measure.comm_result import Collectives
 from traceinspect.measure.comm_settings import (  # noqa: F401 - importable from here
     BUSBW_FACTOR,
     INSTANCE_COLUMNS,

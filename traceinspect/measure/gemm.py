@@ -40,15 +40,11 @@ from traceinspect.units import json_num
 
 if TYPE_CHECKING:
     from traceinspect.model.analysis import Analysis
-from traceinspect.measure.gemm_tables import (  # noqa: F401 - importable from here
-    _GEMM_KEYS,
+from traceinspect.measure.gemm_tables import (
     _HOST_LINK,
-    MEMORY_TABLE_COLUMNS,
-    _gemm_keys,
     _gemm_table,
     _memory_table,
     _obj,
-    _sums_or_nan,
 )
 from traceinspect.measure.moe import _moe, cross_check
 

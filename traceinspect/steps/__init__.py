@@ -47,12 +47,6 @@ import pandas as pd
 
 from traceinspect.link import GRAPH_LAUNCH
 from traceinspect.model import TraceSet
-from traceinspect.steps.select import (  # noqa: F401 - importable from here
-    resolve_phase,
-    run_kind,
-    select_steps,
-    step_count_warnings,
-)
 
 STEP_SPAN = re.compile(r"^step\[(\w+)", re.IGNORECASE)
 PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")

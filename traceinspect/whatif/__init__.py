@@ -21,7 +21,8 @@ import pandas as pd
 from traceinspect.load.native import native_available, native_module
 from traceinspect.steps import group_unions
 from traceinspect.tables import factorize_text
-from traceinspect.whatif.edits import Edit, EditError, apply_edits, parse_edit
+from traceinspect.whatif.edit_spec import Edit, EditError, parse_edit
+from traceinspect.whatif.edits import apply_edits
 from traceinspect.whatif.model import Model, build_model, describe
 from traceinspect.whatif.sim import (
     BY_LAUNCH,

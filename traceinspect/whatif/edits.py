@@ -10,15 +10,9 @@ import msgspec
 import numpy as np
 
 from traceinspect.tables import name_mask, text_values
-from traceinspect.whatif.edit_spec import (  # noqa: F401 - importable from here
+from traceinspect.whatif.edit_spec import (
     Edit,
-    EditError,
     Select,
-    edit_from_mapping,
-    make_select,
-    parse_batch_value,
-    parse_edit,
-    parse_select,
 )
 
 if TYPE_CHECKING:

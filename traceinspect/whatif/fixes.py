@@ -12,7 +12,7 @@ import numpy as np
 
 from traceinspect.model.findings import SEVERITY_RANK, group_children
 from traceinspect.whatif import EditError, Prediction, Replayer, replayer
-from traceinspect.whatif.edits import Edit, edit_from_mapping
+from traceinspect.whatif.edit_spec import Edit, edit_from_mapping
 
 if TYPE_CHECKING:
     from traceinspect.judge.rule import Rule, RuleSet

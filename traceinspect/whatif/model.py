@@ -28,7 +28,7 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from traceinspect.measure.replay_settings import Settings, load_settings  # noqa: F401 - importable from here
+from traceinspect.measure.replay_settings import Settings, load_settings
 from traceinspect.tables import per_distinct, text_values
 
 if TYPE_CHECKING:
