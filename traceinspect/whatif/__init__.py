@@ -67,7 +67,7 @@ class Prediction(msgspec.Struct, eq=False):
     _path_cache: tuple[dict[str, float], dict[str, float]] | None = None
     _tp: dict[str, float] = msgspec.field(default_factory=dict)  # per_step is not changed
     observed_batch: float | None = None  # the running batch of the analysed steps (bs=N), when known
-    batch: Any = None  # the BatchPlan of a batch edit (measure.replay.batch): the batch the prediction runs
+    batch: Any = None  # the BatchPlan of a batch edit (whatif.batch): the batch the prediction runs
 
     def _path_pair(self) -> tuple[dict[str, float], dict[str, float]]:
         if self._path_cache is None:

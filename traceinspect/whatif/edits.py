@@ -60,7 +60,7 @@ class Applied(msgspec.Struct):
     undecided: list[str] = msgspec.field(default_factory=list)
     notes: list[str] = msgspec.field(default_factory=list)
     floors: np.ndarray | None = None  # per op: the roofline floor after the edits (NaN: unknown)
-    batch: Any = None  # the BatchPlan of a batch edit (measure.replay.batch)
+    batch: Any = None  # the BatchPlan of a batch edit (whatif.batch)
 
 
 def op_floors(a: Analysis, m: Model, cache: dict[str, Any] | None = None) -> np.ndarray:
