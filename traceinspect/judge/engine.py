@@ -19,8 +19,7 @@ from traceinspect import units
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, evaluate_explain
 from traceinspect.judge.rule import Rule, RuleSet
-from traceinspect.model.analysis import Finding, _round
-from traceinspect.model.findings import finding_order, quantity
+from traceinspect.model.findings import Finding, _round, finding_order, quantity
 
 if TYPE_CHECKING:
     from traceinspect.model.analysis import Analysis

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from traceinspect.errors import RuleError
-from traceinspect.model.analysis import Gaps
 from traceinspect.model.classes import GEMM_CLASSES
+from traceinspect.model.findings import Gaps
 from traceinspect.resources import lazy_module, settings_document, tables_dir
 
 yaml = lazy_module("yaml")

@@ -16,7 +16,8 @@ from traceinspect.whatif.edit_spec import Edit, edit_from_mapping
 
 if TYPE_CHECKING:
     from traceinspect.judge.rule import Rule, RuleSet
-    from traceinspect.model.analysis import Analysis, Finding
+    from traceinspect.model.analysis import Analysis
+    from traceinspect.model.findings import Finding
 
 # two findings share a cause when fixing both saves less than the sum of their savings by at least this
 # share of the smaller saving (their savings overlap)
