@@ -46,6 +46,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SOURCE = ROOT / "fixtures" / "kv-full-cast-eager"
+# public traces that other systems wrote: ``shared/`` lies beside the checkout (TRACEINSPECT_SHARED overrides)
+SHARED = Path(os.environ.get("TRACEINSPECT_SHARED", ROOT.parent / "shared"))
+# the event mixes the benchmarks replicate: a fixture directory of rank files, or one rank file
+MIXES = {
+    # SGLang TP2 decode, eager, record_shapes: ~3 CPU ops and ~1 runtime call per kernel
+    "eager": DEFAULT_SOURCE,
+    # eager inference on B200 with record_shapes and with_stack: ~26 CPU events (Python frames, CPU ops)
+    # per kernel, one long step per copy
+    "cpu-heavy": SHARED / "real-traces" / "tracelens__b200__eager_trace.json.gz",
+    # SGLang TP2 decode under CUDA graphs: ~70 kernels per CPU op, graph capture traces beside
+    "graph": ROOT / "fixtures" / "kv-full-cast-graph",
+}
 HTA_VENV = Path("/tmp/htavenv/bin/python")
 README = ROOT / "benchmarks" / "README.md"
 MAIN_README = ROOT / "README.md"
@@ -192,19 +204,22 @@ def make_set(src_dir: Path, dst: Path, size_mb: float, ranks: int, gen: Path, pl
     ranks). Files are generated once into ``gen`` and linked. Returns the total uncompressed JSON bytes."""
     dst.mkdir(parents=True, exist_ok=True)
     gen.mkdir(parents=True, exist_ok=True)
-    sources = sorted(src_dir.glob("*-TP-*.trace.json.gz"))
+    one = src_dir.is_file()  # one rank file: each rank a copy of it, with its own rank number
+    sources = [src_dir] if one else sorted(src_dir.glob("*-TP-*.trace.json.gz"))
     if not sources:
         raise SystemExit(f"no *-TP-*.trace.json.gz rank files in {src_dir}")
+    if one:
+        src_dir = src_dir.parent
     total = 0
     for r in range(ranks):
         s = r % len(sources)
         ext = ".trace.json" if plain else ".trace.json.gz"
-        g = gen / f"src{s}-{size_mb:g}MB{ext}"
+        g = gen / (f"r{r}-{size_mb:g}MB{ext}" if one and r else f"src{s}-{size_mb:g}MB{ext}")
         side = g.with_name(g.name + ".size")  # a kept --work directory reuses its traces
         if g not in sizes and g.exists() and side.exists():
             sizes[g] = int(side.read_text())
         if g not in sizes:
-            sizes[g] = make_trace(sources[s], g, size_mb, rank=s)
+            sizes[g] = make_trace(sources[s], g, size_mb, rank=r if one else s)
             side.write_text(str(sizes[g]))
         f = dst / f"bench-TP-{r}{ext}"
         f.unlink(missing_ok=True)
@@ -214,11 +229,11 @@ def make_set(src_dir: Path, dst: Path, size_mb: float, ranks: int, gen: Path, pl
             shutil.copyfile(g, f)
         total += sizes[g]
     si = src_dir / "server_info.json"
-    if si.exists():
+    if si.exists() and not one:
         info = json.loads(si.read_text())
         info["tp_size"] = ranks
         (dst / "server_info.json").write_text(json.dumps(info))
-    caps = sorted((src_dir / "graph_capture_profile").glob("*-TP-*.json*"))
+    caps = [] if one else sorted((src_dir / "graph_capture_profile").glob("*-TP-*.json*"))
     if caps:  # CUDA-graph capture traces: rank r gets the fixture's rank r % (fixture ranks)
         cdir = dst / "graph_capture_profile"
         cdir.mkdir(exist_ok=True)
@@ -411,7 +426,9 @@ def write_readmes(res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="fixture directory to replicate")
+    ap.add_argument("--source", type=Path, default=None,
+                    help="fixture directory (or one rank file) to replicate (default: that of --mix)")
+    ap.add_argument("--mix", choices=sorted(MIXES), default="eager", help="the event mix replicated")
     ap.add_argument("--small-mb", type=float, default=5.0)
     ap.add_argument("--hta-mb", type=float, default=114.0)
     ap.add_argument("--big-mb", type=float, default=1000.0)
@@ -429,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.small_mb, args.hta_mb, args.big_mb, args.rank_mb, args.ranks = 2.0, 3.0, 6.0, 2.0, 2
         args.repeat, args.hta_repeat = 1, 1
-    if not args.source.is_dir():
-        print(f"source fixture directory {args.source} not found", file=sys.stderr)
+    args.source = args.source or MIXES[args.mix]
+    if not args.source.exists():
+        print(f"source fixture {args.source} not found", file=sys.stderr)
         return 2
     cases = [c for c in args.cases.split(",") if c]
     work = args.work or Path(tempfile.mkdtemp(prefix="ti-bench-"))

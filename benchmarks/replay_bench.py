@@ -33,7 +33,7 @@ MARK_START, MARK_END = "<!-- replay:results:start -->", "<!-- replay:results:end
 CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
-import traceinspect.measure.replay as R
+import traceinspect.whatif as R
 from traceinspect.pipeline import analyze
 spent = {"build_s": 0.0, "replay_s": 0.0, "replays": 0}
 _init, _predict = R.Replayer.__init__, R.Replayer.predict

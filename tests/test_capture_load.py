@@ -15,10 +15,10 @@ from conftest import fixture_dir
 
 from traceinspect.capture.client import SGLangClient
 from traceinspect.capture.loadsample import LoadSampler
-from traceinspect.measure.replay.kvrows import active_kv_rows
 from traceinspect.model.run import Fact, undecided
 from traceinspect.model.serverload import ServerLoad, load_facts
 from traceinspect.pipeline import analyze
+from traceinspect.whatif.kvrows import active_kv_rows
 
 POOL = 524288  # max_total_num_tokens of the tp1-l6 fixtures' server_info.json
 

@@ -687,30 +687,6 @@ def test_name_pattern_compiles_its_regex_when_a_name_needs_it() -> None:
     assert NamePattern(r".\d", 0)._rest is not None
 
 
-def test_a_table_primed_and_pickled_classifies_as_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CLI's early-read process asks every name pattern about the file's GPU event names ahead
-    (:meth:`ClassTable.prime`) and sends the table pickled, without its compiled regexes: it gives every
-    label a fresh table gives, without searching a pattern again for a primed name."""
-    import pickle
-
-    from traceinspect.classify.table import NamePattern
-
-    rows = [line.split("\t") for line in CORPUS.read_text(encoding="utf-8").splitlines()[1:]]
-    names = sorted({r[0] for r in rows}) + ["", "x" * 5000, "ÄÖ_gemm_\u212a"]  # (a long and a non-ASCII name)
-    paths = ["", "sglang::moe > aten::linear", "aten::copy_ > aten::_to_copy"]
-    want = {(n, p, k): load_class_table().classify(n, p, k) for n in names for p in paths for k in ("kernel", "memcpy")}
-    primed = load_class_table()
-    primed.prime(names)
-    taken = pickle.loads(pickle.dumps(primed))
-    assert all(p._rest is None and p._full is None for r in taken.rules for p in (*r.name, *r.not_name))
-
-    def searched(*_: object) -> bool:
-        raise AssertionError("a pattern searched again")
-
-    monkeypatch.setattr(NamePattern, "matches", searched)
-    assert {key: taken.classify(*key) for key in want} == want
-
-
 @pytest.mark.parametrize(("name", "want"), [
     # FP4 / MXFP4 / NVFP4 block-scaled GEMMs, every family
     ("kernel_cutlass_kernel_flashinfercute_dslgemm_blockscaled_gemm_sm100_Sm100BlockScaledPersistentDenseGemmKernel_"

@@ -100,7 +100,7 @@ class Rendered:
     def _whatif(self) -> tuple[dict[str, Any], str] | None:
         """``whatif --fix`` of the lead finding's replayed variant: (the finding, the printed text)."""
         from traceinspect.commands.whatif import _fix_edits, whatif_lines
-        from traceinspect.measure.replay import replayer
+        from traceinspect.whatif import replayer
 
         lead = story(self.doc).lead
         if lead is None or lead.get("estimate_source") != "replay" or lead.get("est_saving_us_per_step") is None:

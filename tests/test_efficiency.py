@@ -379,7 +379,7 @@ def test_fused_moe_op_with_unexpected_kernels_is_unknown(tmp_path: Path) -> None
 def _memory_table_by_groupby(calls, spec):  # noqa: ANN001, ANN202 - the reference: grouping the text columns
     import numpy as np
 
-    from traceinspect.measure.gemm import _HOST_LINK, MEMORY_TABLE_COLUMNS
+    from traceinspect.measure.gemm_tables import _HOST_LINK, MEMORY_TABLE_COLUMNS
 
     m = calls.loc[(calls["kind"] == "memory") & calls["bytes"].notna(), ["name", "cls", "dtype", "bytes", "us"]].copy()
     m["family"] = m["name"].astype(object).astype(str).where(m["name"].notna(), None)
@@ -404,7 +404,7 @@ def test_memory_table_equals_grouping_by_family_and_class(seed: int) -> None:
     import numpy as np
     import pandas as pd
 
-    from traceinspect.measure.gemm import _memory_table
+    from traceinspect.measure.gemm_tables import _memory_table
 
     a = analyze([str(fixture_dir("tp1-l6-full-eager"))], Options(use_cache=False, jobs=1))
     calls, spec = a.efficiency.calls, a.efficiency.spec
@@ -443,8 +443,8 @@ def test_key_groups_number_rows_as_pandas_groups_them(seed: int) -> None:
     import numpy as np
     import pandas as pd
 
-    from traceinspect.measure.gemm import _GEMM_KEYS, _gemm_keys
     from traceinspect.measure.gemm_shapes import _SHAPE_KEYS, _shape_keys, key_groups
+    from traceinspect.measure.gemm_tables import _GEMM_KEYS, _gemm_keys
 
     rng = np.random.default_rng(seed)
     n = 400
@@ -480,8 +480,8 @@ def test_prepared_keys_are_the_frame_formulas() -> None:
     import numpy as np
     import pandas as pd
 
-    from traceinspect.measure.gemm import _GEMM_KEYS, _gemm_keys
     from traceinspect.measure.gemm_shapes import _SHAPE_KEYS, _shape_keys
+    from traceinspect.measure.gemm_tables import _GEMM_KEYS, _gemm_keys
 
     g = pd.DataFrame({
         "cls": pd.Series(["gemm_bf16", "moe_gemm", "gemm_fp8", "gemm_bf16"], dtype=object),
@@ -525,7 +525,7 @@ def test_run_sums_are_series_sums_with_min_count() -> None:
     import numpy as np
     import pandas as pd
 
-    from traceinspect.measure.gemm import _sums_or_nan
+    from traceinspect.measure.gemm_tables import _sums_or_nan
 
     rng = np.random.default_rng(3)
     bounds = np.array([0, 1, 5, 6, 200, 201, 1000])

@@ -13,9 +13,8 @@ from conftest import FIXTURES, REAL_TRACES
 
 from traceinspect.measure.host import host_activity
 from traceinspect.measure.idle import gpu_gaps, host_syncs
-from traceinspect.measure.replay.model import load_settings
-from traceinspect.measure.replay.stalls import stall_stretches
-from traceinspect.parallel import _can_fork
+from traceinspect.measure.replay_settings import load_settings
+from traceinspect.measure.stalls import stall_stretches
 from traceinspect.pipeline import analyze
 
 HOSTDELAY = FIXTURES / "tp1-l6-gather-eager-hostdelay"  # host stalls, one rank
@@ -51,14 +50,6 @@ def test_the_fixture_has_host_stalls() -> None:
         pytest.skip("fixture not present")
     a = analyze([str(HOSTDELAY)], use_cache=False)
     assert len(a.host.stalls) > 0  # so that the comparison above compares something
-
-
-@pytest.mark.skipif(not _can_fork(None), reason="no fork here, or a single CPU")
-@pytest.mark.parametrize("path", [HOSTDELAY, REAL], ids=["fixture", "real"])
-def test_document_same_with_and_without_the_second_process(path: Path) -> None:
-    if not path.exists():
-        pytest.skip(f"{path} not present")
-    assert _doc(path) == _doc(path, jobs=1)
 
 
 def test_metrics_without_a_measured_host_activity() -> None:

@@ -184,10 +184,8 @@ def test_load_trace_set_reads_the_cache(tmp_path: Path, monkeypatch: pytest.Monk
     def no_parse(*_: Any, **__: Any) -> None:
         raise AssertionError("parsed although cached")
 
-    from traceinspect.load import early
-
     monkeypatch.setattr(load, "parse_file", no_parse)
-    monkeypatch.setattr(early, "read_scan", no_parse)  # the native read
+    monkeypatch.setattr(load, "read_scan", no_parse)  # the native read
     second = load_trace_set(d, jobs=1)
     for t in TABLES:
         pd.testing.assert_frame_equal(getattr(first, t), getattr(second, t))

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import FIXTURES, analysed, fixture_dir, real_trace, run_cli
 
-from traceinspect.measure.replay import EditError, Replayer, parse_edit, replayer
 from traceinspect.pipeline import Analysis
+from traceinspect.whatif import EditError, Replayer, parse_edit, replayer
 
 SETS = sorted(p.parent.name for p in FIXTURES.glob("*/manifest.json")) + sorted(
     str(p.parent.relative_to(FIXTURES)) for p in FIXTURES.glob("drift/*/manifest.json"))
@@ -210,8 +210,8 @@ def test_replay_vectors_are_plain_arrays() -> None:
 ])
 def test_segment_simulation_equals_event_loop(name: str, edits: list[str]) -> None:
     """The segment-wise simulation gives the same times as one event per node."""
-    from traceinspect.measure.replay.edits import apply_edits
-    from traceinspect.measure.replay.sim import simulate, simulate_events
+    from traceinspect.whatif.edits import apply_edits
+    from traceinspect.whatif.sim import simulate, simulate_events
 
     a = _fixture(name)
     rp = replayer(a)
@@ -291,7 +291,7 @@ def test_ops_inside_steps_equal_the_direct_test() -> None:
     import numpy as np
     import pandas as pd
 
-    from traceinspect.measure.replay.kvrows import _inside_steps
+    from traceinspect.whatif.kvrows import _inside_steps
 
     rng = np.random.default_rng(3)
     for trial in range(30):
@@ -323,8 +323,8 @@ def test_native_critical_walk_equals_the_python_walk(source: str, edits: list[st
     """The replay's critical path walked by the native scanner: the same sums, bit for bit, in the same key
     order, as the Python walk, replayed as measured and with edits."""
     from traceinspect.load.native import native_available
-    from traceinspect.measure.replay.edits import apply_edits
-    from traceinspect.measure.replay.sim import simulate
+    from traceinspect.whatif.edits import apply_edits
+    from traceinspect.whatif.sim import simulate
 
     if not native_available():
         pytest.skip("the native scanner is not built")

@@ -1,6 +1,6 @@
 """Before/after fixture pairs: the replay of each pair's fix on the before trace predicts the step measured
 on the after trace within the tolerance of ``tests/data/replay_pairs.yaml``, with the two captures' host
-speeds controlled (``host-speed``, measured from both traces: ``measure/replay/hostspeed.py``), beside the raw prediction and the rules'
+speeds controlled (``host-speed``, measured from both traces: ``whatif/hostspeed.py``), beside the raw prediction and the rules'
 own arithmetic; and the host-speed marker itself checked on repeated captures of one set (pure drift).
 
 ``python -m pytest tests/test_replay_pairs.py -s`` prints the pair table (``python tests/test_replay_pairs.py``
@@ -22,10 +22,10 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import FIXTURES, ROOT, analysed, fixture_dir, real_trace  # noqa: E402
 
-from traceinspect.judge.fixes import fix_edits  # noqa: E402
-from traceinspect.measure.replay import Edit, parse_edit, replayer  # noqa: E402
-from traceinspect.measure.replay.hostspeed import HostSpeed, host_speed_ratio  # noqa: E402
 from traceinspect.pipeline import Analysis  # noqa: E402
+from traceinspect.whatif import Edit, parse_edit, replayer  # noqa: E402
+from traceinspect.whatif.fixes import fix_edits  # noqa: E402
+from traceinspect.whatif.hostspeed import HostSpeed, host_speed_ratio  # noqa: E402
 
 PAIRS = yaml.safe_load((ROOT / "tests" / "data" / "replay_pairs.yaml").read_text())
 TOL = float(PAIRS["tolerance"])

@@ -15,11 +15,11 @@ from conftest import FIXTURES, fixture_dir, real_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from traceinspect.judge.fixes import saving_parts
-from traceinspect.measure.replay import parse_edit, replayer
 from traceinspect.measure.roofline import floors, load_roofline
 from traceinspect.measure.specs import load_gpu_specs, match_gpu
 from traceinspect.pipeline import Options, analyze
+from traceinspect.whatif import parse_edit, replayer
+from traceinspect.whatif.fixes import saving_parts
 
 SGLANG_DECODE = "tracelens__inference__sglang_decode__sglang_Qwen3-8B_decode.json.gz"
 SGLANG_CAPTURE = "tracelens__inference__sglang_decode__capture_traces__bs_32_rank0.json.gz"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +66,7 @@ def test_split_point_is_between_two_events_and_the_join_is_the_whole_scan(tmp_pa
     ok, got = _joined(path.read_bytes(), at)
     want = _whole(path)
     assert ok and got == want
-    assert _norm(raw._scan_split(path, at, None)) == want
+    assert _norm(raw._scan_split(path, at)) == want
     assert _norm(raw.read_scan(path)) == want  # the path the loader takes
 
 
@@ -87,7 +86,7 @@ def test_split_anywhere_gives_the_whole_scan(tmp_path: Path) -> None:
         if ok:
             joined += 1
             assert got == want, at
-        assert _norm(raw._scan_split(path, at, None)) == want, at
+        assert _norm(raw._scan_split(path, at)) == want, at
     assert joined >= 10  # most event starts are joinable; the other places are not
 
 
@@ -145,7 +144,7 @@ def test_a_malformed_file_fails_with_the_whole_scans_message(tmp_path: Path, whe
     path.write_bytes(data)
     want = _outcome(lambda: raw.scan(raw._blocks(path), path))
     assert want[0] == "error"
-    assert _outcome(lambda: raw._scan_split(path, mid, None)) == want
+    assert _outcome(lambda: raw._scan_split(path, mid)) == want
 
 
 def test_a_second_trace_events_key_after_the_split_is_read_as_one_scan_reads_it(tmp_path: Path) -> None:
@@ -154,7 +153,7 @@ def test_a_second_trace_events_key_after_the_split_is_read_as_one_scan_reads_it(
     path = tmp_path / "r-TP-0.trace.json"
     path.write_bytes(data)
     mid = data.index(b"\n  {", len(data) // 2) + 3
-    got = _norm(raw._scan_split(path, mid, None))
+    got = _norm(raw._scan_split(path, mid))
     assert got == _whole(path) and got["n_events"] == 1
 
 
@@ -186,16 +185,6 @@ def test_join_refuses_misuse() -> None:
     again.feed(b'{"traceEvents": [{"ph": "X"}, ')
     with pytest.raises(ValueError):
         again.join(rest)  # joined once
-
-
-def test_a_stopped_read_ends_both_threads(tmp_path: Path) -> None:
-    path = tmp_path / "r-TP-0.trace.json"
-    path.write_bytes(_doc_bytes(_events(2000)))
-    stop = threading.Event()
-    stop.set()
-    with pytest.raises(raw.Stopped):
-        raw._scan_split(path, len(path.read_bytes()) // 2, stop)
-    assert not [t for t in threading.enumerate() if t.name == "traceinspect-scan-rest"]
 
 
 def test_small_and_gzipped_files_are_not_split(tmp_path: Path) -> None:

@@ -112,8 +112,7 @@ def test_rule_listings_start_without_pandas() -> None:
 
 
 def test_the_analysis_modules_import_without_yaml() -> None:
-    """PyYAML is imported where YAML is parsed, not by importing the analysis: an analysis given its tables
-    by the early-read process parses none."""
+    """PyYAML is imported where YAML is parsed, not by importing the analysis."""
     code = ("import sys, traceinspect.pipeline, traceinspect.commands.analyze, traceinspect.judge.rules; "
             "print(sorted(m for m in sys.modules if m == 'yaml.reader' or m.startswith('_yaml')))")
     assert _cli("-c", code).stdout.split() == ["[]"]

@@ -14,7 +14,8 @@ from conftest import fixture_dir, real_trace, rewrite_trace
 from traceinspect.link import link
 from traceinspect.load import load_trace_set
 from traceinspect.pipeline import analyze
-from traceinspect.steps import build_steps, resolve_phase
+from traceinspect.steps import build_steps
+from traceinspect.steps.select import resolve_phase
 
 SRC = "kv-full-cast-eager"
 

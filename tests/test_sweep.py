@@ -26,10 +26,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from traceinspect.capture.sweep import (
+from traceinspect.capture.sweep import compare_sweeps
+from traceinspect.capture.sweep_levels import (
     SweepSettings,
     cap_of,
-    compare_sweeps,
     knee,
     moe_model,
     parse_levels,

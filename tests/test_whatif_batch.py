@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from conftest import fixture_dir, run_cli
 
-from traceinspect.measure.replay import EditError, Prediction, parse_edit, replayer
-from traceinspect.measure.replay.batch import plan_batch
-from traceinspect.measure.replay.edits import apply_edits
-from traceinspect.measure.replay.gemm_m import gemm_rows
 from traceinspect.measure.roofline import floor_us
 from traceinspect.pipeline import Analysis, analyze
+from traceinspect.whatif import EditError, Prediction, parse_edit, replayer
+from traceinspect.whatif.batch import plan_batch
+from traceinspect.whatif.edits import apply_edits
+from traceinspect.whatif.gemm_m import gemm_rows
 
 # GPU busy time per step predicted at the other set's batch against the other set's measured one
 BUSY_TOL = 0.15
@@ -61,7 +61,7 @@ def test_batch_pair_predicts_the_other_sets_step(pair: tuple[str, str], reverse:
 def test_eager_batch_pair_with_host_speed_controlled() -> None:
     """The host-bound eager pair: the batch change plus the other capture's host speed (the same-host recapture
     of the batch-256 set) predicts its measured step."""
-    from traceinspect.measure.replay.hostspeed import host_speed_ratio
+    from traceinspect.whatif.hostspeed import host_speed_ratio
 
     a, b = _fixture("tp1-l6-gather-eager-bs16"), _fixture("tp1-l6-gather-eager-samehost")
     hs = host_speed_ratio(a, b)

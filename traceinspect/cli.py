@@ -123,10 +123,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except BrokenPipeError:
         sys.exit(0)
-    finally:
-        early = sys.modules.get("traceinspect.load.early")
-        if early is not None:  # a read begun beside the imports and not taken (an error came first)
-            early.drop()
 
 
 class _PandasWithoutArrow:

@@ -1,5 +1,8 @@
 """Stage 2, link: kernel -> launching runtime event (``correlation``) -> enclosing CPU op.
 
+Inputs: a :class:`~traceinspect.model.TraceSet` (or one rank's parsed tables) not yet linked.
+Outputs: the same tables, each kernel's launching runtime call (``rt_idx``) and CPU op (``op_idx``) set.
+
 Kernels replayed from a CUDA graph share the correlation id of their ``cudaGraphLaunch``; they
 are kept, marked ``graph_replay`` and get no CPU op (the op that was running at capture time is
 not the one running now).

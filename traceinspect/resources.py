@@ -8,12 +8,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-# the shipped settings tables read by the analysis itself (the kernel class and GPU spec tables and the
-# rules have readers of their own): what :func:`read_ahead` reads
-SETTINGS_TABLES = ("steps.yaml", "collectives.yaml", "replay.yaml", "evidence.yaml", "traceset.yaml")
-
-_AHEAD: dict[str, Any] = {}  # name -> document, read by a process forked from this one (adopted)
-
 
 def rules_dir() -> Path:
     """The shipped ``rules/`` directory: inside the package when installed, else the repo root's."""
@@ -43,8 +37,7 @@ def lazy_module(name: str) -> ModuleType:
     """The module ``name`` if imported, else a stand-in that imports it when one of its attributes is first
     used.
 
-    For PyYAML: its import (about 15 ms, mostly one large regex) is needed only where YAML is parsed, and a
-    CLI analysis takes the tables it reads from its early-read process (:func:`read_ahead`)."""
+    For PyYAML: its import (about 15 ms, mostly one large regex) is needed only where YAML is parsed."""
     return sys.modules.get(name) or _Lazy(name)
 
 
@@ -64,30 +57,8 @@ def load_yaml(text: str) -> Any:
 
 def settings_document(name: str, path: str | Path | None = None) -> Any:
     """The parsed YAML of the file ``path`` when given, else of the shipped settings table
-    ``rules/tables/<name>``: the one read ahead, when adopted (:func:`adopt_documents`; taken once), or
-    read here (OSError, yaml.YAMLError)."""
+    ``rules/tables/<name>`` (OSError, yaml.YAMLError)."""
     if path:
         return load_yaml(Path(path).read_text(encoding="utf-8"))
-    if name in _AHEAD:
-        return _AHEAD.pop(name)
     return load_yaml((tables_dir() / name).read_text(encoding="utf-8"))
 
-
-def read_ahead() -> dict[str, Any]:
-    """The documents of :data:`SETTINGS_TABLES` that read and parse (a table that does not is left out:
-    its reader meets and reports the error where it is used)."""
-    out: dict[str, Any] = {}
-    for name in SETTINGS_TABLES:
-        try:
-            out[name] = settings_document(name)
-        except Exception:  # noqa: BLE001, S112 - reported by the reader, in the process that uses it
-            continue
-    return out
-
-
-def adopt_documents(docs: dict[str, Any]) -> None:
-    """Take documents :func:`read_ahead` read in a process forked from this one, for
-    :func:`settings_document`."""
-    for name, doc in docs.items():
-        if name in SETTINGS_TABLES:
-            _AHEAD.setdefault(name, doc)

@@ -1,5 +1,8 @@
 """Stage 4, classify: give every GPU kernel a class id (and a second one for fused kernels).
 
+Inputs: a linked :class:`~traceinspect.model.TraceSet`, its steps, the facts the user stated.
+Outputs: every kernel's ``cls``, ``cls2`` and ``cls_evidence``, the recovered graph ops, the run model.
+
 The class table is data (``rules/tables/kernel_classes.yaml``): ordered, prioritised regex rules over
 the kernel name, the enclosing CPU op path and the event kind. Classification runs once per unique
 (name, op_path, kind) triple. Then, on evidence from the whole trace:

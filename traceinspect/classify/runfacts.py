@@ -44,7 +44,7 @@ from traceinspect.model.run import (
 )
 from traceinspect.model.serverload import load_facts
 from traceinspect.model.shapes import dims, tensor_bytes
-from traceinspect.steps import select_steps
+from traceinspect.steps.select import select_steps
 from traceinspect.tables import combine_codes, factorize_text, text_isin, text_values
 
 if TYPE_CHECKING:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import shlex
 import sys
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import click
+
+from traceinspect.load import memory_settings
 
 PHASES = click.Choice(["auto", "decode", "prefill", "all"])
 MODEL_CONFIG_OPT = click.option(
@@ -66,41 +67,6 @@ def build_options(**kw: Any) -> Any:
     )
 
 
-def start_reading(paths: list[str], kw: dict[str, Any]) -> None:
-    """Begin reading the trace set beside the imports that follow (see :mod:`traceinspect.load.early`),
-    and, where a process reads it, the shipped tables and then the rule set there too once the file is
-    read (:func:`read_tables`, :func:`read_rules`)."""
-    from traceinspect.load import early
-
-    rules = partial(read_rules, tuple(str(r) for r in kw.get("rules") or ()), tuple(kw.get("only") or ()),
-                    tuple(kw.get("disable") or ()))
-    early.start(paths, use_cache=not kw.get("no_cache", False), jobs=kw.get("jobs"),
-                executor=kw.get("executor") or "local", phase=kw["phase"], beside=(read_tables, rules))
-
-
-def read_tables(names: list[str]) -> tuple[Any, ...]:
-    """The shipped tables an analysis reads besides the traces: ``("tables", kernel class table, GPU spec
-    table, the settings tables' documents)`` (:class:`traceinspect.pipeline.Tables` takes them), the class
-    table's name patterns asked about the GPU event names ``names`` already (:meth:`ClassTable.prime`).
-    Imports neither pandas nor numpy, so that it is done before the slower :func:`read_rules`."""
-    from traceinspect.classify.table import default_table
-    from traceinspect.measure.specs import default_gpu_specs
-    from traceinspect.resources import read_ahead
-
-    table = default_table()
-    table.prime(names)
-    return "tables", table, default_gpu_specs(), read_ahead()
-
-
-def read_rules(rules: tuple[str, ...], only: tuple[str, ...], disable: tuple[str, ...],
-               names: list[str] | None = None) -> tuple[Any, ...]:
-    """The rule set of an analysis: ``("rules", (rules, only, disable), rule set)`` (``names``, given by
-    the early-read process, unused). Imports no pandas."""
-    from traceinspect.judge.rules import load_rule_set
-
-    return "rules", (rules, only, disable), load_rule_set(extra=rules, only=only, disable=disable)
-
-
 def _config_path(kw: dict[str, Any]) -> str | None:
     """The traceinspect.toml whose [model] table states run facts: --config, else ./traceinspect.toml."""
     from traceinspect.model.run import CONFIG_NAME
@@ -124,7 +90,7 @@ def _config_path(kw: dict[str, Any]) -> str | None:
 def analyze_cmd(paths: tuple[str, ...], json_out: str | None, html_out: str | None, md_out: str | None,
                 csv_dir: str | None, quiet: bool, **kw: Any) -> None:
     """Analyse the decode steps of a trace set (a directory, rank files, or globs)."""
-    start_reading(list(paths), kw)
+    memory_settings()  # before numpy is imported
     from traceinspect.pipeline import analyze
 
     a = analyze(list(paths), build_options(**kw))

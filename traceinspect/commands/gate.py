@@ -10,9 +10,10 @@ from typing import Any
 
 import click
 
-from traceinspect.commands.analyze import analysis_options, build_options, start_reading
+from traceinspect.commands.analyze import analysis_options, build_options
 from traceinspect.fileio import write_text_atomic
 from traceinspect.gate.core import FAIL_ON
+from traceinspect.load import memory_settings
 from traceinspect.render.terminal import plain_text
 
 THRESHOLD_HELP = (
@@ -39,16 +40,6 @@ def input_document(path: str, options: Callable[[], Any]) -> dict[str, Any]:
     from traceinspect.pipeline import analyze
 
     return labelled(validate_document(analyze([str(path)], options()).to_json(), str(path)), str(path))
-
-
-def start_base(base: str, kw: dict[str, Any]) -> None:
-    """Begin reading the baseline beside the imports when it is a trace set (it is analysed first)."""
-    from pathlib import Path
-
-    from traceinspect.document.read import is_analysis_file
-
-    if not (Path(base).is_file() and is_analysis_file(Path(base))):
-        start_reading([base], kw)
 
 
 def _load_pair(base: str, cand: str, kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -86,7 +77,7 @@ def diff_cmd(base: str, cand: str, json_out: str | None, md_out: str | None, sho
     efficiency, findings added/removed/changed. Each side is a trace set (directory, rank files,
     glob) or an analysis JSON from `traceinspect analyze --json`. Never fails on a regression (see
     `traceinspect gate`); exits 2 on unusable input."""
-    start_base(base, kw)
+    memory_settings()  # before numpy is imported
     from traceinspect.gate import diff_documents, outputs
 
     b, c = _load_pair(base, cand, kw)
@@ -131,7 +122,7 @@ def gate_cmd(base: str, cand: str, max_regression: tuple[str, ...], floor: str |
     listed under it to explain it. Exit 0 on pass, 2 on unusable input (bad files, missing steps,
     different GPU/TP size/phase without --allow-mismatch). BASE and CAND are trace sets or
     analysis JSON files from `traceinspect analyze --json`."""
-    start_base(base, kw)
+    memory_settings()  # before numpy is imported
     from traceinspect.errors import TraceInputError, TraceInspectError
     from traceinspect.gate import (
         DEFAULT_ALPHA,

@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from traceinspect.commands.analyze import analysis_options, build_options, start_reading
+from traceinspect.commands.analyze import analysis_options, build_options
+from traceinspect.load import memory_settings
 
 
 def _size(path: str | Path) -> str:
@@ -45,7 +46,7 @@ def report_cmd(paths: tuple[str, ...], html_out: str, md_out: str | None, json_o
     kernels, classification coverage and the command that made it. The file needs no network to open."""
     doc = _stored_document(paths)
     if doc is None:
-        start_reading(list(paths), kw)
+        memory_settings()  # before numpy is imported
     from traceinspect.errors import TraceInputError
     from traceinspect.render.html import write_html
 

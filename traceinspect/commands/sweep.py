@@ -64,7 +64,7 @@ def sweep_cmd(url: str | None, concurrency: str | None, out: str | None, input_l
     """
     from traceinspect.capture.errors import ConfigError
     from traceinspect.capture.layout import redact_argv
-    from traceinspect.capture.sweep import SweepSettings
+    from traceinspect.capture.sweep_levels import SweepSettings
 
     settings = SweepSettings.load(settings_path)
     if compare:
@@ -73,7 +73,8 @@ def sweep_cmd(url: str | None, concurrency: str | None, out: str | None, input_l
     missing = [name for name, v in (("--url", url), ("--concurrency", concurrency), ("--out", out)) if not v]
     if missing:
         raise ConfigError(f"sweep needs {', '.join(missing)} (or --compare DIR_A DIR_B)")
-    from traceinspect.capture.sweep import SweepOptions, parse_levels, run_sweep
+    from traceinspect.capture.sweep import SweepOptions, run_sweep
+    from traceinspect.capture.sweep_levels import parse_levels
     from traceinspect.capture.ui import CaptureUI
     from traceinspect.render.sweep import render_terminal, write_sweep_html
 

@@ -16,8 +16,8 @@ from traceinspect.units import fmt_pct_signed, fmt_us, fmt_us_signed
 def _fix_edits(a: Any, spec: str) -> tuple[list[Any], str]:
     """The edits of ``RULE[:VARIANT]`` for this analysis, and the variant's name and label."""
     from traceinspect.judge.engine import Finding
-    from traceinspect.judge.fixes import fix_edits
-    from traceinspect.measure.replay import EditError, replayer
+    from traceinspect.whatif import EditError, replayer
+    from traceinspect.whatif.fixes import fix_edits
 
     rule_id, _, variant = spec.partition(":")
     rule = a.rule_set.get(rule_id) if a.rule_set is not None else None
@@ -70,8 +70,8 @@ def _fix_edits(a: Any, spec: str) -> tuple[list[Any], str]:
 def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str, ...], host_of: str | None,
                batch: str | None, max_running: int | None, json_out: str | None, **kw: Any) -> None:
     """Predict the step time after a fix by replaying the trace with edits (none: replay as measured)."""
-    from traceinspect.measure.replay import EditError, parse_edit, replayer
     from traceinspect.pipeline import analyze
+    from traceinspect.whatif import EditError, parse_edit, replayer
 
     try:
         parsed = [parse_edit(e) for e in edits]  # bad edits are reported before the traces are read
@@ -93,7 +93,7 @@ def whatif_cmd(paths: tuple[str, ...], fixes: tuple[str, ...], edits: tuple[str,
     host_undecided: list[str] = []
     host_json = None
     if host_of:
-        from traceinspect.measure.replay.hostspeed import host_speed_ratio
+        from traceinspect.whatif.hostspeed import host_speed_ratio
 
         hs = host_speed_ratio(a, analyze([host_of], build_options(**kw)))
         host_json = hs.to_json()

@@ -1,6 +1,9 @@
 """The analysis document (``traceinspect.analysis/1``): the one versioned record of an analysis that every
 report, ``diff`` and ``gate`` read.
 
+Inputs: the analysis record after the what-if stage (or a stored document).
+Outputs: the ``traceinspect.analysis/1`` document, written or read back validated.
+
 ``traceinspect.document.build`` assembles it from the pipeline's results (the only place it is built, its
 ``report`` section by ``traceinspect.document.report``); ``traceinspect.document.read`` loads and
 validates a stored one. This module holds what they share, and how the document is written.

@@ -18,7 +18,7 @@ from traceinspect.units import json_num
 from traceinspect.version import __version__
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 
 def _coverage(a: Analysis) -> dict[str, Any]:
@@ -146,17 +146,10 @@ def _timeline_step(a: Analysis) -> dict[str, Any]:
     return {"step_index": pos, "ranks": out}
 
 
-def _tables_key(a: Analysis) -> tuple[int, ...]:
-    """The tables :func:`trace_sections` reads, by identity and length: sections made from other tables
-    are not used."""
-    tables = (a.trace.kernels, a.kernels, a.steps, a.selected, a.class_steps, a.class_totals)
-    return tuple(x for t in tables for x in (id(t), len(t)))
-
-
 def trace_sections(a: Analysis) -> dict[str, Any]:
     """The sections of the document made from the trace tables and the step selection alone (ranks,
     steps, classes, top kernels, timeline, coverage): what no measure and no rule changes, so that they
-    can be made on a second core while the rules run (:func:`keep_trace_sections`)."""
+    are the same whatever the rules found."""
     ts = a.trace
     samples = a.step_samples()
     n_steps = a.steps_per_rank()
@@ -233,17 +226,11 @@ def trace_sections(a: Analysis) -> dict[str, Any]:
     }
 
 
-def keep_trace_sections(a: Analysis, sections: dict[str, Any]) -> None:
-    """Keep :func:`trace_sections` made elsewhere (from the same tables) for the document to come."""
-    a.trace_sections = (_tables_key(a), sections)
-
-
 def build_document(a: Analysis, report: bool = True) -> dict[str, Any]:
     """Build the ``traceinspect.analysis/1`` document (``report=False``: without the ``report`` section,
     for a caller that only prints the terminal summary, which does not read it)."""
     ts = a.trace
-    kept = a.trace_sections
-    sec = kept[1] if kept is not None and kept[0] == _tables_key(a) else trace_sections(a)
+    sec = trace_sections(a)
     doc: dict[str, Any] = {
         "schema": SCHEMA,
         "tool": {"name": "traceinspect", "version": __version__},

@@ -22,7 +22,7 @@ from traceinspect.tables import factorize_text, groups, sorted_text_codes, text_
 from traceinspect.units import short_name
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 # kernels a report timeline carries (over all lanes): keeps the document and report of a long multi-rank
 # step small; the longest kernels are kept and the caption says so

@@ -9,7 +9,6 @@ the impact (a child never claims more than its parent) and by the step time.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -20,52 +19,13 @@ from traceinspect import units
 from traceinspect.judge import metrics as M
 from traceinspect.judge.expr import Expr, ExprError, evaluate_explain
 from traceinspect.judge.rule import Rule, RuleSet
-from traceinspect.model.findings import finding_order, quantity
+from traceinspect.model.findings import Finding, _round, finding_order, quantity
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 MAX_MESSAGE = 2000
 MAX_TEXT_VALUE = 160  # characters of a text metric inside a message
-MAX_EVIDENCE_TEXT = 600
-
-
-class Finding(msgspec.Struct):
-    """One problem found by one rule (on one subject, or on several merged ranks)."""
-
-    rule: str
-    severity: str
-    title: str
-    message: str
-    share: float | None
-    est_saving_us_per_step: float | None
-    ranks: list[int]
-    evidence: dict[str, Any]
-    remediation: str
-    # what the rule's fixes act on: the subject's selection, ranks and the fix edits' values
-    fix_context: dict[str, Any] = msgspec.field(default_factory=dict)
-    # replays of the rule's fixes (traceinspect.judge.fixes): variant, label, predicted step, saving, edits
-    fixes: list[dict[str, Any]] = msgspec.field(default_factory=list)
-    estimate_source: str = "rule"  # 'replay' when the saving comes from replaying a fix
-    parent: str | None = None  # the finding (rule id) sharing this one's cause with the larger saving
-    children: list[str] = msgspec.field(default_factory=list)
-    prediction: Any = None  # the replay behind the estimate (not serialised)
-
-    @property
-    def id(self) -> str:
-        return self.rule
-
-    def to_json(self) -> dict[str, Any]:
-        """The documented JSON form (``findings`` list of ``traceinspect.analysis/1``)."""
-        return {
-            "rule": self.rule, "severity": self.severity, "title": self.title, "message": self.message,
-            "share": _round(self.share), "est_saving_us_per_step": _round(self.est_saving_us_per_step),
-            "estimate_source": self.estimate_source,
-            "fixes": list(self.fixes),
-            "group": {"parent": self.parent, "children": list(self.children)},
-            "ranks": list(self.ranks), "evidence": {k: _json_value(v) for k, v in self.evidence.items()},
-            "remediation": self.remediation,
-        }
 
 
 class Outcome(msgspec.Struct):
@@ -80,33 +40,6 @@ class Outcome(msgspec.Struct):
     # undecided: the unavailable metrics the undecided conditions read (through ``let``), and why
     missing: dict[str, str] = msgspec.field(default_factory=dict)
     classes: tuple[str, ...] = ()  # kernel classes of the subject's kernels
-
-
-def _round(x: Any) -> Any:
-    if x is None:
-        return None
-    if isinstance(x, (bool, np.bool_)):
-        return bool(x)
-    if isinstance(x, (int, np.integer)):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        if not math.isfinite(x):
-            return None
-        x = float(x)
-        if x.is_integer() and abs(x) < 2**53:
-            return int(x)
-        if abs(x) >= 100:
-            return round(x, 1)
-        return float(f"{x:.6g}")  # enough digits that a share prints as the message printed it
-    return x
-
-
-def _json_value(v: Any) -> Any:
-    if isinstance(v, str):
-        return v if len(v) <= MAX_EVIDENCE_TEXT else v[:MAX_EVIDENCE_TEXT] + "…"
-    if isinstance(v, (list, tuple)):
-        return [_json_value(x) for x in v]
-    return _round(v)
 
 
 def _fmt_value(v: Any, spec: str) -> str:

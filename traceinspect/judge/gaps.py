@@ -11,14 +11,15 @@ import msgspec
 
 from traceinspect.errors import RuleError
 from traceinspect.model.classes import GEMM_CLASSES
+from traceinspect.model.findings import Gaps
 from traceinspect.resources import lazy_module, settings_document, tables_dir
 
 yaml = lazy_module("yaml")
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
     from traceinspect.judge.engine import Outcome
     from traceinspect.judge.rule import Rule, RuleSet
+    from traceinspect.model.analysis import Analysis
 
 EVIDENCE_FILE = "evidence.yaml"
 # a derived metric is missing because of what it is computed from: supply that instead
@@ -90,17 +91,6 @@ def evidence_table() -> EvidenceTable:
     about = {str(c): tuple(str(p) for p in ps) for c, ps in (doc.get("about") or {}).items()}
     return EvidenceTable(float(th.get("undecided_share", 0.05)), float(th.get("unexplained_share", 0.30)),
                          dict(doc.get("supply") or {}), about)
-
-
-class Gaps(msgspec.Struct):
-    """``undecided``: [{rule, subject, share, missing, how_to_supply}]; ``unexplained``:
-    [{cls, share, explain_with}]; both largest share first."""
-
-    undecided: list[dict[str, Any]] = msgspec.field(default_factory=list)
-    unexplained: list[dict[str, Any]] = msgspec.field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"undecided": self.undecided, "unexplained": self.unexplained}
 
 
 def _share(o: Outcome) -> float | None:

@@ -1,4 +1,8 @@
-"""Stage 1, load: rank files -> a :class:`~traceinspect.model.TraceSet` of typed tables."""
+"""Stage 1, load: rank files -> a :class:`~traceinspect.model.TraceSet` of typed tables.
+
+Inputs: rank files (a directory, files or globs), the server_info.json beside them, the cache.
+Outputs: a :class:`~traceinspect.model.TraceSet` of typed tables, each rank linked where it was parsed.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 from traceinspect.errors import TraceInputError
 from traceinspect.load.discover import RankFile, discover, read_capture_json, read_server_info
-from traceinspect.load.raw import Digest, _sha256, hex_digest, parse_processes
+from traceinspect.load.raw import (
+    Digest,
+    Sha256After,
+    Sha256Beside,
+    _sha256,
+    hex_digest,
+    parse_processes,
+    read_scan,
+    split_point,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -20,9 +33,9 @@ if TYPE_CHECKING:
     from traceinspect.load.parse import ParsedRank
     from traceinspect.model import RankInfo, TraceSet
 
-# the heavy modules (numpy, pandas, msgspec) load on first use: the early read of the CLI
-# (traceinspect.load.early) imports this package before the analysis modules
-__all__ = ["load_trace_set", "parse_file", "discover"]
+# the heavy modules (numpy, pandas, msgspec) load on first use: the commands set the memory settings
+# (:func:`memory_settings`) from here before numpy is imported
+__all__ = ["load_trace_set", "memory_settings", "parse_file", "discover"]
 
 PROGRESS_MIN_BYTES = 50_000_000  # show a progress bar for trace sets larger than this (on a terminal)
 
@@ -42,24 +55,18 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
     This is the unit of work a local process or a dask worker runs: it touches only the file and the
     cache of the machine it runs on and returns the content hash, the file size and the compact tables,
     after ``prepare`` (the pipeline passes the link stage's per-rank linking: kernel -> runtime event ->
-    CPU op is per rank). Where the CLI began reading the file beside its imports
-    (:mod:`traceinspect.load.early`), the hash and the scan (or the error they met) are taken from there.
-    With ``defer_digest`` and the cache off, the hash may still be under way on return (a
-    :class:`~traceinspect.load.raw.Sha256After`, computed beside what the caller does next); otherwise
-    the digest is the hex text.
+    CPU op is per rank). With ``defer_digest`` and the cache off, the hash may still be under way on
+    return (a :class:`~traceinspect.load.raw.Sha256After`, computed beside what the caller does next);
+    otherwise the digest is the hex text.
     """
-    from traceinspect.load import cache, early, parse
+    from traceinspect.load import cache, parse
 
     path = Path(path)
     root = cache.cache_dir() if use_cache else None
-    got = early.take(path, root)  # read beside the imports (the CLI), else None
-    if got is None and parse.native_available():
-        got = early.read(path, root, defer=defer_digest)  # what the early read does, here
-    if got is not None:
-        digest, size, res = got  # res None: the cache holds the tables
+    if parse.native_available():
+        digest, size, res = _read_native(path, root, defer_digest)  # res None: the cache holds the tables
     else:  # the msgspec path
         digest, size, res = _sha256(path), path.stat().st_size, None
-    del got
     parsed = cache.load(root, digest) if root is not None and res is None else None
     if parsed is None:
         parsed = parse.tables_native(res, path) if res is not None else parse_file(path)
@@ -70,6 +77,75 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
         prepare(parsed)
     vars(parsed).pop("_name_codes", None)  # what prepare did not use stays here
     return (digest if defer_digest else hex_digest(digest)), size, parsed
+
+
+def _read_native(path: Path, root: Path | None, defer: bool) -> tuple[Digest, int, dict[str, Any] | None]:
+    """The native read of one rank file before its tables are built, for cache root ``root`` (None: no
+    cache): with the cache on, the file is hashed first and not scanned when the cache holds its tables
+    (the scan None); without it, it is hashed beside the read, or with ``defer`` on a thread of its own
+    begun once the scan is over (a :class:`~traceinspect.load.raw.Sha256After`)."""
+    from traceinspect.load import cache
+
+    if root is None:
+        if defer:
+            later = Sha256After(path)
+            try:
+                res = read_scan(path, None, split=split_point(path))
+            except BaseException:
+                later.close()
+                raise
+            return later.start(), path.stat().st_size, res
+        hasher = Sha256Beside()
+        try:
+            res = read_scan(path, hasher)
+        finally:
+            digest = hasher.hexdigest()
+        return digest, path.stat().st_size, res
+    digest = _sha256(path)
+    size = path.stat().st_size
+    if cache.has_entry(root, digest):
+        return digest, size, None
+    return digest, size, read_scan(path, None)
+
+
+def memory_settings() -> None:
+    """Memory settings for a command's one large read and the analysis of its tables (a short-lived
+    process whose large arrays are mostly written once and read a few times); called before numpy is
+    imported. On Linux, glibc's allocator gets:
+
+    * one arena: glibc gives a thread that allocates its own arena, and the scanner's column buffers,
+      grown on the read thread and freed once the tables are built, would stay mapped there beside the
+      main thread's heap (about 150 MB more peak memory for a 1 GB rank file). With one arena the main
+      thread reuses them.
+    * blocks under 32 MB (the most glibc allows) from the heap, and freed heap memory kept up to 512 MB:
+      by default a freed block of a few MB is given back to the kernel and the next one is mapped and
+      zeroed page by page again (a 1 GB rank file's read blocks, column buffers and table columns took
+      about 150,000 page faults; a third fewer with these settings, for the same peak memory).
+
+    and numpy does not ask for transparent huge pages for its arrays (``NUMPY_MADVISE_HUGEPAGE=0``, unless
+    set): each new array of 4 MB or more is then faulted in 2 MB at a time, which made the analysis of a
+    1 GB rank file's tables about 0.2 s slower than with 4 kB pages. Huge pages pay off for arrays that
+    live long and are read many times, which these are not."""
+    import contextlib
+
+    if "NUMPY_MADVISE_HUGEPAGE" not in os.environ:
+        np = sys.modules.get("numpy")
+        if np is None:
+            os.environ["NUMPY_MADVISE_HUGEPAGE"] = "0"  # read once, when numpy is imported
+        else:
+            with contextlib.suppress(AttributeError):  # another numpy layout: left as it is
+                np._core.multiarray._set_madvise_hugepage(False)
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-8, 1)  # M_ARENA_MAX (glibc); other C libraries have no mallopt
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 512 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def _progress(paths: list[Path], quiet: bool | None) -> tuple[Callable[[int], None], Callable[[], None]]:
@@ -123,9 +199,6 @@ def _parse_local(paths: list[Path], jobs: int | None, use_cache: bool, advance: 
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    from traceinspect.load import early
-
-    early.drop_reads()  # no process forked while a read runs beside this thread
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
     results: list[Any] = [None] * len(paths)
     # largest files first, so that the last one to finish is a small one
@@ -196,16 +269,12 @@ def _parse_all(paths: list[Path], jobs: int | None, executor: str, use_cache: bo
                prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[Digest, int, ParsedRank]]:
     if executor != "local" and executor != "dask" and not executor.startswith("dask://"):
         raise TraceInputError(f"unknown executor {executor!r} (use local, dask or dask://HOST:PORT)")
-    from traceinspect.load import early
-
     advance, close = _progress(paths, quiet)
     try:
         if executor == "local":
             return _parse_local(paths, jobs, use_cache, advance, prepare)
-        early.drop_reads()
         return _parse_dask(paths, executor, jobs, use_cache, advance, prepare)
     finally:
-        early.drop_reads()  # the reads not taken
         close()
 
 

@@ -2268,7 +2268,7 @@ static int buf8(PyObject *o, Py_buffer *b, char kind, const char *what) {
 /* critical_walk(order, bounds, g_inst, g_key, g_prev, g_xprev, g_launch, bind, last_op, g_start, g_end,
  *               h_wait, h_prev, h_waited, h_start, dur, r, (n_keys, comm, gap, launch, host),
  *               (by_stream, by_xstream, by_launch)) -> (sums, first, steps)
- * The walk back along a replay's critical path of Replayer._path (traceinspect/measure/replay/__init__.py),
+ * The walk back along a replay's critical path of Replayer._path (traceinspect/whatif/__init__.py),
  * step by step: ``order`` holds the ops grouped by step position (ascending within a group), ``bounds``
  * the groups' limits; each walk starts at the op of its group that ends last (the first one, a NaN end
  * counting as the latest, as numpy's argmax has it). Integer arrays are int64 (bind, h_waited: 0/1 as

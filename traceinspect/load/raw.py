@@ -1,12 +1,10 @@
 """The raw read of one rank file: its decompressed text in blocks, its SHA-256 beside the read, and the
 native scanner's pass over the text into column buffers (:func:`read_scan`). Building the tables from
 those buffers (numpy, msgspec, pandas) is :mod:`traceinspect.load.native`'s; this module imports only
-the standard library, ISA-L and the compiled scanner, so a read can start before the analysis modules
-are imported (:mod:`traceinspect.load.early`)."""
+the standard library, ISA-L and the compiled scanner."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import mmap
@@ -77,20 +75,6 @@ _NATIVE_COLUMNS = {
     "annotation": ("name", "ts", "dur", "tid"),
     "gpu_annotation": ("name", "ts", "dur"),
 }
-
-
-def gpu_event_names(res: dict[str, Any] | None) -> list[str]:
-    """The distinct names of the GPU events (kernels, memory copies and sets) of a scanner result
-    (:func:`read_scan`), in the order of the scanner's strings; [] for none."""
-    if res is None:
-        return []
-    strings = res["strings"]
-    codes: set[int] = set()
-    for kind in GPU_KINDS:
-        col = res["kinds"][_KINDS.index(kind)].get("name")
-        if col is not None and len(col):
-            codes.update(memoryview(col).cast("B").cast("i"))
-    return [strings[c] for c in sorted(codes) if 0 <= c < len(strings)]
 
 
 def parse_processes(n_files: int, jobs: int | None) -> int:
@@ -306,7 +290,6 @@ class Sha256After:
         self._error: TraceInputError | None = None
         self._t: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._told: list[int] = []  # the writing ends of the pipes that get the digest (:meth:`told`)
 
     def _run(self) -> None:
         try:
@@ -317,48 +300,6 @@ class Sha256After:
                 self._digest = _hash_file(f, max(1 << 20, min(HASH_BLOCK, os.fstat(f.fileno()).st_size)))
         except OSError as e:
             self._error = TraceInputError(f"cannot read file: {e.strerror or e}", self.path)
-        finally:
-            with self._lock:
-                told, self._told = self._told, []
-            for w in told:
-                self._tell(w)
-
-    def told(self) -> tuple[int, int]:
-        """A pipe (reading end, writing end) whose reading end gets the hex digest ('' when the hash
-        failed) and then its end, once the hash is through (at once when it is, and the writing end is
-        then -1): for a process forked meanwhile, which has no hash thread and reads it with :meth:`heard`
-        (the writing end is this process's). Begins the hash if it was not."""
-        self.start()
-        r, w = os.pipe()
-        with self._lock:
-            if self._t is not None and self._t.is_alive() and self._digest is None and self._error is None:
-                self._told.append(w)
-                return r, w
-        self._tell(w)
-        return r, -1
-
-    def _tell(self, w: int) -> None:
-        with contextlib.suppress(OSError):  # (no reader left: the forked process is gone)
-            os.write(w, (self._digest or "").encode())
-        with contextlib.suppress(OSError):
-            os.close(w)
-
-    @staticmethod
-    def heard(told: tuple[int, int]) -> str | None:
-        """In a process forked after :meth:`told`: wait for that pipe's digest (closing this process's copy
-        of the writing end first, and the reading end once read); None when the hash failed."""
-        r, w = told
-        if w >= 0:
-            os.close(w)
-        size = 2 * hashlib.sha256().digest_size
-        got = b""
-        while len(got) < size:
-            more = os.read(r, size - len(got))
-            if not more:
-                break
-            got += more
-        os.close(r)
-        return got.decode() if len(got) == size else None
 
     def start(self) -> Sha256After:
         """Begin hashing (on a thread), once."""
@@ -378,10 +319,6 @@ class Sha256After:
         if self._digest is None:  # a process forked while the thread ran: the thread is not in it
             self._digest = _sha256(self.path)
         return self._digest
-
-    def running(self) -> bool:
-        """Whether the hash is still to come (under way or not begun)."""
-        return self._digest is None and self._error is None and not self._f.closed
 
     def close(self) -> None:
         """Give up a hash never begun (its file closed)."""
@@ -442,17 +379,6 @@ def _threaded(blocks: Iterator[bytes], depth: int = 3) -> Iterator[bytes]:
 
 # ---------------------------------------------------------------------------------------------
 # scanning
-
-
-class Stopped(Exception):
-    """A read given up because its ``stop`` event was set."""
-
-
-def _until(blocks: Iterator[bytes], stop: threading.Event) -> Iterator[bytes]:
-    for b in blocks:
-        if stop.is_set():
-            raise Stopped
-        yield b
 
 
 def _scanner(**kw: Any) -> Any:
@@ -520,7 +446,7 @@ def _pread_blocks(fd: int, start: int, stop: int | None, path: Path) -> Iterator
         at += len(data)
 
 
-def _scan_split(path: Path, at: int, stop: threading.Event | None) -> dict[str, Any]:
+def _scan_split(path: Path, at: int) -> dict[str, Any]:
     """:func:`scan` of a plain JSON file as two halves on two threads: this one scans the text before
     ``at``, a second one the rest, as the rest of traceEvents. When the first half ends between two
     events (and the second scanned to the end of the document, without a second traceEvents key), the
@@ -529,15 +455,14 @@ def _scan_split(path: Path, at: int, stop: threading.Event | None) -> dict[str, 
     so a malformed document fails with the message the whole scan gives."""
     assert _native is not None
     halt = threading.Event()
-    stops = (halt,) if stop is None else (halt, stop)
     with _open(path) as f:
         fd = f.fileno()
 
         def feed(s: Any, start: int, end: int | None) -> None:
             """Feed s the file's bytes from start to end (None: to the end of the document)."""
             for block in _pread_blocks(fd, start, end, path):
-                if any(e.is_set() for e in stops):
-                    raise Stopped
+                if halt.is_set():
+                    raise _Halted
                 s.feed(block)
             if end is None:
                 s.feed(b"", final=True)
@@ -576,27 +501,29 @@ def _scan_split(path: Path, at: int, stop: threading.Event | None) -> dict[str, 
         return first.result()
 
 
+class _Halted(Exception):
+    """The second half of a split scan given up (the first half failed)."""
+
+
 FIND = -1  # read_scan's split: the split point is found there
 
 
-def read_scan(path: Path, tap: Callable[[bytes], None] | None = None,
-              stop: threading.Event | None = None, threads: bool = True, split: int | None = FIND) -> dict[str, Any]:
+def read_scan(path: Path, tap: Callable[[bytes], None] | None = None, split: int | None = FIND) -> dict[str, Any]:
     """Read one rank file and :func:`scan` it (``tap``: see :func:`_blocks`); a large file is inflated on
-    a second thread unless ``threads`` is false, and a large plain one (no ``tap``) scanned in two halves
-    on two threads at ``split`` (:func:`split_point`'s answer, found here unless given). Once ``stop`` is
-    set, the read ends at the next block with :class:`Stopped`."""
-    if tap is None and threads:
+    a second thread, and a large plain one (no ``tap``) scanned in two halves on two threads at ``split``
+    (:func:`split_point`'s answer, found here unless given)."""
+    if tap is None:
         at = split_point(path) if split == FIND else split
         if at is not None:
-            return _scan_split(path, at, stop)
+            return _scan_split(path, at)
     try:
         size = path.stat().st_size
     except OSError:
         size = 0
     blocks = _blocks(path, tap)
-    if threads and size >= THREAD_MIN:
+    if size >= THREAD_MIN:
         blocks = _threaded(blocks)
     try:
-        return scan(blocks if stop is None else _until(blocks, stop), path)
+        return scan(blocks, path)
     finally:
         blocks.close()

@@ -28,8 +28,8 @@ from traceinspect.model.shapes import _decode, dtype_of
 from traceinspect.tables import per_distinct
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
     from traceinspect.measure.specs import GpuSpec
+    from traceinspect.model.analysis import Analysis
 
 ATTENTION_COLUMNS = ["family", "cls", "op_name", "dtype", "batch", "heads", "q_len", "ctx", "d", "dv", "calls", "us",
                      "mean_us", "flops", "bytes", "tflops", "gbps", "pct_peak", "pct_bw", "floor_us", "bound",

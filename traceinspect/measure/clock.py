@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from traceinspect.measure.collectives import Collectives
+    from traceinspect.measure.comm_result import Collectives
     from traceinspect.model import RankInfo
 
 CLOCK_WARN_US = 1000.0  # a clock offset between ranks above this is reported

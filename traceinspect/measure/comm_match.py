@@ -16,7 +16,7 @@ from traceinspect.measure.comm_settings import COMM_OP, DTYPE_BYTES, collective_
 from traceinspect.tables import text_values
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 
 def _aligned_steps(a: Analysis) -> tuple[pd.DataFrame, int]:

@@ -18,8 +18,8 @@ from traceinspect.tables import groups, text_values
 from traceinspect.units import json_num
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
-    from traceinspect.measure.collectives import Collectives
+    from traceinspect.measure.comm_result import Collectives
+    from traceinspect.model.analysis import Analysis
 
 
 def _host_part(gap: float, launch: float, launch_end: float, ref_end: float) -> float:

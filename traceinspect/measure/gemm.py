@@ -17,8 +17,8 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.measure.attention import attention_calls, attention_json, attention_table
-from traceinspect.measure.gemm_shapes import filled, gemm_shapes, key_frame, key_groups, numbers
-from traceinspect.measure.roofline import ROOF_COLUMNS, ROOF_ROW, add_row_roofline, apply_to_calls, roof_json
+from traceinspect.measure.gemm_shapes import gemm_shapes
+from traceinspect.measure.roofline import apply_to_calls, roof_json
 from traceinspect.measure.specs import GpuSpec, resolve_gpu
 from traceinspect.model.classes import GEMM_CLASSES
 from traceinspect.model.shapes import (  # noqa: F401 - importable from here
@@ -32,22 +32,26 @@ from traceinspect.tables import (
     combine_codes,
     factorize_text,
     first_rows,
-    groups,
     per_distinct,
     text_codes,
     text_values,
-    unique_text,
 )
 from traceinspect.units import json_num
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
+from traceinspect.measure.gemm_tables import (
+    _HOST_LINK,
+    _gemm_table,
+    _memory_table,
+    _obj,
+)
+from traceinspect.measure.moe import _moe, cross_check
 
 # an fp32 GEMM on tensor cores computes in tf32: measured against the tf32 peak, not the fp32 (SIMT) one
 _TF32_KERNEL = re.compile(r"tf32|s1688gemm(?!_(bf16|f16|h))", re.IGNORECASE)
 MOE_PATH = re.compile(r"moe|expert", re.IGNORECASE)
 _PEAK_KEY = {"fp4": "fp4", "fp8": "fp8", "fp16": "fp16", "bf16": "bf16", "fp32": "fp32", "tf32": "tf32"}
-_HOST_LINK = re.compile(r"HtoD|DtoH|HtoH|PtoP|Pinned|Pageable", re.IGNORECASE)
 
 CALL_COLUMNS = [
     "rank", "step", "kernel", "name", "cls", "op_name", "kind", "batch", "groups", "m", "n", "k", "dtype",
@@ -418,10 +422,6 @@ def _class_test(col: dict[str, np.ndarray], test: Any) -> np.ndarray:
     return np.fromiter((bool(test(c)) for c in texts.tolist()), dtype=bool, count=len(texts))[col["cls_code"]]
 
 
-def _obj(values: Any) -> pd.Series:
-    """A text column kept object: the calls table has a row per GEMM / memory call (~1e6 under graph
-    replay) and pandas 3 would convert every string of it to its own string type."""
-    return pd.Series(np.asarray(values, dtype=object), dtype=object, copy=False)
 
 
 def _distinct(shape: list[Shape | None]) -> tuple[list[Shape | None], np.ndarray]:
@@ -531,229 +531,6 @@ def _peak(spec: GpuSpec | None, dtype: Any) -> float:
     return p if p else np.nan
 
 
-GEMM_TABLE_COLUMNS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "groups", "calls", "us", "mean_us",
-                      "flops", "tflops", "pct_peak", "gbps", "shape_source", "confidence", "reason", "bytes",
-                      *ROOF_ROW]
-
-
-_GEMM_KEYS = ["cls", "op_name", "dtype", "m", "n", "k", "batch", "groups", "shape_source", "confidence", "reason"]
-
-
-def _gemm_keys(g: pd.DataFrame) -> pd.DataFrame:
-    """The key columns of the GEMM table as grouped (unknown shapes: one row per class and reason), from
-    a few distinct rows' column arrays."""
-    col = {c: g[c].to_numpy() for c in _GEMM_KEYS}
-    for c in ("m", "n", "k", "batch", "groups"):
-        col[c] = filled(numbers(col[c]), -1).astype(np.int64)
-    col["dtype"], col["reason"] = filled(col["dtype"], ""), filled(col["reason"], "")
-    col["confidence"] = filled(col["confidence"], "")
-    op = col["op_name"]
-    unknown = np.asarray(col["shape_source"] == "unknown", dtype=bool) & np.asarray(pd.isna(op), dtype=bool)
-    if unknown.any():
-        op = op.copy()
-        op[unknown] = ""
-    col["op_name"] = op
-    return key_frame(col, g.index)
-
-
-def _gemm_table(gemm_calls: pd.DataFrame, spec: GpuSpec | None = None) -> pd.DataFrame:
-    if not len(gemm_calls):
-        return pd.DataFrame(columns=GEMM_TABLE_COLUMNS)
-    g = gemm_calls[[*_GEMM_KEYS, "us", "flops", "bytes", "peak_tflops", *ROOF_COLUMNS]]
-    # the keys are prepared once per distinct combination of their columns (a few per shape), the sums
-    # run over all rows in row order as grouping by the keys would
-    agg, grp = key_groups(g, _GEMM_KEYS, _gemm_keys, _GEMM_KEYS)
-    order = np.argsort(grp, kind="stable")
-    bounds = np.searchsorted(grp[order], np.arange(len(agg) + 1))
-    agg["calls"] = np.bincount(grp, minlength=len(agg)).astype(np.int64)
-    agg["us"] = pd.Series(g["us"].to_numpy()).groupby(grp).sum().to_numpy()
-    for c in ("flops", "bytes"):
-        v = pd.to_numeric(g[c], errors="coerce").to_numpy()[order]
-        agg[c] = _sums_or_nan(v, bounds)
-    agg["peak"] = pd.Series(g["peak_tflops"].to_numpy()).groupby(grp).first().to_numpy()
-    agg["mean_us"] = agg["us"] / agg["calls"]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        agg["tflops"] = np.where(agg["us"] > 0, agg["flops"] / agg["us"] / 1e6, np.nan)
-        agg["gbps"] = np.where(agg["us"] > 0, agg["bytes"] / agg["us"] / 1e3, np.nan)
-    agg["pct_peak"] = 100.0 * agg["tflops"] / agg["peak"]
-    add_row_roofline(agg, g, grp, spec)
-    for c in ("m", "n", "k", "batch", "groups"):
-        v = agg[c].to_numpy()
-        agg[c] = _obj(np.where(v >= 0, v.astype(object), None))
-    dts = agg["dtype"].to_numpy(dtype=object)
-    agg["dtype"] = _obj(np.where(dts == "", None, dts))
-    conf = agg["confidence"].to_numpy(dtype=object)
-    agg["confidence"] = _obj(np.where(conf == "", None, conf))
-    return agg.sort_values("us", ascending=False)[GEMM_TABLE_COLUMNS].reset_index(drop=True)
-
-
-def _sums_or_nan(v: np.ndarray, bounds: np.ndarray) -> list[Any]:
-    """The sum of each run ``v[bounds[i]:bounds[i + 1]]``, NaN where the run holds a missing value (what
-    ``pd.Series(run).sum(min_count=len(run))`` gives: the run's ``sum()``, or NaN)."""
-    out: list[Any] = []
-    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-        run = v[lo:hi]
-        out.append(np.nan if run.dtype.kind == "f" and np.isnan(run).any() else run.sum())
-    return out
-
-
-MEMORY_TABLE_COLUMNS = ["family", "cls", "dtypes", "calls", "bytes", "us", "gbps", "pct_bw", "reason", *ROOF_ROW]
-
-
-def _memory_table(calls: pd.DataFrame, spec: GpuSpec | None) -> pd.DataFrame:
-    """Memory-op calls per (family, class), in order of first appearance, then by time: calls, bytes,
-    time, achieved GB/s and share of the device's bandwidth, and the dtypes seen."""
-    pos = np.flatnonzero((calls["kind"].to_numpy() == "memory") & calls["bytes"].notna().to_numpy())
-    if not len(pos):
-        return pd.DataFrame(columns=MEMORY_TABLE_COLUMNS)
-    # a family is one full kernel name: kernels that differ only in template arguments (the dtype a copy
-    # casts to, tile sizes) are different kernels and keep their own rows. Grouped on integer codes:
-    # a family is the name's text, and rows without a family or class are left out (as grouping by
-    # those columns would)
-    codes, names = factorize_text(calls["name"].to_numpy(dtype=object)[pos])
-    texts = np.array([None if x is None or x != x else str(x) for x in names.tolist()], dtype=object)
-    fam_codes, fam = factorize_text(texts[codes])
-    cls_codes, cls = factorize_text(calls["cls"].to_numpy(dtype=object)[pos])
-    keep = _present(fam)[fam_codes] & _present(cls)[cls_codes]
-    if not keep.all():
-        pos, codes, fam_codes, cls_codes = pos[keep], codes[keep], fam_codes[keep], cls_codes[keep]
-    if not len(pos):
-        return pd.DataFrame(columns=MEMORY_TABLE_COLUMNS)
-    grp, first = groups(fam_codes, cls_codes)
-    n = len(first)
-    host = np.array([bool(_HOST_LINK.search(str(x))) for x in names.tolist()], dtype=bool)[codes]
-    us = calls["us"].to_numpy(dtype=float)[pos]
-    agg = pd.DataFrame({
-        "family": fam[fam_codes[first]], "cls": cls[cls_codes[first]],
-        "calls": np.bincount(grp, minlength=n).astype(np.int64),
-        # pandas' group sums (compensated), as grouping the columns would give
-        "bytes": pd.Series(calls["bytes"].to_numpy()[pos].astype(float)).groupby(grp).sum().to_numpy(),
-        "us": pd.Series(us).groupby(grp).sum().to_numpy(),
-        "host": np.bincount(grp[host], minlength=n) > 0,
-    })
-    # the dtypes of each group, from its distinct (group, dtype) pairs
-    dt_codes, dts = factorize_text(calls["dtype"].to_numpy(dtype=object)[pos])
-    per_group: list[set[str]] = [set() for _ in range(n)]
-    pairs = np.unique(grp * len(dts) + dt_codes)
-    for g, d in zip((pairs // len(dts)).tolist(), (pairs % len(dts)).tolist(), strict=True):
-        x = dts[d]
-        if isinstance(x, str) and x:
-            per_group[g].add(x)
-    agg["dtypes"] = pd.Series([sorted(v) for v in per_group], dtype=object)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        agg["gbps"] = np.where(agg["us"] > 0, agg["bytes"] / agg["us"] / 1e3, np.nan)
-    bw = spec.mem_bw_gbps if spec and spec.mem_bw_gbps else None
-    agg["pct_bw"] = np.where(agg["host"] | (bw is None), np.nan, 100.0 * agg["gbps"] / (bw or 1.0))
-    agg["reason"] = np.where(agg["host"], "host link copy: not bounded by device memory bandwidth",
-                             "" if bw else "GPU not in the spec table")
-    add_row_roofline(agg, calls.iloc[pos], grp, spec)
-    return agg.sort_values("us", ascending=False)[MEMORY_TABLE_COLUMNS].reset_index(drop=True)
-
-
-def _present(values: np.ndarray) -> np.ndarray:
-    """Which values are not missing (None or NaN)."""
-    return np.array([not (v is None or (isinstance(v, float) and v != v)) for v in values.tolist()], dtype=bool)
-
-
 # ----------------------------------------------------------------------------- MoE
 
 
-def _model_reason(a: Analysis) -> str:
-    """How the model config gives the rows per expert."""
-    rm = a.run_model
-    p = getattr(rm.gemms, "plan", None)
-    experts, topk = rm.value("experts"), rm.value("top_k")
-    ep = getattr(p, "ep", None) or rm.value("ep_size") or 1
-    return (f"tokens x top-k / (experts / ep) per step: bs=N of each step x {topk} / ({experts} / {ep}) "
-            f"(top-k {rm.describe('top_k')}; experts {rm.describe('experts')}; shapes from the model config "
-            f"{rm.config_source}; assumes balanced routing)")
-
-
-def cross_check(a: Analysis, calls: pd.DataFrame, limit: int = 5) -> list[str]:
-    """Warnings where a recorded GEMM shape differs from the one the model config gives the same kernel
-    (the recorded shape is used)."""
-    t = getattr(a.run_model.gemms, "table", None) if a.run_model is not None else None
-    if t is None or not len(t) or not len(calls):
-        return []
-    g = calls[(calls["kind"].to_numpy() == "gemm") & calls["shape_source"].isin(("shapes", "graph_capture")).to_numpy()]
-    if not len(g):
-        return []
-    pos = t.index.get_indexer(g["kernel"].to_numpy())
-    on = pos >= 0
-    if not on.any():
-        return []
-    g, pos = g[on], pos[on]
-    model = t["shape"].to_numpy(dtype=object)[pos]
-    names = t["gemm"].to_numpy(dtype=object)[pos]
-    seen: dict[tuple[Any, ...], int] = {}
-    for rec, mod, name, op, src in zip(g[["m", "n", "k", "batch", "groups"]].itertuples(index=False, name=None),
-                                       model.tolist(), names.tolist(), g["op_name"].tolist(),
-                                       g["shape_source"].tolist(), strict=True):
-        m, n, k, b, grp = (x if x is None or x == x else None for x in rec)
-        if m is None or n is None or k is None:
-            continue
-        per = float(m) / float(grp or 1)
-        mm = float(mod.m or 0) / float(mod.groups or 1)
-        if (int(n), int(k)) == (mod.n, mod.k) and abs(per - mm) <= 0.01 * max(mm, 1.0) and int(b or 1) == mod.batch:
-            continue
-        key = (name, op, src, per, int(n), int(k), mm, mod.n, mod.k)
-        seen[key] = seen.get(key, 0) + 1
-    out = []
-    for (name, op, src, per, n, k, mm, mn, mk), c in sorted(seen.items(), key=lambda kv: -kv[1])[:limit]:
-        where = "the capture trace" if src == "graph_capture" else "the recorded shapes"
-        out.append(f"GEMM shape from {where} ({op} M={per:g} N={n} K={k}) differs from the model config's {name} "
-                   f"(M={mm:g} N={mn} K={mk}, {a.run_model.config_source}) on {c} call(s): the recorded shape is used")
-    return out
-
-def _moe(a: Analysis, calls: pd.DataFrame) -> dict[str, Any]:
-    rm = a.run_model
-    experts, ekey = rm.value("experts"), rm.describe("experts")
-    topk, tkey = rm.value("top_k"), rm.describe("top_k")
-    sel = a.selected
-    toks = sel["toks"].where(sel["toks"] >= 0, sel["bs"]) if "toks" in sel else sel["bs"]
-    toks = toks[toks >= 0]
-    tokens = float(np.median(toks)) if len(toks) else None
-    out: dict[str, Any] = {"experts": experts, "topk": topk, "tokens": tokens,
-                           "experts_key": ekey, "topk_key": tkey}
-    mc = calls.loc[(calls["kind"].to_numpy() == "gemm") & calls["moe"].to_numpy().astype(bool),
-                   ["m", "groups", "shape_source", "reason"]] if len(calls) else calls
-    known = mc[mc["m"].notna()] if len(mc) else mc
-    if len(known):
-        groups = known["groups"].astype(float)
-        m = known["m"].astype(float) / groups
-        sources = sorted(unique_text(known["shape_source"]))
-        grouped = bool((groups > 1).any())
-        dist = m.round(2).value_counts().sort_index()
-        out["per_expert_m"] = {
-            "value": round(float(m.mean()), 2), "min": round(float(m.min()), 2), "max": round(float(m.max()), 2),
-            "source": sources[0] if len(sources) == 1 else "+".join(sources),
-            "reason": (_model_reason(a) if sources == ["model_config"] else
-                       "shapes (mean over experts): rows of the grouped GEMM / experts" if grouped else
-                       "M of each per-expert GEMM call, from its recorded shapes"
-                       + (" (recovered from the graph-capture trace)" if "graph_capture" in sources else "")),
-            "calls": len(known), "distribution": {str(k): int(v) for k, v in dist.items()},
-        }
-        if len(known) < len(mc):
-            out["per_expert_m"]["reason"] += f"; {len(mc) - len(known)} MoE GEMM calls without shapes left out"
-        return out
-    if experts and topk and tokens is not None:
-        v = tokens * topk / experts
-        out["per_expert_m"] = {
-            "value": round(v, 2), "min": None, "max": None, "source": "server_metadata",
-            "reason": (f"tokens x top-k / experts = {tokens:g} x {topk} / {experts} (tokens: median bs= of the "
-                       f"analysed steps; top-k {tkey}; experts {ekey}; assumes balanced routing)" + (f"; shapes unknown: {mc['reason'].iloc[0]}" if len(mc) else "")),
-        }
-        return out
-    missing = [n for n, v in (("token count (bs= in step names)", tokens), ("experts", experts),
-                              ("top-k", topk)) if v is None]
-    g = calls[calls["kind"].to_numpy() == "gemm"] if len(calls) else calls
-    blind = g[g["shape_source"] == "unknown"] if len(g) else g
-    if not len(mc) and not len(blind) and experts is None:
-        why = "no MoE GEMM kernels in the analysed steps and no expert count (server_info or --experts)"
-    else:
-        first = mc if len(mc) else blind
-        why = ("could not be decided: no recorded shapes show the expert GEMMs"
-               + (f" ({first['reason'].iloc[0]})" if len(first) else "")
-               + f" and the server metadata lacks {', '.join(missing)}")
-    out["per_expert_m"] = {"value": None, "min": None, "max": None, "source": "unknown", "reason": why}
-    return out

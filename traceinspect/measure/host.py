@@ -1,5 +1,5 @@
 """Host-side facts of the analysed steps, measured once in the measure stage: the stretches where a
-launching thread stalls (:func:`~traceinspect.measure.replay.stalls.stall_stretches` at the replay
+launching thread stalls (:func:`~traceinspect.measure.stalls.stall_stretches` at the replay
 settings' threshold), blocking host synchronisations and idle gaps between GPU activities. The rules'
 run metrics and the ``host-stalls`` replay edit read them from here."""
 
@@ -11,11 +11,11 @@ import msgspec
 import pandas as pd
 
 from traceinspect.measure.idle import gpu_gaps, host_syncs
-from traceinspect.measure.replay.model import load_settings
-from traceinspect.measure.replay.stalls import stall_stretches
+from traceinspect.measure.replay_settings import load_settings
+from traceinspect.measure.stalls import stall_stretches
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 
 class HostActivity(msgspec.Struct):

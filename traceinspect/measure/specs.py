@@ -102,7 +102,7 @@ def load_gpu_specs(path: str | Path | None = None) -> list[GpuSpec]:
     return _parse(doc, p)
 
 
-_DEFAULT: list[tuple[GpuSpec, ...]] = []  # the shipped table, once read (or adopted)
+_DEFAULT: list[tuple[GpuSpec, ...]] = []  # the shipped table, once read
 
 
 def default_gpu_specs() -> tuple[GpuSpec, ...]:
@@ -110,13 +110,6 @@ def default_gpu_specs() -> tuple[GpuSpec, ...]:
     if not _DEFAULT:
         _DEFAULT.append(tuple(load_gpu_specs()))
     return _DEFAULT[0]
-
-
-def adopt_default_gpu_specs(specs: tuple[GpuSpec, ...]) -> None:
-    """Take ``specs``, read from the shipped file by a process forked from this one, as
-    :func:`default_gpu_specs`'s, unless this process has read it already."""
-    if not _DEFAULT:
-        _DEFAULT.append(specs)
 
 
 def _looks_like_path(s: str) -> bool:

@@ -8,7 +8,7 @@ from traceinspect.measure.comm_settings import _median, load_settings
 from traceinspect.units import fmt_pct
 
 if TYPE_CHECKING:
-    from traceinspect.measure.collectives import Collectives
+    from traceinspect.measure.comm_result import Collectives
 
 
 def _straggler(res: Collectives) -> dict[str, Any]:

@@ -1,5 +1,8 @@
 """The bottom layer: what the stages pass each other, importing no stage.
 
+Inputs: nothing of the stages: this package imports none.
+Outputs: the types the stages pass each other and the analysis record they fill.
+
 :mod:`~traceinspect.model.trace` (the trace tables and their column contract), :mod:`~traceinspect.model.run`
 (the run model's types and the one reader of ``server_info.json``), :mod:`~traceinspect.model.shapes` (recorded
 op inputs decoded once per distinct value, with the dtype table), :mod:`~traceinspect.model.classes` (the kernel

@@ -1,5 +1,5 @@
 """The vocabulary of what-if edits, shared by the rule files' ``fixes:`` (checked when a rule loads) and
-the replay that applies them (:mod:`traceinspect.measure.replay.edits`)."""
+the replay that applies them (:mod:`traceinspect.whatif.edits`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,15 @@
-"""The one order of findings, shared by the judge (which sorts its findings) and every renderer (which
-sorts a document's): severity, estimated saving, share, rule id; a finding that shares another's cause
-follows it."""
+"""Findings and gaps as the judge makes them and every later stage reads them (:class:`Finding`,
+:class:`Gaps`), and the one order of findings, shared by the judge (which sorts its findings) and every
+renderer (which sorts a document's): severity, estimated saving, share, rule id; a finding that shares
+another's cause follows it. Imports no pandas: the rule listings read it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from traceinspect.units import finite
@@ -44,3 +47,82 @@ def group_children(ranked: Iterable[Any], rule_of: Callable[[Any], Any], parent_
         out.append(f)
         out.extend(kids.get(rule_of(f), []))
     return out
+
+
+MAX_EVIDENCE_TEXT = 600  # characters of a text value in a finding's evidence
+
+
+class Finding(msgspec.Struct):
+    """One problem found by one rule (on one subject, or on several merged ranks)."""
+
+    rule: str
+    severity: str
+    title: str
+    message: str
+    share: float | None
+    est_saving_us_per_step: float | None
+    ranks: list[int]
+    evidence: dict[str, Any]
+    remediation: str
+    # what the rule's fixes act on: the subject's selection, ranks and the fix edits' values
+    fix_context: dict[str, Any] = msgspec.field(default_factory=dict)
+    # replays of the rule's fixes (traceinspect.whatif.fixes): variant, label, predicted step, saving, edits
+    fixes: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    estimate_source: str = "rule"  # 'replay' when the saving comes from replaying a fix
+    parent: str | None = None  # the finding (rule id) sharing this one's cause with the larger saving
+    children: list[str] = msgspec.field(default_factory=list)
+    prediction: Any = None  # the replay behind the estimate (not serialised)
+
+    @property
+    def id(self) -> str:
+        return self.rule
+
+    def to_json(self) -> dict[str, Any]:
+        """The documented JSON form (``findings`` list of ``traceinspect.analysis/1``)."""
+        return {
+            "rule": self.rule, "severity": self.severity, "title": self.title, "message": self.message,
+            "share": _round(self.share), "est_saving_us_per_step": _round(self.est_saving_us_per_step),
+            "estimate_source": self.estimate_source,
+            "fixes": list(self.fixes),
+            "group": {"parent": self.parent, "children": list(self.children)},
+            "ranks": list(self.ranks), "evidence": {k: _json_value(v) for k, v in self.evidence.items()},
+            "remediation": self.remediation,
+        }
+
+
+def _round(x: Any) -> Any:
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        if not math.isfinite(x):
+            return None
+        x = float(x)
+        if x.is_integer() and abs(x) < 2**53:
+            return int(x)
+        if abs(x) >= 100:
+            return round(x, 1)
+        return float(f"{x:.6g}")  # enough digits that a share prints as the message printed it
+    return x
+
+
+def _json_value(v: Any) -> Any:
+    if isinstance(v, str):
+        return v if len(v) <= MAX_EVIDENCE_TEXT else v[:MAX_EVIDENCE_TEXT] + "…"
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    return _round(v)
+
+
+class Gaps(msgspec.Struct):
+    """``undecided``: [{rule, subject, share, missing, how_to_supply}]; ``unexplained``:
+    [{cls, share, explain_with}]; both largest share first."""
+
+    undecided: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    unexplained: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"undecided": self.undecided, "unexplained": self.unexplained}

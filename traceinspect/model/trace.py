@@ -84,12 +84,6 @@ class RankInfo(msgspec.Struct):
         return d
 
     @property
-    def hashing(self) -> bool:
-        """Whether the file's SHA-256 is still being computed (beside the analysis)."""
-        d = self.digest
-        return not isinstance(d, str) and d.running()
-
-    @property
     def device(self) -> DeviceInfo | None:
         """The GPU this rank ran on (the first listed device when the trace lists several)."""
         if not self.devices:

@@ -1,6 +1,10 @@
 """Stage 8, render: the analysis document (``traceinspect.document``) as terminal text, HTML or Markdown,
 read from the document alone; and, from the traces themselves, a merged Chrome trace (``perfetto``, which
-needs the raw events). Each format lives in its own module and is imported only when used."""
+needs the raw events). Each format lives in its own module and is imported only when used.
+
+Inputs: an analysis document (and, for the merged Chrome trace, the trace set).
+Outputs: terminal text, HTML, Markdown, a merged Chrome trace.
+"""
 
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ except ImportError:  # built without a C compiler: the events are encoded as Pyt
     _rows_native = None
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
     from traceinspect.model import RankInfo
+    from traceinspect.model.analysis import Analysis
 
 STEPS_TID = 999_999_999  # the traceinspect lane of each process (steps and findings); no real tid
 KIND_CAT = {"kernel": "kernel", "memcpy": "gpu_memcpy", "memset": "gpu_memset"}

@@ -12,7 +12,7 @@ from traceinspect.judge.metrics.registry import _ensure_class_metrics
 from traceinspect.judge.metrics.run import RunMetrics
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 
 class MetricContext(RunMetrics, KernelMetrics, GemmMetrics, RankMetrics, ClassMetrics):

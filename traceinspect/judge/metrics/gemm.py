@@ -13,7 +13,7 @@ from traceinspect.units import finite
 if TYPE_CHECKING:
     import pandas as pd
 
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 # the columns of the efficiency stage's shape rows (Efficiency.shapes) that the metrics read
 _COLUMNS = ("us", "m", "n", "k", "batch", "dtype", "op_name", "is_moe", "calls", "flops", "peak_known_us", "peak_us",

@@ -12,7 +12,7 @@ from traceinspect.units import finite
 if TYPE_CHECKING:
     import pandas as pd
 
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 declare("rank", "rank", "id", "Rank number.")
 declare("rank", "rank_label", "text", "Rank label (TP0, TP1-DP0, ...).")

@@ -21,8 +21,8 @@ from traceinspect.units import finite
 if TYPE_CHECKING:
     import pandas as pd
 
-    from traceinspect.analysis import Analysis
     from traceinspect.measure.host import HostActivity
+    from traceinspect.model.analysis import Analysis
 
 declare("run", "steps", "count", "Analysed steps per rank (the smallest count over ranks; first and last steps excluded).")
 declare("run", "ranks", "count", "Ranks (trace files) in the trace set.")

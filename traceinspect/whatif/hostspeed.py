@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 MIN_PLACES = 10  # fewer places than this: undecided
 
@@ -81,7 +81,7 @@ def marker_table(a: Analysis) -> pd.DataFrame:
     """Per rank and place (``name``, ``k``: the k-th top-level call of that op name in a step, on the
     rank's launching thread): the median over the analysed steps of the op's own host time (``us``:
     duration minus the runtime calls inside it); ops around a blocking call are left out."""
-    from traceinspect.measure.replay.model import load_settings
+    from traceinspect.measure.replay_settings import load_settings
     from traceinspect.tables import per_distinct
 
     ts, sel = a.trace, a.selected

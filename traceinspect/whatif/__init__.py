@@ -1,5 +1,8 @@
-"""What-if replay: rebuild each analysed step's dependency graph (host calls, GPU operations,
+"""Stage 7, what-if: rebuild each analysed step's dependency graph (host calls, GPU operations,
 collectives), replay it as measured, and replay it with edits to predict the step a fix gives.
+
+Inputs: the analysis record, and the judge's findings with their fixes (or edits given by hand).
+Outputs: each replay's predicted step; the findings' savings and shared causes; every fix together.
 
 ``Replayer(a)`` builds the model once; ``predict(edits)`` replays with edits and returns a
 :class:`Prediction` (per rank and step: measured, replayed and predicted span and busy time, the
@@ -16,9 +19,12 @@ import numpy as np
 import pandas as pd
 
 from traceinspect.load.native import native_available, native_module
-from traceinspect.measure.replay.edits import Edit, EditError, apply_edits, parse_edit
-from traceinspect.measure.replay.model import Model, build_model, describe
-from traceinspect.measure.replay.sim import (
+from traceinspect.steps import group_unions
+from traceinspect.tables import factorize_text
+from traceinspect.whatif.edit_spec import Edit, EditError, parse_edit
+from traceinspect.whatif.edits import apply_edits
+from traceinspect.whatif.model import Model, build_model, describe
+from traceinspect.whatif.sim import (
     BY_LAUNCH,
     BY_STREAM,
     BY_XSTREAM,
@@ -27,11 +33,9 @@ from traceinspect.measure.replay.sim import (
     measured_params,
     simulate,
 )
-from traceinspect.steps import group_unions
-from traceinspect.tables import factorize_text
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 __all__ = ["Edit", "EditError", "Prediction", "ReplayBase", "Replayer", "parse_edit", "replay_base", "replayer"]
 
@@ -63,7 +67,7 @@ class Prediction(msgspec.Struct, eq=False):
     _path_cache: tuple[dict[str, float], dict[str, float]] | None = None
     _tp: dict[str, float] = msgspec.field(default_factory=dict)  # per_step is not changed
     observed_batch: float | None = None  # the running batch of the analysed steps (bs=N), when known
-    batch: Any = None  # the BatchPlan of a batch edit (measure.replay.batch): the batch the prediction runs
+    batch: Any = None  # the BatchPlan of a batch edit (whatif.batch): the batch the prediction runs
 
     def _path_pair(self) -> tuple[dict[str, float], dict[str, float]]:
         if self._path_cache is None:
@@ -174,7 +178,7 @@ class Prediction(msgspec.Struct, eq=False):
 
 class ReplayBase(msgspec.Struct):
     """What a :class:`Replayer` starts from: the replay model of an analysis and its replay as measured
-    (made once; made beside the analysis by the measure stage, see :func:`replay_base`)."""
+    (made once)."""
 
     model: Model
     params: Params
@@ -362,7 +366,5 @@ def replayer(a: Analysis) -> Replayer:
     """The analysis's replayer, built on first use."""
     rp = getattr(a, "replay", None)
     if rp is None:
-        pending, a.replay_base = getattr(a, "replay_base", None), None
-        rp = Replayer(a, base=pending() if pending is not None else None)
-        a.replay = rp
+        rp = a.replay = Replayer(a)
     return rp

@@ -1,4 +1,4 @@
-"""Discrete-event simulation of a :class:`~traceinspect.measure.replay.model.Model`.
+"""Discrete-event simulation of a :class:`~traceinspect.whatif.model.Model`.
 
 Events are processed in the order of the measured times (every dependency of a quantity was measured
 before it, so that order is a topological order of the dependency graph). A collective instance
@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import pandas as pd
 
-from traceinspect.measure.replay.model import Model
+from traceinspect.whatif.model import Model
 
 # event types, in tie order at equal times
 _HOST, _OP, _BLOCK_END, _INST = 0, 1, 2, 3

@@ -13,7 +13,7 @@ import pandas as pd
 from traceinspect.tables import per_distinct, text_values
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
+    from traceinspect.model.analysis import Analysis
 
 GATHER_OP = re.compile(r"^aten::(index_select|index|gather|take|embedding)$")
 

@@ -34,9 +34,9 @@ from traceinspect.model.classes import GEMM_CLASSES
 from traceinspect.model.run import ServerInfo
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
-    from traceinspect.measure.replay.edits import Edit
-    from traceinspect.measure.replay.model import Model
+    from traceinspect.model.analysis import Analysis
+    from traceinspect.whatif.edit_spec import Edit
+    from traceinspect.whatif.model import Model
 
 TOKEN_CLASSES = ("attention", "kv_cast")  # work follows the active tokens (batch x context)
 FIXED_CLASSES = ("comm",)  # unchanged (latency floor, transfers of the step's own size not modelled)
@@ -89,7 +89,7 @@ def server_caps(a: Analysis, observed: float, cache: dict[str, Any] | None = Non
     """What the server can hold: ``kv_pool`` (``max_total_num_tokens`` / tokens per request at the observed
     context) and ``max_running_requests`` (server_info.json, or ``max_running`` as assumed), as
     ``[{by, cap, source}]``; the tokens per request; notes on caps that cannot be decided."""
-    from traceinspect.measure.replay.kvrows import cached_active_kv_rows
+    from traceinspect.whatif.kvrows import cached_active_kv_rows
 
     caps: list[dict[str, Any]] = []
     notes: list[str] = []
@@ -160,7 +160,7 @@ def scale_batch(a: Analysis, m: Model, dur: np.ndarray, coll: np.ndarray, plan: 
     """Set ``dur`` of every replayed kernel to its time at ``plan``'s batch, never below its roofline floor at
     the new size (:func:`~traceinspect.measure.roofline.floor_us` of its recorded work x F); ``floor`` (per
     op, NaN: unknown), when given, gets the new floors of the kernels it rescales; (notes, undecided)."""
-    from traceinspect.measure.replay.gemm_m import attention_like, m_times, rows_of
+    from traceinspect.whatif.gemm_m import attention_like, m_times, rows_of
 
     f = plan.factor
     assert f is not None
@@ -300,7 +300,7 @@ def _pool_bytes(a: Analysis) -> float | None:
 def _floors(a: Analysis, m: Model, mem_by: np.ndarray, bw: float | None) -> np.ndarray:
     """Per op: the roofline floor of its measured work, from its GEMM row (FLOPs and bytes) or its memory-bound
     row (bytes); NaN where neither is recorded."""
-    from traceinspect.measure.replay.gemm_m import rows_of
+    from traceinspect.whatif.gemm_m import rows_of
 
     out = floor_us(np.full(m.n_ops, np.nan), mem_by, np.full(m.n_ops, np.nan), bw)
     out[~np.isfinite(mem_by)] = np.nan

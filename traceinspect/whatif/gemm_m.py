@@ -12,8 +12,8 @@ import pandas as pd
 from traceinspect.measure.roofline import floor_us, gpu_roofs
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
-    from traceinspect.measure.replay.model import Model
+    from traceinspect.model.analysis import Analysis
+    from traceinspect.whatif.model import Model
 
 
 def _floats(s: pd.Series) -> np.ndarray:
@@ -89,7 +89,7 @@ def m_times(a: Analysis, c: pd.DataFrame, ops: np.ndarray, rows: np.ndarray, fac
     decided."""
     curves = {fam: g.groupby("m_")["tf"].median().sort_index() for fam, g in c.groupby("fam", sort=False)}
     best = c.groupby(c["dtype"].astype(str))["tf"].max().to_dict()
-    from traceinspect.measure.replay.model import load_settings
+    from traceinspect.measure.replay_settings import load_settings
 
     _, bw = gpu_roofs(a)
     stream = load_settings().batch_stream_pct / 100.0

@@ -1,5 +1,5 @@
 """Savings from replays: each finding's estimate is the step time its rule's fix saves when the step
-is replayed with the fix's edits (:mod:`traceinspect.measure.replay`); findings whose fixes overlap
+is replayed with the fix's edits (:mod:`traceinspect.whatif`); findings whose fixes overlap
 share a cause and are grouped under the one that saves most; the step with every finding fixed is
 one replay of all the fixes together, never a sum of savings."""
 
@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from traceinspect.measure.replay import EditError, Prediction, Replayer, replayer
-from traceinspect.measure.replay.edits import Edit, edit_from_mapping
 from traceinspect.model.findings import SEVERITY_RANK, group_children
+from traceinspect.whatif import EditError, Prediction, Replayer, replayer
+from traceinspect.whatif.edit_spec import Edit, edit_from_mapping
 
 if TYPE_CHECKING:
-    from traceinspect.analysis import Analysis
-    from traceinspect.judge.engine import Finding
     from traceinspect.judge.rule import Rule, RuleSet
+    from traceinspect.model.analysis import Analysis
+    from traceinspect.model.findings import Finding
 
 # two findings share a cause when fixing both saves less than the sum of their savings by at least this
 # share of the smaller saving (their savings overlap)
@@ -195,7 +195,7 @@ def replay_findings(a: Analysis, findings: list[Finding], rule_set: RuleSet) -> 
 def _cap_severity(f: Finding, saving_us: float, step_us: float) -> None:
     """A finding is at most as severe as its replayed saving supports (``severity_min_saving_share`` in
     ``rules/tables/replay.yaml``); a lowered severity says why in the message."""
-    from traceinspect.measure.replay.model import load_settings
+    from traceinspect.measure.replay_settings import load_settings
 
     floors = load_settings().severity_floors
     if not floors or not step_us or f.severity not in SEVERITY_RANK:
