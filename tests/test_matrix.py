@@ -46,7 +46,13 @@ def test_kv_full_pool_cast_on_every_set(name: str) -> None:
     kv = [f for f in doc["findings"] if f["rule"] == "kv-full-pool-cast"]
     undecided = [u for u in doc["undecided"] if u["rule"] == "kv-full-pool-cast"]
     if man["kv_mode"] == "gather":
-        assert kv == [] and undecided == [], (kv, undecided)
+        assert kv == [], kv
+        if man.get("cuda_graph") and not _has_capture(name):
+            # the cast of the active rows, replayed without shapes: whether it casts the pool cannot be told
+            # from the trace, and the user is told how to record it
+            assert not undecided or any("--enable-profile-cuda-graph" in h for h in undecided[0]["how_to_supply"])
+        else:
+            assert undecided == [], undecided
         return
     if man.get("cuda_graph") and not _has_capture(name):
         # replayed kernels without a capture trace: no shapes, so no finding, and the user is told why

@@ -98,9 +98,10 @@ SMALL = [*GPU, "--max-running-requests", "64", "--stream-interval", "4", "--max-
          "--enable-mixed-chunk", "--experts", "64", "--top-k", "4"]
 SERVERS = {
     "main": MAIN,
-    "a": [*SMALL, "--step-ms", "10", "--step-us-per-req", "100", "--num-continuous-decode-steps", "8"],
-    "b": [*SMALL, "--step-ms", "10", "--step-us-per-req", "100", "--num-continuous-decode-steps", "16"],
-    "slow": [*SMALL, "--step-ms", "12", "--step-us-per-req", "120", "--num-continuous-decode-steps", "8"],
+    # steps long enough that the machine's own load (the stand-in's CPU work per step) stays small beside them
+    "a": [*SMALL, "--step-ms", "25", "--step-us-per-req", "250", "--num-continuous-decode-steps", "8"],
+    "b": [*SMALL, "--step-ms", "25", "--step-us-per-req", "250", "--num-continuous-decode-steps", "16"],
+    "slow": [*SMALL, "--step-ms", "30", "--step-us-per-req", "300", "--num-continuous-decode-steps", "8"],
     "dying": [*SMALL, "--step-ms", "10", "--die-at-running", "32"],
     "one": [*GPU, "--step-ms", "5", "--experts", "64", "--top-k", "4"],
     "kv": [*SMALL, "--step-ms", "10", "--max-total-num-tokens", "600"],
@@ -245,7 +246,7 @@ def small_sweeps(servers: dict[str, Standin], tmp_path_factory: pytest.TempPathF
     env["PYTHONPATH"] = str(ROOT)
     procs = {}
     for name in ("a", "b", "slow"):
-        args = sweep_args(servers[name].url, base / name, "16,32", window="3")
+        args = sweep_args(servers[name].url, base / name, "16,32", window="5")
         procs[name] = subprocess.Popen([sys.executable, "-m", "traceinspect", *args], cwd=ROOT, env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for name, p in procs.items():
