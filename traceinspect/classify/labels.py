@@ -118,11 +118,11 @@ def _categorical(values: np.ndarray, codes: np.ndarray, uniq: np.ndarray) -> pd.
 def _note_captured(table: ClassTable, names: np.ndarray, kinds: np.ndarray, rows: np.ndarray,
                    labels: list[Label], codes: np.ndarray, evidence: np.ndarray) -> None:
     """Say so in the evidence where a recovered op path changed the label (the rule used the op)."""
-    memo: dict[int, bool] = {}
-    for r in rows:
-        c = int(codes[r])
-        if c not in memo:
-            lb = labels[c]
-            memo[c] = lb != table.classify(names[r], "", str(kinds[r]))
-        if memo[c]:
-            evidence[r] = f"{evidence[r]}; {CAPTURED_NOTE}"
+    rows = np.asarray(rows)
+    # one check per label, on the first captured row that has it
+    uniq, first = np.unique(codes[rows], return_index=True)
+    changed = [c for c, r in zip(uniq.tolist(), rows[first].tolist())
+               if labels[c] != table.classify(names[r], "", str(kinds[r]))]
+    if changed:
+        hit = rows[np.isin(codes[rows], changed)]
+        evidence[hit] = [f"{e}; {CAPTURED_NOTE}" for e in evidence[hit]]

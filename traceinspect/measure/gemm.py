@@ -205,7 +205,9 @@ def _op_sources(a: Analysis, kk: pd.DataFrame) -> dict[str, np.ndarray]:
 
     if replay.any():
         _replay_sources(a, kk, replay, inst, source, why, op_name, moe_path, dims, types, conc)
-    confidence = np.array([SOURCE_CONFIDENCE.get(s) for s in source.tolist()], dtype=object)
+    src_code, src_uniq = pd.factorize(source)  # a kernel without a source: code -1, the last entry
+    confidence = np.array([*(SOURCE_CONFIDENCE.get(s) for s in src_uniq.tolist()), SOURCE_CONFIDENCE.get(None)],
+                          dtype=object)[src_code]
     model_shape = _model_sources(a, kk, inst, source, why, op_name, moe_path, confidence)
     cls_code, cls_text = text_codes(kk["cls"])
     return {

@@ -113,12 +113,15 @@ def apply_to_calls(calls: pd.DataFrame, spec: GpuSpec | None) -> None:
 
 def weighted_bound(bounds: np.ndarray, weights: np.ndarray) -> str | None:
     """The bound that holds for most of the time (None when undecided calls hold most of it)."""
-    tot: dict[Any, float] = {}
-    for b, w in zip(bounds.tolist(), weights.tolist(), strict=True):
-        tot[b] = tot.get(b, 0.0) + (w if w == w else 0.0)
-    if not tot:
+    if not len(bounds):
         return None
-    best = max(tot.items(), key=lambda kv: (kv[1], str(kv[0])))[0]
+    codes, uniq = pd.factorize(np.asarray(bounds, dtype=object))  # an undecided (None) call: code -1
+    w = np.asarray(weights, dtype=np.float64)
+    tot = np.bincount(codes + 1, weights=np.where(np.isnan(w), 0.0, w), minlength=len(uniq) + 1).tolist()
+    seen = np.bincount(codes + 1, minlength=len(uniq) + 1) > 0
+    keys = [None, *uniq.tolist()]
+    best = max(((k, t) for k, t, s in zip(keys, tot, seen.tolist(), strict=True) if s),
+               key=lambda kv: (kv[1], str(kv[0])))[0]
     return best if isinstance(best, str) else None
 
 
@@ -205,18 +208,25 @@ def class_roofline(kernels: pd.DataFrame, eff: Any, denom: float) -> dict[str, d
     kf = kernel_floors(eff)
     if not len(kernels):
         return {}
-    fl = kf.reindex(kernels.index).to_numpy(dtype=float) if len(kf) else np.full(len(kernels), np.nan)
+    fl = np.full(len(kernels), np.nan)
+    if len(kf):
+        at = kernels.index.get_indexer(kf.index)
+        fl[at[at >= 0]] = kf.to_numpy(dtype=float)[at >= 0]
     dur = kernels["dur"].to_numpy(dtype=float)
     has = np.isfinite(fl)
-    cls = kernels["cls"].astype(str).to_numpy()
+    codes, uniq = pd.factorize(kernels["cls"])
+    names = [str(u) for u in uniq]
+    if (codes < 0).any():
+        codes = np.where(codes < 0, len(names), codes)
+        names.append("nan")
     out: dict[str, dict[str, Any]] = {}
-    for c in np.unique(cls).tolist():
-        m = cls == c
+    for j in sorted(range(len(names)), key=names.__getitem__):
+        m = codes == j
         tot, cov = float(dur[m].sum()), float(dur[m & has].sum())
         f = float(np.minimum(fl[m & has], dur[m & has]).sum()) if cov > 0 else 0.0
-        out[c] = {"floor_us_per_step": json_num(f / denom) if cov > 0 else None,
-                  "roofline_covered_share": json_num(cov / tot, 4) if tot > 0 else None,
-                  "pct_roofline": json_num(100.0 * f / cov, 2) if cov > 0 else None}
+        out[names[j]] = {"floor_us_per_step": json_num(f / denom) if cov > 0 else None,
+                         "roofline_covered_share": json_num(cov / tot, 4) if tot > 0 else None,
+                         "pct_roofline": json_num(100.0 * f / cov, 2) if cov > 0 else None}
     return out
 
 
