@@ -121,7 +121,7 @@ def _note_captured(table: ClassTable, names: np.ndarray, kinds: np.ndarray, rows
     rows = np.asarray(rows)
     # one check per label, on the first captured row that has it
     uniq, first = np.unique(codes[rows], return_index=True)
-    changed = [c for c, r in zip(uniq.tolist(), rows[first].tolist())
+    changed = [c for c, r in zip(uniq.tolist(), rows[first].tolist(), strict=True)
                if labels[c] != table.classify(names[r], "", str(kinds[r]))]
     if changed:
         hit = rows[np.isin(codes[rows], changed)]

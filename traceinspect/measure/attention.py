@@ -183,7 +183,7 @@ def _bmm_pairs(a: Analysis, calls: pd.DataFrame) -> list[dict[str, Any]]:
     """QK^T bmm, softmax, PV bmm on one rank, back to back among its batched GEMMs: one attention call."""
     if not len(calls):
         return []
-    c = calls[(calls["op_name"].astype(str) == "aten::bmm").to_numpy()]
+    c = calls[calls["op_name"].to_numpy(dtype=object) == "aten::bmm"]
     if not len(c):
         return []
     b = pd.to_numeric(c["batch"], errors="coerce")
@@ -209,7 +209,7 @@ def _bmm_pairs(a: Analysis, calls: pd.DataFrame) -> list[dict[str, Any]]:
         q, p = rows[i], rows[i + 1]
         st = soft_ts.get(int(q.rank))
         ok = (q.rank == p.rank and q.batch == p.batch and q.m == p.m and q.n == p.k and st is not None
-              and bool(((st > q.t_start) & (st < p.t_start)).any()))
+              and _between(st, q.t_start, p.t_start))
         if not ok:
             i += 1
             continue
@@ -221,6 +221,12 @@ def _bmm_pairs(a: Analysis, calls: pd.DataFrame) -> list[dict[str, Any]]:
                     "shape_source": q.shape_source, "reason": "", "_pv_kernel": p.kernel})
         i += 2
     return out
+
+
+def _between(sorted_ts: np.ndarray, lo: float, hi: float) -> bool:
+    """Whether a time of ``sorted_ts`` lies strictly between ``lo`` and ``hi``."""
+    i = int(np.searchsorted(sorted_ts, lo, side="right"))
+    return i < len(sorted_ts) and bool(sorted_ts[i] < hi)
 
 
 def _sum(x: Any, y: Any) -> float:
