@@ -180,10 +180,14 @@ def first_rows(codes: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.concatenate([[True], top[1:] > top[:-1]]))
 
 
-def text_isin(values: np.ndarray, options: Any) -> np.ndarray:
+def text_isin(values: np.ndarray | pd.Series, options: Any) -> np.ndarray:
     """``np.isin(values, options)`` for an object array of text and a few options (class names): one
     hash-table pass, where numpy compares every row with every option. A long column is numbered
-    first (:func:`factorize_text`: its rows are a few objects repeated) and each distinct value tested."""
+    first (:func:`factorize_text`: its rows are a few objects repeated) and each distinct value tested;
+    a Series is tested as its :func:`text_values`, once per distinct text (:func:`text_codes`)."""
+    if isinstance(values, pd.Series):
+        codes, texts = text_codes(values)
+        return text_isin(texts, options)[codes]
     if _factorize is not None and isinstance(values, np.ndarray) and values.dtype == object and len(values) > 4096:
         codes, uniq = factorize_text(values)
         return pd.Series(uniq, dtype=object, copy=False).isin(list(options)).to_numpy(dtype=bool)[codes]

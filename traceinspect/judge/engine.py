@@ -99,13 +99,13 @@ class _Subjects:
             k = ctx.k
             if not len(k):
                 return [], "no kernels in the analysed steps"
-            from traceinspect.tables import name_mask
+            from traceinspect.tables import name_mask, text_isin
 
             mask = np.ones(len(k), dtype=bool)
             if sel.classes:
-                mask &= _column_isin(k["cls"], sel.classes)
+                mask &= text_isin(k["cls"], sel.classes)
             if sel.kinds:
-                mask &= _column_isin(k["kind"], sel.kinds)
+                mask &= text_isin(k["kind"], sel.kinds)
             if sel.graph is not None:
                 mask &= (k["graph_replay"].to_numpy() == sel.graph)
             if sel.name is not None or sel.not_name is not None:
@@ -141,14 +141,6 @@ class _Subjects:
             subs += ctx.gemm_unknown_subjects(unknown, sel.group_by, known_all)
             return subs, (None if subs else "no GEMM matched the selector")
         return [], f"unknown scope {sel.scope}"
-
-
-def _column_isin(col: Any, options: Any) -> np.ndarray:
-    """Whether each row's text is one of ``options``, tested once per distinct text."""
-    from traceinspect.tables import text_codes
-
-    codes, texts = text_codes(col)
-    return np.isin(texts, list(options))[codes]
 
 
 def _eff_reason(ctx: M.MetricContext) -> str:

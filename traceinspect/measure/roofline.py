@@ -203,30 +203,24 @@ def class_roofline(kernels: pd.DataFrame, eff: Any, denom: float) -> dict[str, d
     """Per kernel class: the floor per rank per step of its kernels with a floor (``floor_us_per_step``),
     the share of the class's time those kernels take (``roofline_covered_share``) and the % of roofline
     they reach (``pct_roofline``: their floor over their time)."""
+    from traceinspect.tables import sorted_text_codes
     from traceinspect.units import json_num
 
     kf = kernel_floors(eff)
     if not len(kernels):
         return {}
-    fl = np.full(len(kernels), np.nan)
-    if len(kf):
-        at = kernels.index.get_indexer(kf.index)
-        fl[at[at >= 0]] = kf.to_numpy(dtype=float)[at >= 0]
+    fl = kf.reindex(kernels.index).to_numpy(dtype=float) if len(kf) else np.full(len(kernels), np.nan)
     dur = kernels["dur"].to_numpy(dtype=float)
     has = np.isfinite(fl)
-    codes, uniq = pd.factorize(kernels["cls"])
-    names = [str(u) for u in uniq]
-    if (codes < 0).any():
-        codes = np.where(codes < 0, len(names), codes)
-        names.append("nan")
+    codes, labels = sorted_text_codes(kernels["cls"])  # as np.unique of the column's texts orders them
     out: dict[str, dict[str, Any]] = {}
-    for j in sorted(range(len(names)), key=names.__getitem__):
+    for j in np.unique(codes).tolist():
         m = codes == j
         tot, cov = float(dur[m].sum()), float(dur[m & has].sum())
         f = float(np.minimum(fl[m & has], dur[m & has]).sum()) if cov > 0 else 0.0
-        out[names[j]] = {"floor_us_per_step": json_num(f / denom) if cov > 0 else None,
-                         "roofline_covered_share": json_num(cov / tot, 4) if tot > 0 else None,
-                         "pct_roofline": json_num(100.0 * f / cov, 2) if cov > 0 else None}
+        out[str(labels[j])] = {"floor_us_per_step": json_num(f / denom) if cov > 0 else None,
+                               "roofline_covered_share": json_num(cov / tot, 4) if tot > 0 else None,
+                               "pct_roofline": json_num(100.0 * f / cov, 2) if cov > 0 else None}
     return out
 
 

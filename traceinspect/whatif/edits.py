@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from traceinspect.tables import name_mask, text_values
+from traceinspect.tables import name_mask, text_isin
 from traceinspect.whatif.edit_spec import (
     Edit,
     Select,
@@ -36,7 +36,7 @@ def op_mask(a: Analysis, m: Model, sel: Select) -> np.ndarray:
         return mask
     k = a.kernels.loc[m.g_kidx]  # only the columns' rows of the replayed ops, when a text test needs them
     if sel.kinds:
-        mask &= np.isin(text_values(k["kind"]), list(sel.kinds))
+        mask &= text_isin(k["kind"], sel.kinds)
     if by_name:
         mask &= name_mask(k["name"], sel.name, sel.not_name)
     if by_op:
