@@ -189,6 +189,16 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
                           cwd=cwd, env=e, timeout=timeout)
 
 
+def cli_popen(*args: str, sigint: str = "default", env: dict | None = None, **kw: Any) -> subprocess.Popen:
+    """Start ``python -m traceinspect ARGS`` with Ctrl-C as a terminal gives it (``sigint="default"``) or as
+    a shell's background job has it (``"ignored"``), whatever the test runner inherited: a runner started in
+    the background ignores SIGINT, and a Python started so keeps ignoring it."""
+    disposition = {"default": "SIG_DFL", "ignored": "SIG_IGN"}[sigint]
+    start = (f"import os, signal, sys; signal.signal(signal.SIGINT, signal.{disposition}); "
+             "os.execv(sys.executable, [sys.executable, '-m', 'traceinspect', *sys.argv[1:]])")
+    return subprocess.Popen([sys.executable, "-c", start, *args], env={**os.environ, **(env or {})}, **kw)
+
+
 @pytest.fixture(scope="session")
 def torch_mod():
     return pytest.importorskip("torch", reason="torch (CPU build) is needed to make CPU traces")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import cli_popen
 
 from traceinspect.capture.errors import ConfigError
 from traceinspect.capture.layout import check_prefix, redact, redact_argv
@@ -512,29 +513,42 @@ def test_timeout_with_no_file_says_directory_may_not_be_visible(servers: dict[st
 
 
 @pytest.mark.timeout(SAFETY_S)
-def test_ctrl_c_stops_load_and_profile_and_marks_incomplete(servers: dict[str, Standin], tmp_path: Path) -> None:
+@pytest.mark.parametrize(("sig", "sigint", "code", "said"), [
+    (signal.SIGINT, "default", 130, "Ctrl-C"),
+    (signal.SIGTERM, "ignored", 143, "SIGTERM"),  # a background job: Ctrl-C ignored, stopped by kill
+])
+def test_ctrl_c_stops_load_and_profile_and_marks_incomplete(servers: dict[str, Standin], tmp_path: Path,
+                                                            sig: int, sigint: str, code: int, said: str) -> None:
     s = servers["main"]
     stops = s.state()["calls"]["stop_profile"]
     out = tmp_path / "o"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "traceinspect", *capture_args(s.url, out, "--timeout", "300", steps=100000)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, stdin=subprocess.DEVNULL)
-    assert proc.stderr is not None
-    lines = []
-    for line in proc.stderr:
-        lines.append(line)
-        if line.startswith("waiting for"):
-            break
-    assert s.state()["running"] == 6
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
-    rest = proc.stderr.read()
-    rc = proc.wait(WAIT_S)
-    assert rc == 130, "".join(lines) + rest
-    assert "interrupted" in rest and "Traceback" not in rest
+    proc = cli_popen(*capture_args(s.url, out, "--timeout", "300", steps=100000), sigint=sigint,
+                     env={"PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True, stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("waiting for"):
+                break
+        assert s.state()["running"] == 6
+        assert ("Ctrl-C is ignored in this process" in "".join(lines)) == (sigint == "ignored")
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        rest = proc.stderr.read()
+        rc = proc.wait(WAIT_S)
+    finally:  # a capture left running would keep the shared stand-in profiling for the next test
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(WAIT_S)
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == code, "".join(lines) + rest
+    assert f"interrupted ({said})" in rest and "Traceback" not in rest
     cap = json.loads((out / "capture.json").read_text())
-    assert cap["status"] == "incomplete" and cap["reason"].startswith("interrupted")
+    assert cap["status"] == "incomplete" and cap["reason"] == f"interrupted ({said})"
     assert cap["stop_profile"]["ok"] is True
     assert s.state()["calls"]["stop_profile"] == stops + 1
     kept = traces(out)  # the stop wrote what was recorded so far; it is kept

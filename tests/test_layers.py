@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import grimp
+import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,45 +22,9 @@ def _env() -> dict[str, str]:
 
 
 def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan, iterative)."""
-    adj = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in sorted(graph.modules)}
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-    for root in adj:
-        if root in index:
-            continue
-        work = [(root, 0)]
-        while work:
-            v, i = work.pop()
-            if i == 0:
-                index[v] = low[v] = len(index)
-                stack.append(v)
-                on.add(v)
-            if i < len(adj[v]):
-                work.append((v, i + 1))
-                w = adj[v][i]
-                if w not in index:
-                    work.append((w, 0))
-                elif w in on:
-                    low[v] = min(low[v], index[w])
-                continue
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    w = stack.pop()
-                    on.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                if len(comp) > 1:
-                    out.append(sorted(comp))
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[v])
-    return out
+    """Strongly connected components of more than one module."""
+    g = nx.DiGraph((m, d) for m in graph.modules for d in graph.find_modules_directly_imported_by(m))
+    return sorted(sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1)
 
 
 def test_cycle_finder_finds_a_cycle() -> None:
@@ -196,6 +161,16 @@ def test_loading_imports_no_judge_or_renderer() -> None:
     assert "traceinspect.load" in ours
     late = [m for m in ours if m.split(".")[1:2] in (["judge"], ["render"], ["gate"], ["analysis"], ["document"])]
     assert late == []
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_over_600_lines() -> None:
+    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
+             for p in (ROOT / "traceinspect").rglob("*.py")}
+    assert len(sizes) > 100
+    assert {p: n for p, n in sizes.items() if n > MAX_MODULE_LINES} == {}
 
 
 # each stage's module: its docstring says what it takes and what it gives, one line each

@@ -8,6 +8,7 @@ sweep's ramp polls ``/v1/loads``), never on fixed sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -25,6 +26,7 @@ import httpx
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import cli_popen
 
 from traceinspect.capture.sweep import compare_sweeps
 from traceinspect.capture.sweep_levels import (
@@ -320,8 +322,7 @@ def test_ctrl_c_marks_the_level_and_keeps_the_rest(servers: dict[str, Standin], 
     env = {k: v for k, v in os.environ.items() if k != "TRACEINSPECT_API_KEY"}
     env["PYTHONPATH"] = str(ROOT)
     args = sweep_args(servers["a"].url, out, "4,8", window="30")
-    proc = subprocess.Popen([sys.executable, "-m", "traceinspect", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = cli_popen(*args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         # the first level's 30 s window is open once its running batch holds 4 requests
@@ -330,7 +331,11 @@ def test_ctrl_c_marks_the_level_and_keeps_the_rest(servers: dict[str, Standin], 
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
-    finally:
+    finally:  # a sweep left running would keep the stand-in busy for the next test
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30)
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 2, err

@@ -1,7 +1,9 @@
-"""Errors raised while capturing traces from a live server (all exit 2 through the CLI, or 130 on Ctrl-C)."""
+"""Errors raised while capturing traces from a live server (all exit 2 through the CLI, or 130 on Ctrl-C and
+143 on SIGTERM)."""
 
 from __future__ import annotations
 
+from traceinspect.capture.interrupt import EXIT_CODES
 from traceinspect.errors import ConfigError, TraceInspectError
 
 __all__ = [
@@ -41,6 +43,9 @@ class CaptureIncomplete(CaptureError):
 
 
 class CaptureInterrupted(CaptureIncomplete):
-    """Ctrl-C during a capture: the profile was stopped and what was written is kept."""
+    """Ctrl-C or SIGTERM during a capture: the profile was stopped and what was written is kept. Exits 130
+    (Ctrl-C) or 143 (SIGTERM)."""
 
-    exit_code = 130
+    def __init__(self, message: str, signal_name: str = "Ctrl-C") -> None:
+        super().__init__(message)
+        self.exit_code = EXIT_CODES[signal_name]

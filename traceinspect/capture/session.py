@@ -5,11 +5,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import ipaddress
-import signal
 import socket
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,6 +20,7 @@ from traceinspect.capture.errors import (
     ProfileRejected,
 )
 from traceinspect.capture.expect import check_expected, describe
+from traceinspect.capture.interrupt import deferred, interruptible, signal_name
 from traceinspect.capture.layout import (
     CAPTURE_JSON,
     CAPTURE_SCHEMA,
@@ -65,25 +63,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-@contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Ignore further Ctrl-C while cleaning up (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.getsignal(signal.SIGINT)
-    try:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except (ValueError, OSError):
-        yield
-        return
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError, OSError):
-            signal.signal(signal.SIGINT, old)
 
 
 def read_server(client: SGLangClient, url: str, secrets: tuple[str, ...],
@@ -496,23 +475,25 @@ class _Capture:
             self._write_capture_json("running", None, None)
             self.ui.info(f"server {o.url}: {describe(self.server_info)}")
             try:
-                self._drive_traffic()
-                self._start_profile()
-                res = self._wait()
-            except KeyboardInterrupt:
-                with _sigint_deferred():
+                with interruptible(self.ui.info):
+                    self._drive_traffic()
+                    self._start_profile()
+                    res = self._wait()
+            except KeyboardInterrupt as e:
+                with deferred():
                     self.ui.info("interrupted: stopping the load and the profile; keeping what was written")
                     if self.driver is not None:
                         self.driver.stop()
                     self._stop_profile()
                     self._disarm()
                     res = self._settle(5.0)
-                    reason = "interrupted (Ctrl-C)"
+                    reason = f"interrupted ({signal_name(e)})"
                     self._write_capture_json("incomplete", reason, res)
                 kept = [tf.path.name for tf in res.files if tf.path.is_file()]
                 raise CaptureInterrupted(
-                    f"capture interrupted; the profile was stopped and {len(kept)} file(s) written so far are "
-                    f"kept in {self.out_dir} (capture.json: incomplete)") from None
+                    f"capture interrupted ({signal_name(e)}); the profile was stopped and {len(kept)} file(s) "
+                    f"written so far are kept in {self.out_dir} (capture.json: incomplete)",
+                    signal_name(e)) from None
             load_error = self.driver.error if self.driver is not None else None
             if self.driver is not None:
                 self.driver.stop()
@@ -541,7 +522,7 @@ class _Capture:
         except CaptureError as e:
             reason = e.one_line()
             if self.out_dir is not None:
-                with _sigint_deferred():
+                with deferred():
                     if isinstance(e, ProfileRejected):
                         self.profile_started = self.armed = False  # not ours to stop
                     if self.driver is not None:

@@ -24,6 +24,7 @@ import numpy as np
 from traceinspect.capture.client import SGLangClient, normalize_url
 from traceinspect.capture.errors import CaptureError, ConfigError, ServerUnreachable
 from traceinspect.capture.expect import check_expected, describe
+from traceinspect.capture.interrupt import interruptible, signal_name
 from traceinspect.capture.layout import atomic_write_json, redact_argv
 from traceinspect.capture.options import DEFAULT_STEPS, CaptureOptions
 from traceinspect.capture.session import is_local_host, read_server, run_capture
@@ -379,7 +380,8 @@ class _Sweep:
                 self.warn(f"the KV pool holds {pool} tokens but {max(o.levels)} x (input {o.input} + output "
                           f"{o.output}) = {max(o.levels) * (o.input + o.output)}: the top levels may be capped by it")
             self.write()
-            return self._levels()
+            with interruptible(self.ui.info):
+                return self._levels()
         finally:
             if self.driver is not None:
                 self.driver.stop()
@@ -400,8 +402,8 @@ class _Sweep:
                 level = self._measure(n)
                 if o.steps > 0:
                     self._capture(level)
-            except KeyboardInterrupt:
-                levels[i] = bare_level(n, "failed", "interrupted (Ctrl-C)")
+            except KeyboardInterrupt as e:
+                levels[i] = bare_level(n, "failed", f"interrupted ({signal_name(e)})")
                 failed = True
             except (TraceInspectError, RuntimeError, OSError) as e:
                 msg = e.one_line() if isinstance(e, TraceInspectError) else f"{type(e).__name__}: {e}"
@@ -424,8 +426,8 @@ class _Sweep:
             if level.get("capture"):
                 try:
                     self._analyze(level)
-                except KeyboardInterrupt:
-                    level["status"], level["error"] = "partial", "analysis: interrupted (Ctrl-C)"
+                except KeyboardInterrupt as e:
+                    level["status"], level["error"] = "partial", f"analysis: interrupted ({signal_name(e)})"
                     failed = True
                 self.write_level(level)
         self.doc["knee"] = knee(levels, o.settings.knee_growth_per_doubling)

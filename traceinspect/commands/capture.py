@@ -50,8 +50,8 @@ def capture_cmd(url: str, out: str, steps: int, expect: tuple[str, ...], phase: 
     """Profile STEPS forward steps of every rank of a running SGLang server.
 
     Saves server_info.json, waits for every rank's trace file, and records the outcome in
-    capture.json. Exits 2 when the capture is incomplete, 130 when interrupted (Ctrl-C: the
-    load and the profile are stopped and what was written is kept, marked incomplete).
+    capture.json. Exits 2 when the capture is incomplete, 130 when interrupted by Ctrl-C and 143 by
+    SIGTERM (the load and the profile are stopped and what was written is kept, marked incomplete).
     """
     from traceinspect.capture.layout import redact_argv
     from traceinspect.capture.options import CaptureOptions
