@@ -7,11 +7,10 @@ import gzip
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
-import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import traceinspect.load as load
 from traceinspect.cli import main
 from traceinspect.errors import TraceInputError
 from traceinspect.load import load_rank_file
-from traceinspect.load.raw import Sha256After, native_available
+from traceinspect.load.raw import native_available
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="the native read")
 
@@ -137,31 +136,24 @@ def test_without_the_cache_the_hash_runs_after_the_scan_and_is_the_files(tmp_pat
         order.append("scan")
         return real_scan(*a, **k)
 
-    real_start = Sha256After.start
+    real_later = load.hash_later
 
-    def start(self: Sha256After) -> Sha256After:
-        if self._t is None:
-            order.append("hash")
-        return real_start(self)
+    def later(*a: Any) -> Any:
+        order.append("hash")
+        return real_later(*a)
 
     monkeypatch.setattr(load, "read_scan", scan)
-    monkeypatch.setattr(Sha256After, "start", start)
+    monkeypatch.setattr(load, "hash_later", later)
     ts = load.load_trace_set([path], use_cache=False, jobs=1)
-    assert isinstance(ts.ranks[0].digest, Sha256After)
+    assert isinstance(ts.ranks[0].digest, Future)
     assert order == ["scan", "hash"]  # the hash begun once the scan is over
     assert ts.ranks[0].sha256 == want and ts.ranks[0].digest == want  # resolved once, then the text
-    # the loader's own callers get the text; a pending digest pickles as its text
-    assert load_rank_file(path, use_cache=False)[0] == want
-    later = Sha256After(path)
-    assert pickle.loads(pickle.dumps(later)) == want
-    # where the thread never ran (a forked process, say), the digest is computed where it is asked
-    never = Sha256After(path)
-    never._t = threading.Thread(target=lambda: None)
-    never._t.start()
-    assert never.hexdigest() == want
-    gone = tmp_path / "gone.trace.json"
-    with pytest.raises(TraceInputError, match="no such file"):
-        Sha256After(gone)
+    assert load_rank_file(path, use_cache=False)[0] == want  # the loader's own callers get the text
+    # the file hashed is the one opened before the scan, even if its name is taken away meanwhile
+    f = path.open("rb")
+    path.rename(tmp_path / "moved.trace.json")
+    path.write_bytes(b"{}")
+    assert real_later(f, path).result() == want and f.closed
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 10_000, 65_537, 300_001])
@@ -208,3 +200,41 @@ def test_a_bad_rule_file_fails_the_cli_with_a_good_trace(tmp_path: Path, capsys:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(rules) in err[0] and not out.exists()
 
+
+
+@pytest.mark.skipif(not native_available(), reason="the read ahead is the native scanner's")
+def test_a_read_ahead_is_taken_up_only_for_the_file_as_it_was(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line reads a lone rank file on a thread while it imports; the load takes that read up
+    (the same tables as a load of its own), and not once the file has changed since."""
+    monkeypatch.setenv("TRACEINSPECT_CACHE", "off")
+    src = fixture_dir("kv-full-cast-eager")
+    d = tmp_path / "one"
+    d.mkdir()
+    shutil.copyfile(src / "fixture-TP-0.trace.json.gz", d / "fixture-TP-0.trace.json.gz")
+    own = load.load_trace_set(d, use_cache=False, jobs=1)
+    reads: list[Path] = []
+    real = load._read_native
+
+    def counted(path: Path, root: Path | None) -> Any:
+        reads.append(path)
+        return real(path, root)
+
+    monkeypatch.setattr(load, "_read_native", counted)
+    load.read_ahead([d], jobs=1, use_cache=False)
+    ahead = load.load_trace_set(d, use_cache=False, jobs=1)
+    assert len(reads) == 1 and not load._READ_AHEAD  # read once, on the thread, and taken up
+    for t in ("kernels", "runtime", "cpu_ops", "annotations"):
+        assert getattr(ahead, t).equals(getattr(own, t)), t
+    assert ahead.ranks[0].sha256 == own.ranks[0].sha256
+    load.read_ahead([d], jobs=1, use_cache=False)
+    next(iter(load._READ_AHEAD.values())).result()
+    f = d / "fixture-TP-0.trace.json.gz"
+    f.write_bytes(gzip.compress(gzip.decompress(f.read_bytes()) + b"\n"))  # changed after the read ahead
+    changed = load.load_trace_set(d, use_cache=False, jobs=1)
+    assert len(reads) == 3 and changed.ranks[0].sha256 != own.ranks[0].sha256
+    load._READ_AHEAD.clear()
+    load.read_ahead([d], jobs=2, use_cache=False)  # one file: still one parse process
+    load.read_ahead([tmp_path / "missing"], use_cache=False)  # the load says why
+    assert len(load._READ_AHEAD) == 1
+    load._READ_AHEAD.clear()

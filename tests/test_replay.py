@@ -210,8 +210,10 @@ def test_replay_vectors_are_plain_arrays() -> None:
 ])
 def test_segment_simulation_equals_event_loop(name: str, edits: list[str]) -> None:
     """The segment-wise simulation gives the same times as one event per node."""
+    from replay_reference import simulate_events
+
     from traceinspect.whatif.edits import apply_edits
-    from traceinspect.whatif.sim import simulate, simulate_events
+    from traceinspect.whatif.sim import simulate
 
     a = _fixture(name)
     rp = replayer(a)

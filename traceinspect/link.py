@@ -165,11 +165,6 @@ class _OpTree:
         return np.where(cand >= 0, cand if self.order is None else self.order[np.maximum(cand, 0)], -1)
 
 
-def _op_parents(cpu_ops: pd.DataFrame) -> np.ndarray:
-    """Row of the innermost enclosing op on the same thread, or -1 (ops nest per thread)."""
-    return _OpTree(cpu_ops).parents()
-
-
 def _lookup(table: pd.DataFrame, id_col: str, queries: pd.DataFrame, query_col: str,
             keep: str = "first") -> tuple[np.ndarray, int]:
     """Row of ``table`` with the same (rank, id) as each query row, or -1; and the number of

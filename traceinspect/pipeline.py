@@ -104,11 +104,11 @@ class Replayed(msgspec.Struct):
 
 
 def load(paths: Sequence[str | Path] | str | Path, *, phase: str = "decode", server_info: str | Path | None = None,
-         jobs: int | None = None, executor: str = "local", use_cache: bool = True,
+         jobs: int | None = None, use_cache: bool = True,
          require_kernels: bool = True, allow_mismatch: bool = False) -> TraceSet:
     """Stage 1, load: the rank files as typed tables, each rank linked where it was parsed (files that are
     not one run's ranks refused unless ``allow_mismatch``)."""
-    return load_trace_set(paths, phase=phase, server_info=server_info, jobs=jobs, executor=executor,
+    return load_trace_set(paths, phase=phase, server_info=server_info, jobs=jobs,
                           use_cache=use_cache, require_kernels=require_kernels, prepare=link_stage.link_parsed,
                           allow_mismatch=allow_mismatch)
 
@@ -211,7 +211,7 @@ def analyze(paths: Sequence[str | Path] | str | Path, options: Options | None = 
     # rules and stated facts first: a bad rule or config file is reported before the traces are read
     rule_set = load_rule_set(extra=opts.rules, only=opts.only, disable=opts.disable)
     user_facts(opts.layers, opts.experts, opts.top_k, config=opts.config, model_config=opts.model_config)
-    ts = load(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs, executor=opts.executor,
+    ts = load(paths, phase=opts.phase, server_info=opts.server_info, jobs=opts.jobs,
               use_cache=opts.use_cache, allow_mismatch=opts.allow_mismatch)
     stepped, labels, selected = analysed_steps(ts, opts)
     if not len(selected.steps):

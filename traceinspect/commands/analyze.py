@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from traceinspect.load import memory_settings
+from traceinspect.load import memory_settings, read_ahead
 
 PHASES = click.Choice(["auto", "decode", "prefill", "all"])
 MODEL_CONFIG_OPT = click.option(
@@ -36,8 +36,6 @@ def analysis_options(f: Any) -> Any:
         click.option("--only", multiple=True, help="Run only this rule id (repeatable)."),
         click.option("--disable", multiple=True, help="Disable this rule id (repeatable)."),
         click.option("--jobs", "-j", type=int, default=None, help="Rank-file parse processes (default: one per two CPUs; 1: this process)."),
-        click.option("--executor", default="local", show_default=True,
-                     help="Where rank files are parsed: local, dask (a local cluster) or dask://HOST:PORT."),
         click.option("--no-cache", is_flag=True, help="Do not read or write the parsed-table cache."),
         click.option("--layers", type=click.IntRange(min=1), default=None,
                      help="Model layers (per pipeline stage); wins over server_info and the trace's structure."),
@@ -59,7 +57,7 @@ def build_options(**kw: Any) -> Any:
     return Options(
         phase=kw["phase"], server_info=kw.get("server_info"), gpu=kw.get("gpu"), rules=kw.get("rules") or (),
         only=kw.get("only") or (), disable=kw.get("disable") or (), jobs=kw.get("jobs"),
-        executor=kw.get("executor") or "local", use_cache=not kw.get("no_cache", False),
+        use_cache=not kw.get("no_cache", False),
         command="traceinspect " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         layers=kw.get("layers"), experts=kw.get("experts"), top_k=kw.get("top_k"), config=_config_path(kw),
         allow_mismatch=bool(kw.get("allow_mismatch")),
@@ -91,6 +89,7 @@ def analyze_cmd(paths: tuple[str, ...], json_out: str | None, html_out: str | No
                 csv_dir: str | None, quiet: bool, **kw: Any) -> None:
     """Analyse the decode steps of a trace set (a directory, rank files, or globs)."""
     memory_settings()  # before numpy is imported
+    read_ahead(paths, kw["phase"], kw.get("jobs"), not kw.get("no_cache", False))
     from traceinspect.pipeline import analyze
 
     a = analyze(list(paths), build_options(**kw))

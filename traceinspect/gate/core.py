@@ -39,7 +39,6 @@ from traceinspect.units import fmt_pct_signed, fmt_us_signed
 
 FAIL_ON = ("critical", "warning", "info", "never")
 DEFAULT_FAIL_ON = "warning"
-STATUSES = ("pass", "warn", "fail", "error")
 # a candidate whose verdict metric improved by this much is a fix: a new finding fails it only if its class grew
 FIX_IMPROVEMENT_PCT = 5.0
 VERDICT_METRICS = ("step", "throughput")

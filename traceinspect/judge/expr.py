@@ -60,15 +60,6 @@ FUNCTIONS: dict[str, tuple[Callable[..., Any], int, int]] = {
     "log": (_log, 1, 2),
     "sqrt": (math.sqrt, 1, 1),
 }
-FUNCTION_DOCS = {
-    "min": "min(a, b, ...): smallest argument",
-    "max": "max(a, b, ...): largest argument",
-    "abs": "abs(x)",
-    "round": "round(x[, ndigits])",
-    "log": "log(x[, base]): natural logarithm by default",
-    "sqrt": "sqrt(x)",
-}
-
 _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: lambda a, b: a + b,
     ast.Sub: lambda a, b: a - b,

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,13 +18,12 @@ from traceinspect.errors import TraceInputError
 from traceinspect.load.discover import RankFile, discover, read_capture_json, read_server_info
 from traceinspect.load.raw import (
     Digest,
-    Sha256After,
-    Sha256Beside,
+    _open,
     _sha256,
+    hash_later,
     hex_digest,
     parse_processes,
     read_scan,
-    split_point,
 )
 
 if TYPE_CHECKING:
@@ -40,11 +40,11 @@ __all__ = ["load_trace_set", "memory_settings", "parse_file", "discover"]
 PROGRESS_MIN_BYTES = 50_000_000  # show a progress bar for trace sets larger than this (on a terminal)
 
 
-def parse_file(path: str | Path, tap: Callable[[bytes], None] | None = None) -> ParsedRank:
+def parse_file(path: str | Path) -> ParsedRank:
     """Read and decode one rank file (:func:`traceinspect.load.parse.parse_file`)."""
     from traceinspect.load import parse
 
-    return parse.parse_file(path, tap)
+    return parse.parse_file(path)
 
 
 def load_rank_file(path: str | Path, use_cache: bool = True,
@@ -52,19 +52,20 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
                    defer_digest: bool = False) -> tuple[Digest, int, ParsedRank]:
     """Hash, then read one rank file from the cache or parse it (and cache the tables).
 
-    This is the unit of work a local process or a dask worker runs: it touches only the file and the
+    This is the unit of work a parse process runs: it touches only the file and the
     cache of the machine it runs on and returns the content hash, the file size and the compact tables,
     after ``prepare`` (the pipeline passes the link stage's per-rank linking: kernel -> runtime event ->
     CPU op is per rank). With ``defer_digest`` and the cache off, the hash may still be under way on
-    return (a :class:`~traceinspect.load.raw.Sha256After`, computed beside what the caller does next);
-    otherwise the digest is the hex text.
+    return (a future, computed beside what the caller does next); otherwise the digest is the hex text.
     """
     from traceinspect.load import cache, parse
 
     path = Path(path)
     root = cache.cache_dir() if use_cache else None
     if parse.native_available():
-        digest, size, res = _read_native(path, root, defer_digest)  # res None: the cache holds the tables
+        ahead = _READ_AHEAD.pop(_read_key(path, root), None)
+        # res None: the cache holds the tables
+        digest, size, res = ahead.result() if ahead is not None else _read_native(path, root)
     else:  # the msgspec path
         digest, size, res = _sha256(path), path.stat().st_size, None
     parsed = cache.load(root, digest) if root is not None and res is None else None
@@ -79,33 +80,66 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
     return (digest if defer_digest else hex_digest(digest)), size, parsed
 
 
-def _read_native(path: Path, root: Path | None, defer: bool) -> tuple[Digest, int, dict[str, Any] | None]:
+def _read_native(path: Path, root: Path | None) -> tuple[Digest, int, dict[str, Any] | None]:
     """The native read of one rank file before its tables are built, for cache root ``root`` (None: no
     cache): with the cache on, the file is hashed first and not scanned when the cache holds its tables
-    (the scan None); without it, it is hashed beside the read, or with ``defer`` on a thread of its own
-    begun once the scan is over (a :class:`~traceinspect.load.raw.Sha256After`)."""
+    (the scan None); without it, the file is hashed on a thread of its own begun once the scan is over
+    (:func:`~traceinspect.load.raw.hash_later`)."""
     from traceinspect.load import cache
 
     if root is None:
-        if defer:
-            later = Sha256After(path)
-            try:
-                res = read_scan(path, None, split=split_point(path))
-            except BaseException:
-                later.close()
-                raise
-            return later.start(), path.stat().st_size, res
-        hasher = Sha256Beside()
+        f = _open(path)
         try:
-            res = read_scan(path, hasher)
-        finally:
-            digest = hasher.hexdigest()
-        return digest, path.stat().st_size, res
+            res = read_scan(path)
+        except BaseException:
+            f.close()
+            raise
+        return hash_later(f, path), path.stat().st_size, res
     digest = _sha256(path)
     size = path.stat().st_size
     if cache.has_entry(root, digest):
         return digest, size, None
-    return digest, size, read_scan(path, None)
+    return digest, size, read_scan(path)
+
+
+_READ_AHEAD: dict[tuple[Any, ...], Future[tuple[Digest, int, dict[str, Any] | None]]] = {}
+
+
+def _read_key(path: Path, root: Path | None) -> tuple[Any, ...]:
+    """What a read ahead must match to be used: the file as it is now, and the cache."""
+    try:
+        st = path.stat()
+    except OSError:
+        return (None,)
+    return str(path.resolve()), st.st_mtime_ns, st.st_size, root
+
+
+def read_ahead(paths: Sequence[str | Path], phase: str = "decode", jobs: int | None = None,
+               use_cache: bool = True) -> None:
+    """Begin the native read of the first rank file under ``paths`` on a thread, where this process parses
+    the files itself (one parse process), so that it runs while the analysis imports its libraries (the
+    scanner and the inflate release the interpreter lock); :func:`load_rank_file` takes it up. Nothing
+    where the paths cannot be read now: the load says why."""
+    from traceinspect.load import cache
+    from traceinspect.load.raw import native_available, parse_processes
+
+    try:
+        files = discover(list(paths), phase=phase).files
+    except TraceInputError:
+        return
+    if not files or not native_available() or parse_processes(len(files), jobs) > 1:
+        return
+    path, root = files[0].path, cache.cache_dir() if use_cache else None
+    ahead: Future[tuple[Digest, int, dict[str, Any] | None]] = Future()
+
+    def run() -> None:
+        try:
+            ahead.set_result(_read_native(path, root))
+        except BaseException as e:  # raised where the load takes it up
+            ahead.set_exception(e)
+
+    threading.Thread(target=run, name="traceinspect-read", daemon=True).start()
+    _READ_AHEAD[_read_key(path, root)] = ahead
 
 
 def memory_settings() -> None:
@@ -219,61 +253,11 @@ def _size(p: Path) -> int:
         return 0
 
 
-def _parse_dask(paths: list[Path], executor: str, jobs: int | None, use_cache: bool, advance: Callable[[int], None],
-                prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[str, int, ParsedRank]]:
-    """Parse rank files on dask.distributed workers; only the compact tables travel back.
-
-    ``dask://HOST:PORT`` uses a running scheduler whose workers see the same paths (a shared or
-    replicated filesystem); each worker hashes, parses and caches the files it is given on its own
-    disk. ``$TRACEINSPECT_DASK_TIMEOUT`` (seconds, default 30) bounds the connection attempt. Plain
-    ``dask`` starts a local cluster of ``jobs`` single-threaded worker processes.
-    """
-    try:
-        from dask.distributed import Client, LocalCluster, as_completed
-    except ImportError:
-        raise TraceInputError("the dask executor needs the optional extra: pip install 'traceinspect[dask]'") \
-            from None
-    address = executor.split("://", 1)[1] if "://" in executor else None
-
-    def run(client: Any) -> list[tuple[str, int, ParsedRank]]:
-        run_id = uuid.uuid4().hex  # task keys unique to this load, whoever else uses the scheduler
-        futures = [client.submit(load_rank_file, str(p), use_cache, prepare, pure=False, key=f"traceinspect-parse-{run_id}-{i}")
-                   for i, p in enumerate(paths)]
-        index = {f.key: i for i, f in enumerate(futures)}
-        results: list[Any] = [None] * len(paths)
-        for fut in as_completed(futures):
-            i = index[fut.key]
-            try:
-                results[i] = fut.result()
-            except TraceInputError:
-                raise
-            except Exception as e:  # a worker died or could not reach the file
-                raise TraceInputError(f"dask worker failed: {type(e).__name__}: {e}", paths[i]) from None
-            advance(i)
-        return results
-
-    if address:
-        try:
-            client = Client(address, timeout=f"{os.environ.get('TRACEINSPECT_DASK_TIMEOUT', '30')}s")
-        except OSError as e:
-            raise TraceInputError(f"cannot reach the dask scheduler at {address}: {e}") from None
-        with client:
-            return run(client)
-    workers = jobs or min(len(paths), os.cpu_count() or 1)
-    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
-            Client(cluster) as client:
-        return run(client)
-
-
-def _parse_all(paths: list[Path], jobs: int | None, executor: str, use_cache: bool, quiet: bool | None = None,
+def _parse_all(paths: list[Path], jobs: int | None, use_cache: bool, quiet: bool | None = None,
                prepare: Callable[[ParsedRank], None] | None = None) -> list[tuple[Digest, int, ParsedRank]]:
-    if executor != "local" and executor != "dask" and not executor.startswith("dask://"):
-        raise TraceInputError(f"unknown executor {executor!r} (use local, dask or dask://HOST:PORT)")
     advance, close = _progress(paths, quiet)
     try:
-        if executor == "local":
-            return _parse_local(paths, jobs, use_cache, advance, prepare)
-        return _parse_dask(paths, executor, jobs, use_cache, advance, prepare)
+        return _parse_local(paths, jobs, use_cache, advance, prepare)
     finally:
         close()
 
@@ -390,7 +374,6 @@ def load_trace_set(
     server_info: str | Path | None = None,
     jobs: int | None = None,
     require_kernels: bool = True,
-    executor: str = "local",
     use_cache: bool = True,
     prepare: Callable[[ParsedRank], None] | None = None,
     allow_mismatch: bool = False,
@@ -399,10 +382,8 @@ def load_trace_set(
 
     Raises :class:`TraceInputError` for a missing path, a corrupt or truncated file, a file
     that is not a Kineto trace, two files claiming one rank, or (unless ``require_kernels`` is
-    false) a trace with no GPU kernels. ``executor`` is ``local`` (``jobs`` parse processes, by
-    default one per two CPUs: :func:`~traceinspect.load.raw.parse_processes`), ``dask`` (a local
-    dask.distributed cluster) or ``dask://HOST:PORT`` (an existing scheduler whose
-    workers can read the same paths); parsed tables are cached by content hash unless ``use_cache``
+    false) a trace with no GPU kernels. Rank files parse in ``jobs`` processes (by default one per two
+    CPUs: :func:`~traceinspect.load.raw.parse_processes`); parsed tables are cached by content hash unless ``use_cache``
     is false or ``$TRACEINSPECT_CACHE`` is ``off``. ``prepare`` runs on each rank's tables where they were
     parsed (the pipeline passes :func:`traceinspect.link.link_parsed`). Files that are not the ranks of one
     run (:func:`~traceinspect.load.consistency.mismatch_reasons`) raise :class:`TraceInputError` naming
@@ -417,7 +398,7 @@ def load_trace_set(
     found = discover(list(paths), phase=phase)
     warnings = list(found.notes)
     files = found.files
-    loaded = _parse_all([f.path for f in files], jobs, executor, use_cache, prepare=prepare)
+    loaded = _parse_all([f.path for f in files], jobs, use_cache, prepare=prepare)
     hashes = [h for h, _, _ in loaded]
     fsizes = [n for _, n, _ in loaded]
     parsed = [p for _, _, p in loaded]

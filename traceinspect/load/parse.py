@@ -59,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -89,11 +89,9 @@ from traceinspect.load.raw import (  # noqa: F401 - the raw read, importable fro
     PIECE,
     PY_FORWARD_FUNCTIONS,
     THREAD_MIN,
-    Sha256Beside,
     _blocks,
     _open,
     _read,
-    _Tapped,
     _threaded,
     _truncated,
     _zlib,
@@ -257,14 +255,11 @@ def parse_bytes(data: bytes, path: Path) -> ParsedRank:
             gc.enable()
 
 
-def parse_file(path: str | Path, tap: Callable[[bytes], None] | None = None) -> ParsedRank:
-    """Read and decode one rank file. ``tap`` (only where :func:`native_available`) is given every
-    byte read from the file."""
+def parse_file(path: str | Path) -> ParsedRank:
+    """Read and decode one rank file."""
     path = Path(path)
     if native_available():
-        return parse_file_native(path, tap)
-    if tap is not None:
-        raise ValueError("tap needs the native scanner")
+        return parse_file_native(path)
     try:
         size = path.stat().st_size
     except OSError:
@@ -288,15 +283,10 @@ def parse_file(path: str | Path, tap: Callable[[bytes], None] | None = None) -> 
     return parse_bytes_whole(read_bytes(path), path)
 
 
-def parse_file_native(path: str | Path, tap: Callable[[bytes], None] | None = None) -> ParsedRank:
-    """Read and scan one rank file with the native scanner (``tap``: see :func:`_blocks`)."""
+def parse_file_native(path: str | Path) -> ParsedRank:
+    """Read and scan one rank file with the native scanner."""
     path = Path(path)
-    return tables_native(read_scan(path, tap), path)
-
-
-def parse_bytes_native(data: bytes, path: Path) -> ParsedRank:
-    """Scan the JSON text of one rank file with the native scanner."""
-    return _scan_native(iter([data]), path)
+    return tables_native(read_scan(path), path)
 
 
 def parse_bytes_whole(data: bytes, path: Path) -> ParsedRank:

@@ -1,5 +1,5 @@
-"""The raw read of one rank file: its decompressed text in blocks, its SHA-256 beside the read, and the
-native scanner's pass over the text into column buffers (:func:`read_scan`). Building the tables from
+"""The raw read of one rank file: its decompressed text in blocks, its SHA-256 on a thread once it is read,
+and the native scanner's pass over the text into column buffers (:func:`read_scan`). Building the tables from
 those buffers (numpy, msgspec, pandas) is :mod:`traceinspect.load.native`'s; this module imports only
 the standard library, ISA-L and the compiled scanner."""
 
@@ -14,7 +14,8 @@ import re
 import stat
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,6 @@ COLUMN_TYPES: tuple[type, ...] = (_native.Column,) if _native is not None else (
 BLOCK = 1 << 20  # compressed bytes read at a time
 PIECE = 8 << 20  # decompressed bytes decoded at a time
 THREAD_MIN = 4 << 20  # files at least this large are inflated on a second thread
-HASH_BLOCK = 32 << 20  # bytes read at a time by the hash thread beside the analysis
 SPLIT_MIN = 64 << 20  # plain JSON files at least this large are scanned in two halves, on two threads
 
 # ---------------------------------------------------------------------------------------------
@@ -196,12 +196,9 @@ def _sha256(path: Path) -> str:
         raise TraceInputError(f"cannot read file: {e.strerror or e}", path) from None
 
 
-def _blocks(path: Path, tap: Callable[[bytes], None] | None = None) -> Iterator[bytes]:
-    """The decompressed text of a ``.json`` or ``.json.gz`` file, in blocks of about PIECE bytes
-    (``tap`` is given every byte read from the file, in order)."""
+def _blocks(path: Path) -> Iterator[bytes]:
+    """The decompressed text of a ``.json`` or ``.json.gz`` file, in blocks of about PIECE bytes."""
     with _open(path) as f:
-        if tap is not None:
-            f = _Tapped(f, tap)
         first = _read(f, BLOCK, path)
         if first[:2] != b"\x1f\x8b":
             data = first
@@ -238,104 +235,30 @@ def _blocks(path: Path, tap: Callable[[bytes], None] | None = None) -> Iterator[
                 raise _truncated(path)
 
 
-class _Tapped:
-    """A file whose reads are also handed to ``tap``."""
+def hash_later(f: Any, path: Path) -> Future[str]:
+    """The SHA-256 (hex) of the open file ``f`` (closed when hashed), begun now on a thread of its own: called
+    once a scan is over, so the hash runs beside the rest of the analysis, not beside the scan (on two cores
+    a 1 GB rank file read in 1.22-1.29 s this way, 1.35-1.48 s hashed beside the scan). The file was opened
+    before it was scanned, so the file hashed is the one scanned even if its name is taken away meanwhile."""
+    fut: Future[str] = Future()
 
-    def __init__(self, f: Any, tap: Callable[[bytes], None]) -> None:
-        self.f, self.tap = f, tap
-
-    def read(self, n: int) -> bytes:
-        b = self.f.read(n)
-        if b:
-            self.tap(b)
-        return b
-
-
-class Sha256Beside:
-    """SHA-256 of the bytes given to it, computed on a thread of its own (hashlib releases the GIL),
-    so that a file is hashed while it is parsed instead of before."""
-
-    def __init__(self) -> None:
-        self._h = hashlib.sha256()
-        self._q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._t = threading.Thread(target=self._run, name="traceinspect-sha256", daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while (b := self._q.get()) is not None:
-            self._h.update(b)
-
-    def __call__(self, b: bytes) -> None:
-        self._q.put(b)
-
-    def hexdigest(self) -> str:
-        self._q.put(None)
-        self._t.join()
-        return self._h.hexdigest()
-
-
-class Sha256After:
-    """SHA-256 of a file, computed on a thread of its own once :meth:`start` is called: by the loader when
-    it starts waiting for the scan (the core it leaves idle hashes), else after the scan. Hashing beside
-    the scan from its start takes turns with the scan and the imports for the cores: on two cores, the
-    start-up and load of a 1 GB rank file took 1.35-1.48 s that way, 1.22-1.29 s this way.
-
-    The file is opened here, before it is read, so the file hashed is the one scanned even if its name is
-    taken away meanwhile. :meth:`hexdigest` waits for the hash; pickled, the object is its hex digest."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._f = _open(path)
-        self._digest: str | None = None
-        self._error: TraceInputError | None = None
-        self._t: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def _run(self) -> None:
+    def run() -> None:
         try:
-            with self._f as f:
-                # large reads: the thread takes the interpreter lock back after each read and each block
-                # hashed, while the analysis beside holds it (a 1 GB file that hashes in 0.9 s alone:
-                # 1.4-1.6 s in 1 MB blocks, 1.25-1.3 s in 8 MB, 1.05-1.15 s in 32 MB)
-                self._digest = _hash_file(f, max(1 << 20, min(HASH_BLOCK, os.fstat(f.fileno()).st_size)))
+            with f:
+                fut.set_result(_hash_file(f))
         except OSError as e:
-            self._error = TraceInputError(f"cannot read file: {e.strerror or e}", self.path)
+            fut.set_exception(TraceInputError(f"cannot read file: {e.strerror or e}", path))
 
-    def start(self) -> Sha256After:
-        """Begin hashing (on a thread), once."""
-        with self._lock:
-            if self._t is None and not self._f.closed:  # (closed: given up, a read that failed)
-                self._t = threading.Thread(target=self._run, name="traceinspect-sha256", daemon=True)
-                self._t.start()
-        return self
-
-    def hexdigest(self) -> str:
-        """The digest, once the thread is through (begun here if it was not)."""
-        self.start()
-        if self._t is not None:
-            self._t.join()
-        if self._error is not None:
-            raise self._error
-        if self._digest is None:  # a process forked while the thread ran: the thread is not in it
-            self._digest = _sha256(self.path)
-        return self._digest
-
-    def close(self) -> None:
-        """Give up a hash never begun (its file closed)."""
-        with self._lock:
-            if self._t is None:
-                self._f.close()
-
-    def __reduce__(self) -> tuple[type[str], tuple[str]]:
-        return str, (self.hexdigest(),)
+    threading.Thread(target=run, name="traceinspect-sha256", daemon=True).start()
+    return fut
 
 
-Digest = str | Sha256After  # a file's SHA-256, or the hash under way that gives it
+Digest = str | Future  # a file's SHA-256, or the hash under way that gives it
 
 
 def hex_digest(d: Digest) -> str:
     """The hex digest of ``d``, waiting for it when it is still being computed."""
-    return d if isinstance(d, str) else d.hexdigest()
+    return d if isinstance(d, str) else d.result()
 
 
 def _threaded(blocks: Iterator[bytes], depth: int = 3) -> Iterator[bytes]:
@@ -505,22 +428,17 @@ class _Halted(Exception):
     """The second half of a split scan given up (the first half failed)."""
 
 
-FIND = -1  # read_scan's split: the split point is found there
-
-
-def read_scan(path: Path, tap: Callable[[bytes], None] | None = None, split: int | None = FIND) -> dict[str, Any]:
-    """Read one rank file and :func:`scan` it (``tap``: see :func:`_blocks`); a large file is inflated on
-    a second thread, and a large plain one (no ``tap``) scanned in two halves on two threads at ``split``
-    (:func:`split_point`'s answer, found here unless given)."""
-    if tap is None:
-        at = split_point(path) if split == FIND else split
-        if at is not None:
-            return _scan_split(path, at)
+def read_scan(path: Path) -> dict[str, Any]:
+    """Read one rank file and :func:`scan` it; a large file is inflated on a second thread, and a large
+    plain one scanned in two halves on two threads (at :func:`split_point`)."""
+    at = split_point(path)
+    if at is not None:
+        return _scan_split(path, at)
     try:
         size = path.stat().st_size
     except OSError:
         size = 0
-    blocks = _blocks(path, tap)
+    blocks = _blocks(path)
     if size >= THREAD_MIN:
         blocks = _threaded(blocks)
     try:

@@ -42,7 +42,6 @@ class Options(msgspec.Struct):
     only: Sequence[str] = ()
     disable: Sequence[str] = ()
     jobs: int | None = None
-    executor: str = "local"  # local | dask | dask://HOST:PORT
     use_cache: bool = True
     command: str | None = None
     # facts the user states about the run (they win over everything the trace says)

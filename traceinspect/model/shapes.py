@@ -508,23 +508,11 @@ class OpInputs:
             i = int(self.parent[i])
         return out
 
-    def signature(self, i: int, depth: int = 8) -> tuple[Any, ...] | None:
-        """What the op and up to ``depth`` enclosing ops recorded (name, raw shapes, raw types): ops with
-        equal signatures read alike to every shape test over that chain. None when a recorded value is
-        not raw JSON (not hashable)."""
-        dims, types = self.dims, self.types
-        sig = tuple((self.names[j], dims[j] if dims is not None else None, types[j] if types is not None else None)
-                    for j in self.chain(i, depth))
-        try:
-            hash(sig)
-        except TypeError:
-            return None
-        return sig
-
     def signature_codes(self, ops: np.ndarray, depth: int = 8) -> np.ndarray:
-        """One integer per op of ``ops`` (op indices >= 0), equal where :meth:`signature` is equal; an
-        op whose signature is None has a code of its own per op index. The chains are walked for all ops
-        at once and each op on them is hashed once."""
+        """One integer per op of ``ops`` (op indices >= 0), equal where the op and up to ``depth`` enclosing
+        ops recorded the same (name, raw shapes, raw types), so that every shape test over that chain reads
+        them alike; an op whose recorded values are not raw JSON (not hashable) has a code of its own per op
+        index. The chains are walked for all ops at once and each op on them is hashed once."""
         ops = np.asarray(ops, dtype=np.int64)
         if not len(ops):
             return np.zeros(0, dtype=np.int64)

@@ -80,7 +80,7 @@ class RankInfo(msgspec.Struct):
         """The file's SHA-256 (hex); where it is still being computed, waited for here, once."""
         d = self.digest
         if not isinstance(d, str):
-            self.digest = d = d.hexdigest()
+            self.digest = d = d.result()
         return d
 
     @property
@@ -128,9 +128,3 @@ class TraceSet(msgspec.Struct, eq=False):
             got = self.op_name_codes = factorize_text(self.cpu_ops["name"].to_numpy(dtype=object)) \
                 if "name" in self.cpu_ops else (np.zeros(len(self.cpu_ops), dtype=np.int64), np.zeros(0, dtype=object))
         return got
-
-    def rank_info(self, rank: int) -> RankInfo:
-        for r in self.ranks:
-            if r.rank == rank:
-                return r
-        raise KeyError(rank)

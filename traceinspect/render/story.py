@@ -59,15 +59,6 @@ def share_of_step(entry: dict[str, Any], doc: dict[str, Any]) -> float | None:
     return step_share(us, doc)
 
 
-def kernel_per_step(entry: dict[str, Any], doc: dict[str, Any], key: str = "us") -> float | None:
-    """A ``top_kernels`` entry's time (``key="us"``) or calls (``"calls"``) per rank per step."""
-    v = _num(entry.get(f"{key}_per_step"))
-    if v is not None:
-        return v
-    total = _num(entry.get(key))
-    return total / rank_steps(doc) if total is not None else None
-
-
 def saving_share(f: dict[str, Any], doc: dict[str, Any]) -> float | None:
     """A finding's estimated saving as a fraction of the step time (the judge's figure when it gave one)."""
     ev = f.get("evidence") if isinstance(f.get("evidence"), dict) else {}

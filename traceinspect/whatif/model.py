@@ -83,7 +83,6 @@ class Model(msgspec.Struct):
     i_key: np.ndarray = msgspec.field(default_factory=lambda: np.zeros(0))
     notes: list[str] = msgspec.field(default_factory=list)
     steps_available: int = 0
-    order: np.ndarray | None = None  # event order (types, indices), computed once
 
     @property
     def n_ops(self) -> int:
