@@ -379,9 +379,12 @@ def _split_reads_agree(f: Path) -> bool:
         except TraceInspectError:
             return None
 
+    from traceinspect.load import raw
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(P, "BLOCK", 3000)
-        mp.setattr(P, "PIECE", 8000)
+        for mod in (P, raw):  # the streaming decoder's and the raw read's (the native scanner's) settings
+            mp.setattr(mod, "BLOCK", 3000)
+            mp.setattr(mod, "PIECE", 8000)
         split = outcome(lambda: P.parse_file(f))
     whole = outcome(lambda: P.parse_bytes_whole(P.read_bytes(f), f))
     assert (split is None) == (whole is None), (f, split is None)
@@ -961,9 +964,10 @@ import numpy, pandas, msgspec  # noqa: F401 - imported before instrumentation: o
 import atheris
 with atheris.instrument_imports(include=["traceinspect"]):
     from traceinspect.load import parse as P
+    from traceinspect.load import raw as R
 from traceinspect.errors import TraceInspectError
 
-P.BLOCK, P.PIECE = 64, 256  # the streaming reader cuts even small inputs into many pieces
+P.BLOCK, P.PIECE = R.BLOCK, R.PIECE = 64, 256  # the reader cuts even small inputs into many pieces
 TMP = pathlib.Path(tempfile.mkdtemp()) / "fuzz.trace.json"
 TABLES = ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations")
 

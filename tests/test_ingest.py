@@ -18,7 +18,7 @@ from conftest import fixture_dir
 
 from traceinspect.errors import TraceInputError
 from traceinspect.link import _OpTree, _paths
-from traceinspect.load import cache, load_trace_set, parse
+from traceinspect.load import cache, load_trace_set, parse, raw
 
 TABLES = ("kernels", "runtime", "cpu_ops", "annotations", "gpu_annotations")
 META = ("devices", "distributed_info", "cuda_runtime_version", "cuda_driver_version", "trace_id",
@@ -73,6 +73,12 @@ def _docs() -> dict[str, bytes]:
             "unicode": unicode}
 
 
+def _set_read(monkeypatch: pytest.MonkeyPatch, name: str, value: Any) -> None:
+    """A read setting where the streaming decoder and the raw read (the native scanner's) both see it."""
+    monkeypatch.setattr(parse, name, value)
+    monkeypatch.setattr(raw, name, value)
+
+
 @pytest.mark.parametrize("piece", [64, 1000, 1 << 23])
 @pytest.mark.parametrize("name", sorted(_docs()))
 def test_streaming_equals_whole_document(name: str, piece: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,22 +95,22 @@ def test_files_and_inflate_thread(gz: bool, tmp_path: Path, monkeypatch: pytest.
     data = _docs()["pretty_crlf"]
     f = tmp_path / ("t.json.gz" if gz else "t.json")
     f.write_bytes(gzip.compress(data) if gz else data)
-    monkeypatch.setattr(parse, "PIECE", 512)
-    monkeypatch.setattr(parse, "BLOCK", 256)
-    monkeypatch.setattr(parse, "THREAD_MIN", 0)  # the second thread inflates even this small file
+    _set_read(monkeypatch, "PIECE", 512)
+    _set_read(monkeypatch, "BLOCK", 256)
+    _set_read(monkeypatch, "THREAD_MIN", 0)  # the second thread inflates even this small file
     assert_same(parse.parse_file(f), parse.parse_bytes_whole(data, f))
 
 
 def test_real_fixture_streams_like_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     f = fixture_dir("kv-full-cast-eager") / "fixture-TP-0.trace.json.gz"
-    monkeypatch.setattr(parse, "PIECE", 1 << 16)
+    _set_read(monkeypatch, "PIECE", 1 << 16)
     assert_same(parse.parse_file(f), parse.parse_bytes_whole(gzip.decompress(f.read_bytes()), f))
 
 
 @pytest.mark.parametrize("backend", ["default", "zlib"])
 def test_gzip_members_and_damage(backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if backend == "zlib":  # the fallback when ISA-L is not installed
-        monkeypatch.setattr(parse, "_zlib", zlib)
+        _set_read(monkeypatch, "_zlib", zlib)
     data = _docs()["compact"]
     whole = parse.parse_bytes_whole(data, Path("x"))
     multi = tmp_path / "multi.json.gz"

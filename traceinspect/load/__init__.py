@@ -130,6 +130,9 @@ def read_ahead(paths: Sequence[str | Path], phase: str = "decode", jobs: int | N
     if not files or not native_available() or parse_processes(len(files), jobs) > 1:
         return
     path, root = files[0].path, cache.cache_dir() if use_cache else None
+    key = _read_key(path, root)
+    if key == (None,):
+        return
     ahead: Future[tuple[Digest, int, dict[str, Any] | None]] = Future()
 
     def run() -> None:
@@ -139,7 +142,7 @@ def read_ahead(paths: Sequence[str | Path], phase: str = "decode", jobs: int | N
             ahead.set_exception(e)
 
     threading.Thread(target=run, name="traceinspect-read", daemon=True).start()
-    _READ_AHEAD[_read_key(path, root)] = ahead
+    _READ_AHEAD[key] = ahead
 
 
 def memory_settings() -> None:
