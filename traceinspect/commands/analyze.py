@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from traceinspect.load import memory_settings, read_ahead
+from traceinspect.load import memory_settings
 
 PHASES = click.Choice(["auto", "decode", "prefill", "all"])
 MODEL_CONFIG_OPT = click.option(
@@ -89,7 +89,6 @@ def analyze_cmd(paths: tuple[str, ...], json_out: str | None, html_out: str | No
                 csv_dir: str | None, quiet: bool, **kw: Any) -> None:
     """Analyse the decode steps of a trace set (a directory, rank files, or globs)."""
     memory_settings()  # before numpy is imported
-    read_ahead(paths, kw["phase"], kw.get("jobs"), not kw.get("no_cache", False))
     from traceinspect.pipeline import analyze
 
     a = analyze(list(paths), build_options(**kw))

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from traceinspect.commands.analyze import analysis_options, build_options
-from traceinspect.load import memory_settings, read_ahead
+from traceinspect.load import memory_settings
 
 
 def _size(path: str | Path) -> str:
@@ -47,7 +47,6 @@ def report_cmd(paths: tuple[str, ...], html_out: str, md_out: str | None, json_o
     doc = _stored_document(paths)
     if doc is None:
         memory_settings()  # before numpy is imported
-        read_ahead(paths, kw["phase"], kw.get("jobs"), not kw.get("no_cache", False))
     from traceinspect.errors import TraceInputError
     from traceinspect.render.html import write_html
 

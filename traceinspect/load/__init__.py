@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,9 +61,7 @@ def load_rank_file(path: str | Path, use_cache: bool = True,
     path = Path(path)
     root = cache.cache_dir() if use_cache else None
     if parse.native_available():
-        ahead = _READ_AHEAD.pop(_read_key(path, root), None)
-        # res None: the cache holds the tables
-        digest, size, res = ahead.result() if ahead is not None else _read_native(path, root)
+        digest, size, res = _read_native(path, root)  # res None: the cache holds the tables
     else:  # the msgspec path
         digest, size, res = _sha256(path), path.stat().st_size, None
     parsed = cache.load(root, digest) if root is not None and res is None else None
@@ -100,49 +96,6 @@ def _read_native(path: Path, root: Path | None) -> tuple[Digest, int, dict[str, 
     if cache.has_entry(root, digest):
         return digest, size, None
     return digest, size, read_scan(path)
-
-
-_READ_AHEAD: dict[tuple[Any, ...], Future[tuple[Digest, int, dict[str, Any] | None]]] = {}
-
-
-def _read_key(path: Path, root: Path | None) -> tuple[Any, ...]:
-    """What a read ahead must match to be used: the file as it is now, and the cache."""
-    try:
-        st = path.stat()
-    except OSError:
-        return (None,)
-    return str(path.resolve()), st.st_mtime_ns, st.st_size, root
-
-
-def read_ahead(paths: Sequence[str | Path], phase: str = "decode", jobs: int | None = None,
-               use_cache: bool = True) -> None:
-    """Begin the native read of the first rank file under ``paths`` on a thread, where this process parses
-    the files itself (one parse process), so that it runs while the analysis imports its libraries (the
-    scanner and the inflate release the interpreter lock); :func:`load_rank_file` takes it up. Nothing
-    where the paths cannot be read now: the load says why."""
-    from traceinspect.load import cache
-    from traceinspect.load.raw import native_available, parse_processes
-
-    try:
-        files = discover(list(paths), phase=phase).files
-    except TraceInputError:
-        return
-    if not files or not native_available() or parse_processes(len(files), jobs) > 1:
-        return
-    path, root = files[0].path, cache.cache_dir() if use_cache else None
-    key = _read_key(path, root)
-    if key == (None,):
-        return
-    ahead: Future[tuple[Digest, int, dict[str, Any] | None]] = Future()
-
-    def run() -> None:
-        try:
-            ahead.set_result(_read_native(path, root))
-        except BaseException as e:  # raised where the load takes it up
-            ahead.set_exception(e)
-
-    threading.Thread(target=run, name="traceinspect-read", daemon=True).start()
-    _READ_AHEAD[key] = ahead
 
 
 def memory_settings() -> None:
