@@ -480,6 +480,7 @@ class _Capture:
                     self._start_profile()
                     res = self._wait()
             except KeyboardInterrupt as e:
+                by = signal_name(e)
                 with deferred():
                     self.ui.info("interrupted: stopping the load and the profile; keeping what was written")
                     if self.driver is not None:
@@ -487,13 +488,12 @@ class _Capture:
                     self._stop_profile()
                     self._disarm()
                     res = self._settle(5.0)
-                    reason = f"interrupted ({signal_name(e)})"
+                    reason = f"interrupted ({by})"
                     self._write_capture_json("incomplete", reason, res)
                 kept = [tf.path.name for tf in res.files if tf.path.is_file()]
                 raise CaptureInterrupted(
-                    f"capture interrupted ({signal_name(e)}); the profile was stopped and {len(kept)} file(s) "
-                    f"written so far are kept in {self.out_dir} (capture.json: incomplete)",
-                    signal_name(e)) from None
+                    f"capture interrupted ({by}); the profile was stopped and {len(kept)} file(s) written so far "
+                    f"are kept in {self.out_dir} (capture.json: incomplete)", by) from None
             load_error = self.driver.error if self.driver is not None else None
             if self.driver is not None:
                 self.driver.stop()
