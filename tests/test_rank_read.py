@@ -163,30 +163,30 @@ def test_file_hash_through_mappings_is_the_files(tmp_path: Path, monkeypatch: py
     """A file hashed through memory mappings, a window at a time (windows and the starting position not
     aligned to pages), gives hashlib's digest of its bytes from the position on; files below the size
     for mappings, and files that cannot be mapped, are read instead, with the same digest."""
-    from traceinspect.load import raw
+    from traceinspect import fileio
 
-    monkeypatch.setattr(raw, "MAP_MIN", 1)
-    monkeypatch.setattr(raw, "MAP_WINDOW", 3 * 4096 + 100 if size > 20_000 else 4096)
+    monkeypatch.setattr(fileio, "MAP_MIN", 1)
+    monkeypatch.setattr(fileio, "MAP_WINDOW", 3 * 4096 + 100 if size > 20_000 else 4096)
     data = os.urandom(size)
     path = tmp_path / "t.json"
     path.write_bytes(data)
     want = hashlib.sha256(data[start:]).hexdigest()
     mapped: list[int] = []
-    real = raw._hash_mapped
-    monkeypatch.setattr(raw, "_hash_mapped", lambda fd, at, h: mapped.append(at) or real(fd, at, h))
+    real = fileio._sha256_mapped
+    monkeypatch.setattr(fileio, "_sha256_mapped", lambda fd, at, h: mapped.append(at) or real(fd, at, h))
     with path.open("rb") as f:
         f.seek(start)
-        assert raw._hash_file(f, 1000) == want
+        assert fileio.sha256_of(f, 1000) == want
     assert mapped == [start]
     with path.open("rb") as f:  # a file the mapping refuses: read as before
         f.seek(start)
-        monkeypatch.setattr(raw.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError("no mappings")))
-        assert raw._hash_file(f, 1000) == want
+        monkeypatch.setattr(fileio.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError("no mappings")))
+        assert fileio.sha256_of(f, 1000) == want
     r, w = os.pipe()  # not a regular file: read
     os.write(w, data[:4096])
     os.close(w)
     with os.fdopen(r, "rb") as f:
-        assert raw._hash_file(f, 1000) == hashlib.sha256(data[:4096]).hexdigest()
+        assert fileio.sha256_of(f, 1000) == hashlib.sha256(data[:4096]).hexdigest()
 
 
 def test_a_bad_rule_file_fails_the_cli_with_a_good_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,11 +1,15 @@
 """Atomic file writes: every output goes through a temporary file in the target directory and a
-rename, so a reader never sees half a file and a failed run leaves nothing that looks complete."""
+rename, so a reader never sees half a file and a failed run leaves nothing that looks complete. And the
+one SHA-256 of a file (:func:`sha256_of`) that rank files and captures are identified by."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import mmap
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -68,3 +72,53 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file: {e}", path) from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"invalid TOML: {e}", path) from e
+
+
+def sha256_of(f: BinaryIO, size: int = 1 << 20) -> str:
+    """SHA-256 (hex) of an open binary file from its position to the end: a regular file of
+    :data:`MAP_MIN` bytes or more through memory mappings of :data:`MAP_WINDOW` bytes at a time (the hash
+    reads the page cache itself: reading the file into a buffer first costs more than the hash on a
+    virtual machine), else or where mapping fails through one reused buffer of ``size`` bytes."""
+    h = hashlib.sha256()
+    try:
+        at = f.tell()
+    except OSError:  # (a pipe)
+        at = -1
+    if at < 0 or not _sha256_mapped(f.fileno(), at, h):  # (the mappings leave the file's position as it is)
+        buf = bytearray(size)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+MAP_MIN = 16 << 20  # files at least this large are hashed from memory mappings
+MAP_WINDOW = 64 << 20  # bytes mapped at a time (peak memory stays the tables', not the file's)
+
+
+def _sha256_mapped(fd: int, at: int, h: Any) -> bool:
+    """Feed ``h`` the bytes of the regular file ``fd`` from ``at`` to its end through memory mappings, a
+    window at a time; False (``h`` untouched) when the file is small or not a regular file, or cannot
+    be mapped."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_size - at < MAP_MIN or not hasattr(mmap, "MADV_SEQUENTIAL"):
+        return False
+    end, first = st.st_size, True
+    while at < end:
+        base = at - at % mmap.ALLOCATIONGRANULARITY
+        try:
+            m = mmap.mmap(fd, min(MAP_WINDOW, end - base), prot=mmap.PROT_READ, offset=base)
+        except (OSError, ValueError) as e:
+            if first:  # (nothing hashed yet: the caller reads the file instead)
+                return False
+            raise OSError(f"cannot map the file: {e}") from None
+        first = False
+        with m:
+            m.madvise(mmap.MADV_SEQUENTIAL)
+            with memoryview(m) as v:
+                h.update(v[at - base:])  # (the interpreter lock is released while it hashes)
+            at = base + len(m)
+    return True

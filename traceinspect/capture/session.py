@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import ipaddress
 import socket
 import time
@@ -38,6 +37,7 @@ from traceinspect.capture.options import PHASES, WHY_MISSING, CaptureOptions, Ca
 from traceinspect.capture.traffic import TrafficDriver, make_driver, wait_for_batch
 from traceinspect.capture.ui import CaptureUI
 from traceinspect.capture.wait import RankKey, RankWatcher, WaitResult, expected_ranks, wait_for_ranks
+from traceinspect.fileio import sha256_of
 from traceinspect.version import __version__
 
 
@@ -58,11 +58,8 @@ def is_local_host(host: str) -> bool:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return sha256_of(f)
 
 
 def read_server(client: SGLangClient, url: str, secrets: tuple[str, ...],

@@ -5,13 +5,10 @@ the standard library, ISA-L and the compiled scanner."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import mmap
 import os
 import queue
 import re
-import stat
 import threading
 import zlib
 from collections.abc import Iterator
@@ -20,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from traceinspect.errors import TraceInputError
+from traceinspect.fileio import sha256_of
 
 try:  # ISA-L inflates gzip 2-3x faster than zlib; optional
     from isal import isal_zlib as _zlib
@@ -136,60 +134,10 @@ def _truncated(path: Path) -> TraceInputError:
                            "capture still being written?)", path)
 
 
-def _hash_file(f: Any, size: int = 1 << 20) -> str:
-    """SHA-256 (hex) of an open binary file from its position to the end: a regular file of
-    :data:`MAP_MIN` bytes or more through memory mappings of :data:`MAP_WINDOW` bytes at a time (the hash
-    reads the page cache itself: reading the file into a buffer first costs more than the hash on a
-    virtual machine), else or where mapping fails through one reused buffer of ``size`` bytes."""
-    h = hashlib.sha256()
-    try:
-        at = f.tell()
-    except OSError:  # (a pipe)
-        at = -1
-    if at < 0 or not _hash_mapped(f.fileno(), at, h):  # (the mappings leave the file's position as it is)
-        buf = bytearray(size)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-MAP_MIN = 16 << 20  # files at least this large are hashed from memory mappings
-MAP_WINDOW = 64 << 20  # bytes mapped at a time (peak memory stays the tables', not the file's)
-
-
-def _hash_mapped(fd: int, at: int, h: Any) -> bool:
-    """Feed ``h`` the bytes of the regular file ``fd`` from ``at`` to its end through memory mappings, a
-    window at a time; False (``h`` untouched) when the file is small or not a regular file, or cannot
-    be mapped."""
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return False
-    if not stat.S_ISREG(st.st_mode) or st.st_size - at < MAP_MIN or not hasattr(mmap, "MADV_SEQUENTIAL"):
-        return False
-    end, first = st.st_size, True
-    while at < end:
-        base = at - at % mmap.ALLOCATIONGRANULARITY
-        try:
-            m = mmap.mmap(fd, min(MAP_WINDOW, end - base), prot=mmap.PROT_READ, offset=base)
-        except (OSError, ValueError) as e:
-            if first:  # (nothing hashed yet: the caller reads the file instead)
-                return False
-            raise OSError(f"cannot map the file: {e}") from None
-        first = False
-        with m:
-            m.madvise(mmap.MADV_SEQUENTIAL)
-            with memoryview(m) as v:
-                h.update(v[at - base:])  # (the interpreter lock is released while it hashes)
-            at = base + len(m)
-    return True
-
-
 def _sha256(path: Path) -> str:
     try:
         with path.open("rb") as f:
-            return _hash_file(f)
+            return sha256_of(f)
     except FileNotFoundError:
         raise TraceInputError("no such file", path) from None
     except OSError as e:
@@ -245,7 +193,7 @@ def hash_later(f: Any, path: Path) -> Future[str]:
     def run() -> None:
         try:
             with f:
-                fut.set_result(_hash_file(f))
+                fut.set_result(sha256_of(f))
         except OSError as e:
             fut.set_exception(TraceInputError(f"cannot read file: {e.strerror or e}", path))
 
