@@ -154,6 +154,11 @@ def test_without_the_cache_the_hash_runs_after_the_scan_and_is_the_files(tmp_pat
     path.rename(tmp_path / "moved.trace.json")
     path.write_bytes(b"{}")
     assert real_later(f, path).result() == want and f.closed
+    # a read that fails is said where the digest is asked for, never waited on for ever
+    f = path.open("rb")
+    f.close()
+    with pytest.raises(ValueError, match="closed file"):
+        real_later(f, path).result(timeout=30)
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096, 10_000, 65_537, 300_001])

@@ -196,6 +196,8 @@ def hash_later(f: Any, path: Path) -> Future[str]:
                 fut.set_result(sha256_of(f))
         except OSError as e:
             fut.set_exception(TraceInputError(f"cannot read file: {e.strerror or e}", path))
+        except BaseException as e:  # any other failure too: a future never set would leave its reader waiting
+            fut.set_exception(e)
 
     threading.Thread(target=run, name="traceinspect-sha256", daemon=True).start()
     return fut
